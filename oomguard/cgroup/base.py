@@ -1,0 +1,79 @@
+"""What every memory cgroup looks like to oomguard, whatever the cgroup version."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading of a memory cgroup."""
+
+    usage_bytes: int  # includes page cache
+    limit_bytes: int | None  # None: unlimited
+    anon_bytes: int  # resident anonymous memory (what a checkpoint frees)
+    file_bytes: int  # page cache
+    oom_kills: int  # kernel OOM kills counted for this cgroup
+    under_oom: bool
+
+    @property
+    def usage_fraction(self) -> float | None:
+        if not self.limit_bytes:
+            return None
+        return self.usage_bytes / self.limit_bytes
+
+    @property
+    def anon_fraction(self) -> float | None:
+        if not self.limit_bytes:
+            return None
+        return self.anon_bytes / self.limit_bytes
+
+
+class MemoryCgroup(Protocol):
+    """A memory cgroup: v1 (`memory` hierarchy) or v2 (unified, memory controller enabled)."""
+
+    version: int
+    path: Path  # directory in the cgroup filesystem
+    rel_path: str  # path inside its hierarchy, '/'-rooted (what /proc/PID/cgroup shows)
+
+    def exists(self) -> bool: ...
+
+    def snapshot(self) -> MemorySnapshot: ...
+
+    def limit(self) -> int | None: ...
+
+    def set_limit(self, limit_bytes: int | None) -> None: ...
+
+    def procs(self) -> list[int]: ...
+
+    def add_proc(self, pid: int) -> None: ...
+
+    def child(self, name: str) -> MemoryCgroup: ...
+
+    def create(self) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+def read_int_file(path: Path) -> int:
+    return int(path.read_text().strip())
+
+
+def parse_flat_keyed(text: str) -> dict[str, int]:
+    """'key value' lines (memory.stat, memory.events, memory.oom_control) -> dict."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if not key or not value:
+            continue
+        try:
+            values[key] = int(value.strip())
+        except ValueError:
+            continue
+    return values
+
+
+def parse_procs(text: str) -> list[int]:
+    return [int(line) for line in text.split()]

@@ -1,0 +1,140 @@
+"""cgroup v1 memory controller, read through cgroupspy's MemoryController.
+
+Also the v1 notification mechanism: eventfd thresholds on memory.usage_in_bytes and OOM
+notifications on memory.oom_control, both registered through cgroup.event_control
+(Documentation/admin-guide/cgroup-v1/memory.rst, sections 9 and 10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from pathlib import Path
+
+from cgroupspy.controllers import MemoryController
+
+from oomguard.cgroup.base import MemorySnapshot, parse_flat_keyed, parse_procs
+from oomguard.errors import CgroupGone
+
+# The kernel reports "no limit" as PAGE_COUNTER_MAX rounded to pages: anything this big is unlimited.
+V1_UNLIMITED_FLOOR = 1 << 62
+
+
+class _Node:
+    """The one attribute cgroupspy's controllers need from a tree node: its bytes path."""
+
+    def __init__(self, path: Path) -> None:
+        self.full_path = os.fsencode(path)
+
+
+class V1MemoryCgroup:
+    version = 1
+
+    def __init__(self, path: Path | str, mount: Path | str) -> None:
+        self.path = Path(path)
+        self.mount = Path(mount)
+        rel = self.path.relative_to(self.mount).as_posix()
+        self.rel_path = "/" if rel == "." else "/" + rel
+        self._ctl = MemoryController(_Node(self.path))
+
+    def __repr__(self) -> str:
+        return f"V1MemoryCgroup({str(self.path)!r})"
+
+    def exists(self) -> bool:
+        return (self.path / "memory.usage_in_bytes").exists()
+
+    def _read(self, name: str) -> str:
+        try:
+            return (self.path / name).read_text()
+        except FileNotFoundError as exc:
+            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+
+    def limit(self) -> int | None:
+        value = self._ctl.limit_in_bytes
+        if value is None:
+            raise CgroupGone(f"cgroup {self.path} is gone")
+        return None if value >= V1_UNLIMITED_FLOOR else int(value)
+
+    def usage(self) -> int:
+        value = self._ctl.usage_in_bytes
+        if value is None:
+            raise CgroupGone(f"cgroup {self.path} is gone")
+        return int(value)
+
+    def stat(self) -> dict[str, int]:
+        return parse_flat_keyed(self._read("memory.stat"))
+
+    def oom_control(self) -> dict[str, int]:
+        return parse_flat_keyed(self._read("memory.oom_control"))
+
+    def snapshot(self) -> MemorySnapshot:
+        usage = self.usage()
+        limit = self.limit()
+        stat = self.stat()
+        oom = self.oom_control()
+        return MemorySnapshot(
+            usage_bytes=usage,
+            limit_bytes=limit,
+            # total_* are hierarchical; rss includes transparent huge pages.
+            anon_bytes=stat.get("total_rss", stat.get("rss", 0)),
+            file_bytes=stat.get("total_cache", stat.get("cache", 0)),
+            oom_kills=oom.get("oom_kill", 0),
+            under_oom=bool(oom.get("under_oom", 0)),
+        )
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        value = "-1" if limit_bytes is None else str(limit_bytes)
+        try:
+            (self.path / "memory.limit_in_bytes").write_text(value)
+        except FileNotFoundError as exc:
+            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+
+    def procs(self) -> list[int]:
+        return parse_procs(self._read("cgroup.procs"))
+
+    def add_proc(self, pid: int) -> None:
+        try:
+            (self.path / "cgroup.procs").write_text(str(pid))
+        except FileNotFoundError as exc:
+            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+
+    def child(self, name: str) -> V1MemoryCgroup:
+        return V1MemoryCgroup(self.path / name, self.mount)
+
+    def create(self) -> None:
+        self.path.mkdir(exist_ok=True)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.rmdir()
+
+    # -- notifications ---------------------------------------------------------------------------
+
+    def register_threshold(self, threshold_bytes: int) -> int:
+        """An eventfd that becomes readable whenever usage crosses `threshold_bytes` either way."""
+        return self._register("memory.usage_in_bytes", str(threshold_bytes))
+
+    def register_oom(self) -> int:
+        """An eventfd that becomes readable when the cgroup enters an OOM episode."""
+        return self._register("memory.oom_control", None)
+
+    def _register(self, control_file: str, argument: str | None) -> int:
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            target = os.open(self.path / control_file, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            os.close(efd)
+            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+        try:
+            line = f"{efd} {target}" + (f" {argument}" if argument else "")
+            (self.path / "cgroup.event_control").write_text(line)
+        except OSError as exc:
+            os.close(efd)
+            if exc.errno == errno.ENOENT:
+                raise CgroupGone(f"cgroup {self.path} is gone") from exc
+            raise
+        finally:
+            # The kernel holds its own reference to the file once registered.
+            os.close(target)
+        return efd

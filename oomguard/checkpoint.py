@@ -1,0 +1,154 @@
+"""Freeze -> headroom -> dump -> durable -> free: one checkpoint of one process tree.
+
+On any failure the tree is thawed and keeps running (or, only if configured, killed), and the
+raised CheckpointFailed says which and why. A process is never left stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pwd
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.criu import Criu, format_version
+from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
+from oomguard.freezer import Freezer, kill_tree
+from oomguard.policy import ProcessTree, headroom_needed
+from oomguard.procfs import ProcReader
+from oomguard.store import CheckpointMeta, Store, new_id
+
+ON_FAILURE_THAW = "thaw"
+ON_FAILURE_KILL = "kill"
+
+
+@dataclass(frozen=True)
+class CheckpointTimings:
+    freeze_s: float
+    dump_s: float
+    commit_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    meta: CheckpointMeta
+    path: Path
+    timings: CheckpointTimings
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class Checkpointer:
+    def __init__(self, criu: Criu, store: Store, freezer: Freezer,
+                 proc: ProcReader | None = None, *, headroom: int = 64 << 20,
+                 freeze_timeout: float = 5.0, on_failure: str = ON_FAILURE_THAW,
+                 hook_dir: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.criu = criu
+        self.store = store
+        self.freezer = freezer
+        self.proc = proc or ProcReader()
+        self.headroom = headroom
+        self.freeze_timeout = freeze_timeout
+        self.on_failure = on_failure
+        self.hook_dir = hook_dir
+        self.clock = clock
+        self.wall_clock = wall_clock
+
+    def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
+                   on_frozen: Callable[[list[int], float], None] | None = None, *,
+                   headroom: int | None = None, on_failure: str | None = None,
+                   ) -> CheckpointResult:
+        """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
+        Raises ProcessGone if the tree vanished before it could be stopped."""
+        start = self.clock()
+        pids = self.freezer.freeze(tree.root.pid)
+        original_limit: int | None = None
+        raised = False
+        checkpoint_id = new_id(tree.root.pid, self.wall_clock())
+        began = False
+        try:
+            if cgroup is not None:
+                snap = cgroup.snapshot()
+                raised_limit = headroom_needed(
+                    snap, self.headroom if headroom is None else headroom)
+                if raised_limit is not None:
+                    original_limit = snap.limit_bytes
+                    cgroup.set_limit(raised_limit)
+                    raised = True
+            self.freezer.wait_frozen(pids, self.freeze_timeout)
+            frozen_at = self.clock()
+            if on_frozen is not None:
+                on_frozen(pids, frozen_at)
+            images = self.store.begin(checkpoint_id)
+            began = True
+            hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
+            self.criu.dump(tree.root.pid, images, hook)
+            # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
+            self._wait_dead(pids)
+            dumped_at = self.clock()
+            meta = self._meta(checkpoint_id, tree, cgroup, reason, dumped_at - frozen_at)
+            path = self.store.commit(meta)
+            done = self.clock()
+        except (CriuError, StoreError, OSError, CgroupGone) as exc:
+            if began:
+                self.store.abort(checkpoint_id)
+            outcome = self._fail(pids, on_failure or self.on_failure)
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}", outcome) from exc
+        finally:
+            if raised and cgroup is not None:
+                with contextlib.suppress(OSError, CgroupGone):
+                    cgroup.set_limit(original_limit)
+        timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
+                                    commit_s=done - dumped_at, total_s=done - start)
+        return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
+        deadline = self.clock() + timeout
+        for pid in pids:
+            while self.clock() < deadline:
+                try:
+                    if self.proc.state(pid) in "ZX":
+                        break
+                except ProcessGone:
+                    break
+                time.sleep(0.002)
+
+    def _fail(self, pids: list[int], on_failure: str) -> str:
+        """After a failed dump CRIU has resumed the tree (stopped, as it found it)."""
+        if on_failure == ON_FAILURE_KILL:
+            kill_tree(pids)
+            return "killed"
+        self.freezer.thaw(pids)
+        return "thawed"
+
+    def _meta(self, checkpoint_id: str, tree: ProcessTree, cgroup: MemoryCgroup | None,
+              reason: str, dump_seconds: float) -> CheckpointMeta:
+        root = tree.root
+        return CheckpointMeta(
+            id=checkpoint_id, pid=root.pid, pids=list(tree.pids), command=root.command,
+            comm=root.comm, uid=root.uid, user=user_name(root.uid),
+            cgroup=cgroup.rel_path if cgroup is not None else "",
+            cgroup_version=cgroup.version if cgroup is not None else 0,
+            rss_bytes=tree.rss_bytes, reason=reason,
+            criu_version=format_version(self.criu.version), created=self.wall_clock(),
+            pidns=root.is_pidns_init, dump_seconds=round(dump_seconds, 3),
+        )
+
+
+def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
+    """The tree rooted at `pid` (for `oomguard checkpoint PID`). Raises ProcessGone."""
+    members = proc.processes(proc.descendants(pid))
+    if not members or members[0].pid != pid:
+        raise ProcessGone(f"process {pid} is gone")
+    return ProcessTree(root=members[0], members=tuple(members))

@@ -1,0 +1,192 @@
+"""Configuration: TOML file or command-line flags -> validated, unit-converted dataclasses.
+
+Every problem is collected (file, key, reason) and raised at once as ConfigError.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
+from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.units import parse_duration, parse_fraction, parse_size
+
+DEFAULT_CONFIG_PATH = Path("/etc/oomguard/oomguard.toml")
+EMBEDDED_CONFIG = "<embedded default>"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CriuConfig:
+    binary: str = "auto"
+    ghost_limit: int = 64 << 20
+    timeout: float = 300.0
+    tcp_close: bool = True
+    cgroup_limit: int = 256 << 20  # CRIU's own memory cgroup bounds the images' page cache
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    cgroups: tuple[str, ...]
+    threshold: float = 0.85
+    headroom: int = 64 << 20
+    on_failure: str = ON_FAILURE_THAW
+    events: bool = True  # kernel notifications; False: poll only
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    source: str
+    store: Path = Path("/var/lib/oomguard")
+    poll_interval: float = 0.1
+    rescan_interval: float = 2.0
+    dry_run: bool = False
+    criu: CriuConfig = field(default_factory=CriuConfig)
+    guards: tuple[GuardConfig, ...] = ()
+
+
+class _Reader:
+    """Pulls typed values out of a TOML table, recording an issue instead of raising."""
+
+    def __init__(self, source: str, issues: list[ConfigIssue]) -> None:
+        self.source = source
+        self.issues = issues
+
+    def take(self, table: dict[str, Any], prefix: str, key: str, convert: Callable[[Any], T],
+             default: T) -> T:
+        if key not in table:
+            return default
+        try:
+            return convert(table.pop(key))
+        except (ValueError, TypeError) as exc:
+            self.issues.append(ConfigIssue(self.source, f"{prefix}{key}", str(exc)))
+            return default
+
+    def leftovers(self, table: dict[str, Any], prefix: str) -> None:
+        for key in table:
+            self.issues.append(ConfigIssue(self.source, f"{prefix}{key}", "unknown key"))
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _on_failure(value: Any) -> str:
+    if value not in (ON_FAILURE_THAW, ON_FAILURE_KILL):
+        raise ValueError(f"expected 'thaw' or 'kill', got {value!r}")
+    return str(value)
+
+
+def _cgroup_list(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(i, str) and i for i in items):
+        raise ValueError(f"expected a cgroup path or a list of them, got {value!r}")
+    for item in items:
+        if not item.startswith("/"):
+            raise ValueError(f"cgroup paths must be absolute, got {item!r}")
+    return tuple(items)
+
+
+def _table(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a table ([{what}]), got {type(value).__name__}")
+    return dict(value)
+
+
+def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
+    issues: list[ConfigIssue] = []
+    read = _Reader(source, issues)
+    data = dict(data)
+    empty: dict[str, Any] = {}
+    daemon = read.take(data, "", "daemon", lambda v: _table(v, "daemon"), empty)
+    criu_t = read.take(data, "", "criu", lambda v: _table(v, "criu"), dict(empty))
+    no_guards: list[dict[str, Any]] = []
+    guard_list = read.take(data, "", "guard", _guard_array, no_guards)
+    read.leftovers(data, "")
+
+    base = DaemonConfig(source=source)
+    store = read.take(daemon, "daemon.", "store", lambda v: Path(_str(v)), base.store)
+    poll = read.take(daemon, "daemon.", "poll_interval", parse_duration, base.poll_interval)
+    rescan = read.take(daemon, "daemon.", "rescan_interval", parse_duration, base.rescan_interval)
+    dry_run = read.take(daemon, "daemon.", "dry_run", _bool, base.dry_run)
+    read.leftovers(daemon, "daemon.")
+    if poll <= 0:
+        issues.append(ConfigIssue(source, "daemon.poll_interval", "must be above 0"))
+
+    c = CriuConfig()
+    criu = CriuConfig(
+        binary=read.take(criu_t, "criu.", "binary", _str, c.binary),
+        ghost_limit=read.take(criu_t, "criu.", "ghost_limit", parse_size, c.ghost_limit),
+        timeout=read.take(criu_t, "criu.", "timeout", parse_duration, c.timeout),
+        tcp_close=read.take(criu_t, "criu.", "tcp_close", _bool, c.tcp_close),
+        cgroup_limit=read.take(criu_t, "criu.", "cgroup_limit", parse_size, c.cgroup_limit),
+    )
+    read.leftovers(criu_t, "criu.")
+
+    guards = []
+    for index, raw in enumerate(guard_list):
+        prefix = f"guard[{index}]."
+        table = dict(raw)
+        if "cgroup" not in table and "cgroups" not in table:
+            issues.append(ConfigIssue(source, f"{prefix}cgroups", "missing: which cgroups to guard"))
+        none: tuple[str, ...] = ()
+        cgroups = read.take(table, prefix, "cgroup", _cgroup_list, none)
+        cgroups += read.take(table, prefix, "cgroups", _cgroup_list, none)
+        g = GuardConfig(cgroups=())
+        guards.append(GuardConfig(
+            cgroups=cgroups,
+            threshold=read.take(table, prefix, "threshold", parse_fraction, g.threshold),
+            headroom=read.take(table, prefix, "headroom", parse_size, g.headroom),
+            on_failure=read.take(table, prefix, "on_failure", _on_failure, g.on_failure),
+            events=read.take(table, prefix, "events", _bool, g.events),
+        ))
+        read.leftovers(table, prefix)
+
+    if issues:
+        raise ConfigError(issues)
+    return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
+                        dry_run=dry_run, criu=criu, guards=tuple(guards))
+
+
+def _guard_array(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError("expected [[guard]] tables")
+    return value
+
+
+def load_config(path: Path | str) -> DaemonConfig:
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError([ConfigIssue(source, "(file)", f"cannot read: {exc.strerror}")]) from exc
+    return load_config_text(text, source)
+
+
+def load_config_text(text: str, source: str) -> DaemonConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([ConfigIssue(source, "(syntax)", str(exc))]) from exc
+    return parse_config(data, source)
+
+
+def embedded_config_text() -> str:
+    return resources.files("oomguard").joinpath("data/oomguard.toml").read_text()
+
+
+def load_embedded_config() -> DaemonConfig:
+    return load_config_text(embedded_config_text(), EMBEDDED_CONFIG)

@@ -1,0 +1,196 @@
+"""CRIU as an actuator: locating a binary that works here, building argv, running dump/restore.
+
+CRIU never fsyncs its images and kills the tree right after a successful dump. Its post-dump
+action script is the commit point: oomguard's hook (oomguard/criu_hook.py) makes the images
+durable and drops their page cache there; if it fails, CRIU resumes the tree instead of killing it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oomguard.errors import CriuError
+from oomguard.runner import CommandRunner, SubprocessRunner
+
+CRIU_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/bin/criu")
+# CRIU <= 4.1 cannot dump TCP/UDP sockets on kernels >= 6.16, and 3.x fails on 6.18's vDSO.
+MIN_CRIU_VERSION = (4, 2)
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+HOOK_MODULE = Path(__file__).with_name("criu_hook.py")
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    """`criu --version` output ('Version: 4.2.1') -> (4, 2, 1)."""
+    match = re.search(r"^Version:\s*(\d+(?:\.\d+)*)", text, re.MULTILINE)
+    return tuple(int(x) for x in match.group(1).split(".")) if match else None
+
+
+def format_version(version: tuple[int, ...]) -> str:
+    return ".".join(str(x) for x in version)
+
+
+def log_tail(path: Path, lines: int = 12) -> str:
+    """The error lines of a CRIU log (or its last lines): what the event shows as the reason."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in text if "Error" in line and "RLIMIT_NOFILE" not in line]
+    return "\n".join((errors or text)[-lines:])
+
+
+@dataclass(frozen=True)
+class CriuOptions:
+    ghost_limit: int = 64 * 1024 * 1024  # deleted-but-open files (DataLoader batches in /dev/shm)
+    timeout: float = 300.0  # whole dump or restore
+    seize_timeout: int = 10  # CRIU's --timeout for collecting tasks
+    shell_job: bool = True  # victims are rarely session leaders
+    tcp_close: bool = True  # restore-later: peers time out anyway; no firewall rules left behind
+    ext_unix_sk: bool = True
+    file_locks: bool = True
+    log_level: int = 4
+    extra_dump_args: tuple[str, ...] = ()
+    extra_restore_args: tuple[str, ...] = ()
+
+
+def _common_args(opts: CriuOptions) -> list[str]:
+    args = [f"-v{opts.log_level}"]
+    if opts.shell_job:
+        args.append("--shell-job")
+    if opts.tcp_close:
+        args.append("--tcp-close")
+    if opts.ext_unix_sk:
+        args.append("--ext-unix-sk")
+    if opts.file_locks:
+        args.append("--file-locks")
+    return args
+
+
+def dump_argv(criu: str, pid: int, images_dir: Path, opts: CriuOptions,
+              action_script: Path | None) -> list[str]:
+    argv = [criu, "dump", "--tree", str(pid), "--images-dir", str(images_dir),
+            "--log-file", DUMP_LOG, "--ghost-limit", str(opts.ghost_limit),
+            "--timeout", str(opts.seize_timeout), *_common_args(opts)]
+    if action_script is not None:
+        argv += ["--action-script", str(action_script)]
+    return argv + list(opts.extra_dump_args)
+
+
+def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
+                 cgroup_root: str | None, work_dir: Path) -> list[str]:
+    """Restore detached (the tree survives CRIU and the CLI), optionally into another memory
+    cgroup: `--cgroup-root memory:/path` (v1) or `--cgroup-root /path` (v2)."""
+    argv = [criu, "restore", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
+            "--log-file", RESTORE_LOG, "--restore-detached", "--pidfile", str(pidfile),
+            *_common_args(opts)]
+    if cgroup_root is not None:
+        argv += ["--cgroup-root", cgroup_root]
+    return argv + list(opts.extra_restore_args)
+
+
+def hook_script_text(python: str) -> str:
+    return f'#!/bin/sh\nexec "{python}" -I "{HOOK_MODULE}"\n'
+
+
+@dataclass
+class Criu:
+    """A CRIU binary and how to run it. `cgroup_procs` confines CRIU (and so the page cache of
+    the images it writes) to a memory cgroup of its own instead of the guarded one."""
+
+    binary: str
+    version: tuple[int, ...]
+    runner: CommandRunner = field(default_factory=SubprocessRunner)
+    options: CriuOptions = field(default_factory=CriuOptions)
+    cgroup_procs: Path | None = None
+
+    def _wrap(self, argv: list[str]) -> list[str]:
+        if self.cgroup_procs is None:
+            return argv
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup_procs), *argv]
+
+    def install_hook(self, directory: Path) -> Path:
+        """Write the post-dump hook (an executable: CRIU execs it directly, no shell)."""
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = directory / "criu-post-dump"
+        text = hook_script_text(sys.executable)
+        if not path.exists() or path.read_text() != text:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.chmod(0o700)
+            tmp.replace(path)
+        return path
+
+    def dump(self, pid: int, images_dir: Path, hook: Path | None) -> None:
+        argv = dump_argv(self.binary, pid, images_dir, self.options, hook)
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
+        if result.timed_out:
+            raise CriuError(f"criu dump timed out after {self.options.timeout:.0f}s",
+                            log_tail(images_dir / DUMP_LOG))
+        if result.returncode != 0:
+            raise CriuError(f"criu dump exited with status {result.returncode}",
+                            log_tail(images_dir / DUMP_LOG) or result.stderr.strip()[-2000:])
+
+    def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None) -> int:
+        """Restore detached; returns the restored root's PID (host namespace)."""
+        pidfile = work_dir / "restore.pid"
+        pidfile.unlink(missing_ok=True)
+        argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir)
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
+        if result.timed_out or result.returncode != 0:
+            what = "timed out" if result.timed_out else f"exited with status {result.returncode}"
+            raise CriuError(f"criu restore {what}",
+                            log_tail(work_dir / RESTORE_LOG) or result.stderr.strip()[-2000:])
+        try:
+            return int(pidfile.read_text().strip())
+        except (OSError, ValueError) as exc:
+            raise CriuError("criu restore succeeded but wrote no pidfile") from exc
+
+    def check(self) -> tuple[bool, str]:
+        result = self.runner.run([self.binary, "check"], timeout=60)
+        text = (result.stdout + result.stderr).strip()
+        ok = result.returncode == 0 and "Looks good" in text
+        return ok, text.splitlines()[-1] if text else f"exit status {result.returncode}"
+
+
+def probe_version(binary: str, runner: CommandRunner) -> tuple[int, ...] | None:
+    try:
+        result = runner.run([binary, "--version"], timeout=10)
+    except OSError:
+        return None
+    return parse_version(result.stdout) if result.returncode == 0 else None
+
+
+def find_criu(configured: str | None = None, runner: CommandRunner | None = None,
+              minimum: tuple[int, ...] = MIN_CRIU_VERSION) -> tuple[str, tuple[int, ...]]:
+    """The first CRIU that is new enough: the configured path, $OOMGUARD_CRIU, then the places
+    scripts/setup and Debian install it, then $PATH. Raises CriuError saying what was found."""
+    runner = runner or SubprocessRunner()
+    if configured and configured != "auto":
+        candidates = [configured]
+    else:
+        env = os.environ.get("OOMGUARD_CRIU")
+        candidates = ([env] if env else []) + list(CRIU_CANDIDATES)
+        on_path = shutil.which("criu")
+        if on_path:
+            candidates.append(on_path)
+    seen = []
+    for candidate in dict.fromkeys(candidates):
+        if not os.access(candidate, os.X_OK):
+            continue
+        version = probe_version(candidate, runner)
+        if version is None:
+            seen.append(f"{candidate} (no version)")
+            continue
+        if version >= minimum:
+            return candidate, version
+        seen.append(f"{candidate} ({format_version(version)})")
+    found = ", ".join(seen) if seen else "none"
+    raise CriuError(f"no CRIU >= {format_version(minimum)} found (found: {found}); "
+                    "run scripts/setup to build one")
+

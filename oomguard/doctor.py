@@ -1,0 +1,79 @@
+"""`oomguard doctor`: is this machine ready? One pass/fail line per requirement, with a hint."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomguard.cgroup.mounts import read_layout
+from oomguard.criu import Criu, find_criu, format_version
+from oomguard.errors import CriuError
+from oomguard.store import Store
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    hint: str = ""
+    warn_only: bool = False  # informational: does not fail the doctor
+
+    def line(self) -> str:
+        mark = "PASS" if self.ok else ("WARN" if self.warn_only else "FAIL")
+        text = f"{mark}  {self.name}: {self.detail}"
+        return text + (f"\n      hint: {self.hint}" if self.hint and not self.ok else "")
+
+
+def parse_kernel_version(release: str) -> tuple[int, int]:
+    parts = release.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc") -> list[Check]:
+    checks = []
+    release = platform.release()
+    kernel = parse_kernel_version(release)
+    checks.append(Check("kernel", kernel >= (4, 20), release,
+                        "PSI needs >= 4.20; cgroup v2 memory.events oom_kill >= 4.13"))
+    layout = read_layout(proc_root)
+    mode_detail = {
+        "v1": f"cgroup v1, memory controller at {layout.memory_v1}",
+        "hybrid": f"hybrid: v1 memory controller at {layout.memory_v1}, "
+                  f"v2 tree at {layout.unified} without memory",
+        "v2": f"cgroup v2 at {layout.unified} with the memory controller",
+        "none": "no memory cgroup controller mounted",
+    }[layout.mode]
+    checks.append(Check("cgroups", layout.mode != "none", mode_detail,
+                        "mount the memory controller (v1) or enable it in cgroup v2"))
+    if layout.memory_version == 1 and layout.memory_v1 is not None:
+        ok = (layout.memory_v1 / "cgroup.event_control").exists()
+        checks.append(Check("detection", ok,
+                            "eventfd thresholds on memory.usage_in_bytes + memory.oom_control"
+                            if ok else "cgroup.event_control missing: polling only",
+                            "kernel built without CONFIG_MEMCG v1 events", warn_only=True))
+    psi = Path(proc_root) / "pressure" / "memory"
+    checks.append(Check("psi", psi.exists(),
+                        psi.read_text().splitlines()[0] if psi.exists() else "absent",
+                        "boot with psi=1 (CONFIG_PSI)", warn_only=True))
+    checks.append(Check("privileges", os.geteuid() == 0,
+                        "root" if os.geteuid() == 0 else f"uid {os.geteuid()}",
+                        "CRIU dump/restore and cgroup writes need root"))
+    try:
+        binary, version = find_criu(criu_binary)
+        criu = Criu(binary=binary, version=version)
+        ok, text = criu.check()
+        checks.append(Check("criu", True, f"{binary} version {format_version(version)}"))
+        checks.append(Check("criu check", ok, text, "see `criu check --all` for what is missing"))
+    except CriuError as exc:
+        checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
+    st = Store(store)
+    if store.exists():
+        mode = store.stat().st_mode & 0o777
+        checks.append(Check("store", mode & 0o077 == 0, f"{store} mode {mode:o}",
+                            f"chmod 700 {store}: images hold every secret of a process"))
+    else:
+        checks.append(Check("store", True, f"{st.root} (created on first checkpoint, mode 700)"))
+    return checks

@@ -1,0 +1,61 @@
+"""The exception tree. Library modules raise these; only the daemon and the CLI log."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class OomguardError(Exception):
+    """Base of every error oomguard raises on purpose."""
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a configuration: where it is and what is wrong."""
+
+    source: str
+    key: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.key}: {self.reason}"
+
+
+class ConfigError(OomguardError):
+    """A configuration (file or flags) is invalid. Carries every issue found, not just the first."""
+
+    def __init__(self, issues: list[ConfigIssue]) -> None:
+        self.issues = issues
+        super().__init__("\n".join(str(i) for i in issues))
+
+
+class CgroupGone(OomguardError):
+    """The cgroup disappeared while we were looking at it (routine, not a crash)."""
+
+
+class ProcessGone(OomguardError):
+    """The process exited while we were looking at it (routine, not a crash)."""
+
+
+class CriuError(OomguardError):
+    """CRIU failed; `log_tail` holds the last lines of its log, which say why."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        self.log_tail = log_tail
+        super().__init__(message if not log_tail else f"{message}\n{log_tail}")
+
+
+class CheckpointFailed(OomguardError):
+    """A checkpoint did not complete. `outcome` says what happened to the process."""
+
+    def __init__(self, message: str, outcome: str) -> None:
+        self.outcome = outcome
+        super().__init__(message)
+
+
+class RestoreFailed(OomguardError):
+    """A restore did not happen; the checkpoint is left intact."""
+
+
+class StoreError(OomguardError):
+    """The checkpoint store cannot do what was asked (unknown id, bad id, unwritable...)."""

@@ -1,0 +1,103 @@
+"""The policy: pure functions of a snapshot, the rule and the time. No I/O here."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from oomguard.cgroup.base import MemorySnapshot
+from oomguard.procfs import ProcessInfo
+
+
+class Verdict(enum.Enum):
+    IDLE = "idle"  # below the threshold: sleep until the kernel says otherwise
+    WATCH = "watch"  # usage above the threshold, but page cache, not resident memory: keep polling
+    ACT = "act"  # resident memory at the threshold (or the cgroup is in OOM): checkpoint now
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str
+
+
+def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
+    """Act when resident (anonymous) memory reaches `threshold` of the limit.
+
+    usage_in_bytes / memory.current include page cache, which the kernel reclaims before it
+    OOM-kills anything, so a crossing seen on usage is confirmed against anon memory.
+    """
+    limit = snapshot.limit_bytes
+    if limit is None:
+        return Decision(Verdict.IDLE, "no memory limit")
+    if snapshot.under_oom:
+        return Decision(Verdict.ACT, "cgroup is under OOM")
+    mark = threshold * limit
+    if snapshot.anon_bytes >= mark:
+        return Decision(
+            Verdict.ACT,
+            f"resident memory {snapshot.anon_bytes} >= {threshold:.0%} of limit {limit}",
+        )
+    if snapshot.usage_bytes >= mark:
+        return Decision(Verdict.WATCH, "usage above threshold, mostly page cache")
+    return Decision(Verdict.IDLE, "below threshold")
+
+
+@dataclass(frozen=True)
+class ProcessTree:
+    """A victim candidate: a process and its descendants inside the cgroup."""
+
+    root: ProcessInfo
+    members: tuple[ProcessInfo, ...]  # root first
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.members)
+
+    @property
+    def rss_bytes(self) -> int:
+        return sum(p.rss_bytes for p in self.members)
+
+
+def is_protected(proc: ProcessInfo, protected_pids: frozenset[int]) -> bool:
+    """Never a victim: PID 1, kernel threads, oomguard itself and its helpers (CRIU)."""
+    return proc.pid == 1 or proc.kernel_thread or proc.pid in protected_pids or proc.ppid == 2
+
+
+def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]) -> list[ProcessTree]:
+    """Group processes into trees. A tree is rooted at a process whose parent is outside the set,
+    protected, or which is the init of a nested PID namespace (so such a namespace is dumped whole
+    from its init, the way `oomguard exec` workloads restore robustly)."""
+    eligible = {p.pid: p for p in processes if not is_protected(p, protected_pids)}
+    children: dict[int, list[ProcessInfo]] = {}
+    roots = []
+    for proc in eligible.values():
+        if proc.ppid in eligible and not proc.is_pidns_init:
+            children.setdefault(proc.ppid, []).append(proc)
+        else:
+            roots.append(proc)
+    trees = []
+    for root in roots:
+        members = [root]
+        index = 0
+        while index < len(members):
+            members.extend(sorted(children.get(members[index].pid, []), key=lambda p: p.pid))
+            index += 1
+        trees.append(ProcessTree(root=root, members=tuple(members)))
+    return trees
+
+
+def rank_victims(trees: Iterable[ProcessTree]) -> list[ProcessTree]:
+    """Largest resident memory first; ties go to the newer tree (the one that just started)."""
+    return sorted(trees, key=lambda t: (-t.rss_bytes, -t.root.starttime, t.root.pid))
+
+
+def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:
+    """The raised limit that gives the frozen tree `headroom` bytes to be seized and dumped
+    (a task stuck at the limit cannot be; the parasite charges memory to the victim), or None."""
+    if snapshot.limit_bytes is None:
+        return None
+    if snapshot.limit_bytes - snapshot.usage_bytes >= headroom:
+        return None
+    return snapshot.usage_bytes + headroom

@@ -1,0 +1,201 @@
+"""Process sensor: /proc parsed into frozen dataclasses.
+
+Parsers take text (tested on real kernel lines and hostile names); `ProcReader` is the thin layer
+that reads files under an injectable /proc root.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomguard.errors import ProcessGone
+
+PF_KTHREAD = 0x00200000  # include/linux/sched.h
+
+
+@dataclass(frozen=True)
+class StatFields:
+    """The fields of /proc/PID/stat that oomguard uses."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    flags: int
+    starttime: int  # clock ticks since boot: with pid, identifies a process across PID reuse
+
+
+@dataclass(frozen=True)
+class StatusFields:
+    """The fields of /proc/PID/status that oomguard uses."""
+
+    uid: int
+    rss_bytes: int
+    nspid: tuple[int, ...]  # PID in each nested PID namespace, outermost first
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    ppid: int
+    comm: str
+    state: str
+    uid: int
+    rss_bytes: int
+    starttime: int
+    session: int
+    cmdline: tuple[str, ...]
+    kernel_thread: bool
+    nspid: tuple[int, ...]
+
+    @property
+    def is_pidns_init(self) -> bool:
+        """PID 1 of a nested PID namespace (what `oomguard exec` starts)."""
+        return len(self.nspid) > 1 and self.nspid[-1] == 1
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+
+def parse_stat(text: str) -> StatFields:
+    """Parse /proc/PID/stat. The comm field may hold spaces and parentheses: split on the last ')'."""
+    try:
+        head, _, tail = text.rpartition(")")
+        pid_text, _, comm = head.partition(" (")
+        fields = tail.split()
+        return StatFields(
+            pid=int(pid_text),
+            comm=comm,
+            state=fields[0],
+            ppid=int(fields[1]),
+            pgrp=int(fields[2]),
+            session=int(fields[3]),
+            flags=int(fields[6]),
+            starttime=int(fields[19]),
+        )
+    except (IndexError, ValueError) as exc:
+        raise ValueError(f"malformed /proc/PID/stat line: {text[:120]!r}") from exc
+
+
+def parse_status(text: str) -> StatusFields:
+    """Parse /proc/PID/status (VmRSS is absent for kernel threads and zombies: 0)."""
+    uid = -1
+    rss_kib = 0
+    nspid: tuple[int, ...] = ()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "Uid":
+            uid = int(value.split()[0])
+        elif key == "VmRSS":
+            rss_kib = int(value.split()[0])
+        elif key == "NSpid":
+            nspid = tuple(int(v) for v in value.split())
+    if uid < 0:
+        raise ValueError("malformed /proc/PID/status: no Uid line")
+    return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid)
+
+
+def parse_cmdline(raw: bytes) -> tuple[str, ...]:
+    """NUL-separated argv; any bytes (newlines, invalid UTF-8) survive as escaped text."""
+    if not raw:
+        return ()
+    return tuple(arg.decode("utf-8", "backslashreplace") for arg in raw.rstrip(b"\0").split(b"\0"))
+
+
+class ProcReader:
+    """Reads processes from a /proc tree (root injectable for tests)."""
+
+    def __init__(self, proc_root: Path | str = "/proc") -> None:
+        self.root = Path(proc_root)
+
+    def process(self, pid: int) -> ProcessInfo:
+        base = self.root / str(pid)
+        try:
+            stat = parse_stat((base / "stat").read_text(errors="backslashreplace"))
+            status = parse_status((base / "status").read_text(errors="backslashreplace"))
+            cmdline = parse_cmdline((base / "cmdline").read_bytes())
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+        return ProcessInfo(
+            pid=stat.pid,
+            ppid=stat.ppid,
+            comm=stat.comm,
+            state=stat.state,
+            uid=status.uid,
+            rss_bytes=status.rss_bytes,
+            starttime=stat.starttime,
+            session=stat.session,
+            cmdline=cmdline,
+            kernel_thread=bool(stat.flags & PF_KTHREAD),
+            nspid=status.nspid or (stat.pid,),
+        )
+
+    def processes(self, pids: list[int]) -> list[ProcessInfo]:
+        """Those of `pids` that still exist (vanishing ones are routine and skipped)."""
+        found = []
+        for pid in pids:
+            try:
+                found.append(self.process(pid))
+            except ProcessGone:
+                continue
+        return found
+
+    def state(self, pid: int) -> str:
+        try:
+            return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).state
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
+    def exists(self, pid: int) -> bool:
+        return (self.root / str(pid)).exists()
+
+    def children_of(self, pid: int) -> list[int]:
+        """Direct children (all threads' children), from /proc/PID/task/*/children."""
+        kids: list[int] = []
+        try:
+            for task in os.listdir(self.root / str(pid) / "task"):
+                try:
+                    text = (self.root / str(pid) / "task" / task / "children").read_text()
+                except FileNotFoundError:
+                    continue
+                kids.extend(int(k) for k in text.split())
+        except FileNotFoundError:
+            return []
+        return kids
+
+    def descendants(self, pid: int) -> list[int]:
+        """pid and all its descendants, parents before children."""
+        order = [pid]
+        index = 0
+        while index < len(order):
+            order.extend(k for k in self.children_of(order[index]) if k not in order)
+            index += 1
+        return order
+
+    def memory_cgroup(self, pid: int) -> str | None:
+        """The v1 memory cgroup path (or the v2 path when there is no v1 memory line)."""
+        try:
+            text = (self.root / str(pid) / "cgroup").read_text()
+        except FileNotFoundError as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+        return parse_memory_cgroup(text)
+
+
+def parse_memory_cgroup(text: str) -> str | None:
+    """From /proc/PID/cgroup: the v1 `memory` hierarchy's path, else the v2 ('0::') path."""
+    unified = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier_id, controllers, path = parts
+        if "memory" in controllers.split(","):
+            return path
+        if hier_id == "0" and controllers == "":
+            unified = path
+    return unified

@@ -1,0 +1,122 @@
+"""Bringing a checkpoint back: checks first (PIDs free, room in the target cgroup), then CRIU
+restore detached in its own session, then SIGCONT (trees are dumped stopped)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.criu import Criu
+from oomguard.errors import CgroupGone, CriuError, RestoreFailed
+from oomguard.freezer import Freezer
+from oomguard.procfs import ProcReader
+from oomguard.store import IMAGES, CheckpointMeta, Store
+
+RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    meta: CheckpointMeta
+    pid: int
+    seconds: float
+
+
+def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
+    """Bytes of memory the restored tree will hold (CRIU's pages-*.img)."""
+    images = store.images_of(checkpoint_id)
+    return sum(p.stat().st_size for p in images.glob("pages-*.img"))
+
+
+def cgroup_root_arg(cgroup: MemoryCgroup) -> str:
+    """CRIU's --cgroup-root for the memory controller (v1 names it; v2 has one hierarchy)."""
+    return f"memory:{cgroup.rel_path}" if cgroup.version == 1 else cgroup.rel_path
+
+
+class Restorer:
+    def __init__(self, criu: Criu, store: Store, freezer: Freezer,
+                 proc: ProcReader | None = None, *, pid_wait: float = 3.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.criu = criu
+        self.store = store
+        self.freezer = freezer
+        self.proc = proc or ProcReader()
+        self.pid_wait = pid_wait
+        self.clock = clock
+        self.wall_clock = wall_clock
+
+    def taken_pids(self, meta: CheckpointMeta) -> list[int]:
+        """PIDs CRIU needs that are in use. A tree in its own PID namespace needs none."""
+        if meta.pidns:
+            return []
+        deadline = self.clock() + self.pid_wait
+        while True:
+            # Dumped tasks stay zombies until their parent reaps them: give that a moment.
+            taken = [pid for pid in meta.pids if self.proc.exists(pid)]
+            if not taken or self.clock() >= deadline:
+                return taken
+            time.sleep(0.05)
+
+    def check(self, meta: CheckpointMeta, target: MemoryCgroup | None, force: bool) -> None:
+        if meta.state == "restored" and not force:
+            raise RestoreFailed(
+                f"checkpoint {meta.id} was already restored (pid {meta.restored_pid}); "
+                "restoring it twice runs the process twice: pass --force if you mean it")
+        taken = self.taken_pids(meta)
+        if taken:
+            who = []
+            for pid in taken:
+                try:
+                    info = self.proc.process(pid)
+                    who.append(f"{pid} ({info.comm}, state {info.state})")
+                except Exception:
+                    who.append(str(pid))
+            raise RestoreFailed(
+                f"cannot restore {meta.id}: CRIU restores the original PIDs and "
+                f"{', '.join(who)} {'is' if len(who) == 1 else 'are'} in use "
+                "(a zombie must first be reaped by its parent). Workloads started with "
+                "`oomguard exec -- CMD` run in their own PID namespace and always restore.")
+        if target is not None:
+            self._check_room(meta, target, force)
+
+    def _check_room(self, meta: CheckpointMeta, target: MemoryCgroup, force: bool) -> None:
+        try:
+            snap = target.snapshot()
+        except CgroupGone:
+            raise RestoreFailed(f"target cgroup {target.path} does not exist") from None
+        if snap.limit_bytes is None or force:
+            return
+        need = memory_pages_bytes(self.store, meta.id) + RESTORE_MARGIN
+        free = snap.limit_bytes - snap.usage_bytes
+        if free < need:
+            raise RestoreFailed(
+                f"target cgroup {target.path} has {free >> 20} MiB free under its limit but the "
+                f"checkpoint needs {need >> 20} MiB: the kernel would OOM-kill it during restore. "
+                "Raise the limit, restore with --cgroup into a bigger one, or pass --force")
+
+    def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
+                original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
+        """Restore into `target` (or the original cgroup, `original` being it when it exists)."""
+        meta = self.store.get(checkpoint_id)
+        self.check(meta, target or original, force)
+        start = self.clock()
+        images = self.store.path_of(checkpoint_id) / IMAGES
+        work_dir = self.store.path_of(checkpoint_id)
+        try:
+            pid = self.criu.restore(images, work_dir,
+                                    cgroup_root_arg(target) if target is not None else None)
+        except CriuError as exc:
+            raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
+                                f"intact: {exc}") from exc
+        self.freezer.thaw(self.proc.descendants(pid))
+        seconds = self.clock() - start
+        meta.state = "restored"
+        meta.restored_at = self.wall_clock()
+        meta.restored_pid = pid
+        into = target or original
+        meta.restored_cgroup = into.rel_path if into is not None else None
+        self.store.update(meta)
+        return RestoreResult(meta=meta, pid=pid, seconds=seconds)

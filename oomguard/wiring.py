@@ -1,0 +1,73 @@
+"""Production wiring: the real CRIU in its own memory cgroup, the store, the freezer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import replace
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
+from oomguard.checkpoint import ON_FAILURE_THAW, Checkpointer
+from oomguard.config import CriuConfig, DaemonConfig
+from oomguard.criu import Criu, CriuOptions, find_criu
+from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.freezer import SigstopFreezer
+from oomguard.procfs import ProcReader
+from oomguard.restore import Restorer
+from oomguard.store import Store
+
+CRIU_CGROUP_NAME = "oomguard-criu"
+
+
+def own_memory_cgroup(layout: CgroupLayout, proc: ProcReader) -> MemoryCgroup | None:
+    try:
+        rel = proc.memory_cgroup(os.getpid())
+    except ProcessGone:
+        return None
+    if rel is None or layout.memory_mount is None:
+        return None
+    return open_cgroup(rel, layout)
+
+
+def criu_cgroup(layout: CgroupLayout, proc: ProcReader, limit: int) -> MemoryCgroup | None:
+    """A memory cgroup for CRIU beneath our own: the images' page cache is charged there, not to
+    the guarded cgroup (and not to ours). None where it cannot be made (then CRIU runs in ours)."""
+    parent = own_memory_cgroup(layout, proc)
+    if parent is None:
+        return None
+    child = parent.child(CRIU_CGROUP_NAME)
+    try:
+        child.create()
+        child.set_limit(limit)
+    except (OSError, CgroupGone):
+        return None
+    return child
+
+
+def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader) -> Criu:
+    binary, version = find_criu(criu_config.binary)
+    options = replace(CriuOptions(), ghost_limit=criu_config.ghost_limit,
+                      timeout=criu_config.timeout, tcp_close=criu_config.tcp_close)
+    confine = criu_cgroup(layout, proc, criu_config.cgroup_limit)
+    return Criu(binary=binary, version=version, options=options,
+                cgroup_procs=confine.path / "cgroup.procs" if confine is not None else None)
+
+
+def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
+                       on_failure: str = ON_FAILURE_THAW) -> Checkpointer:
+    proc = proc or ProcReader()
+    return Checkpointer(criu, Store(config.store), SigstopFreezer(proc), proc,
+                        on_failure=on_failure)
+
+
+def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None) -> Restorer:
+    proc = proc or ProcReader()
+    return Restorer(criu, Store(config.store), SigstopFreezer(proc), proc)
+
+
+def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
+    parent = own_memory_cgroup(layout, proc)
+    if parent is not None:
+        with contextlib.suppress(OSError):
+            parent.child(CRIU_CGROUP_NAME).remove()
