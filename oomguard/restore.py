@@ -3,12 +3,14 @@ restore detached in its own session, then SIGCONT (trees are dumped stopped)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
+from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, RestoreFailed
 from oomguard.freezer import Freezer
 from oomguard.procfs import ProcReader
@@ -113,6 +115,9 @@ class Restorer:
                                 f"intact: {exc}") from exc
         self.freezer.thaw(self.proc.descendants(pid))
         seconds = self.clock() - start
+        # Reading the images charged their page cache to the target cgroup: give it back.
+        with contextlib.suppress(OSError):
+            sync_and_drop(str(images))
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid

@@ -22,10 +22,12 @@ wait_for() {
 }
 
 # start_in CGROUP_DIR CMD...: run CMD in the background as a member of CGROUP_DIR, stdio to
-# /dev/null; sets $started_pid.
+# /dev/null and no other inherited fds (CRIU cannot dump the guest's virtio-serial console fds);
+# sets $started_pid.
 start_in() {
   local dir=$1; shift
-  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$dir" "$@" </dev/null >/dev/null 2>&1 &
+  sh -c 'echo $$ > "$0/cgroup.procs" && exec "$@"' "$dir" "$@" \
+    </dev/null >/dev/null 2>&1 3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&- &
   started_pid=$!
 }
 
@@ -106,7 +108,7 @@ if [ ! -x "$CRIU" ]; then
   skip "criu dump/restore in a v2 cgroup" "$CRIU not present"
 else
   if out=$("$CRIU" check 2>&1); then
-    pass "criu check ($("$CRIU" --version | sed -n 's/^Version: *//p'): $(echo "$out" | tail -n1)"
+    pass "criu check ($("$CRIU" --version | sed -n "s/^Version: *//p")): $(echo "$out" | tail -n1)"
   else
     fail "criu check" "$(echo "$out" | tail -n3 | tr '\n' ' ')"
   fi
@@ -123,7 +125,7 @@ else
   criu_fail() {
     fail "criu dump/restore in a v2 cgroup" "$1"
     for f in "$IMG"/dump.log "$IMG"/restore.log; do
-      [ -f "$f" ] && { echo "--- tail $f"; tail -n 15 "$f"; }
+      [ -f "$f" ] && { echo "--- errors and tail of $f"; grep -E "Error|Warn" "$f" | head -n 20; tail -n 5 "$f"; }
     done
   }
   if ! mkdir "$C3" 2>/dev/null || ! echo 256M > "$C3/memory.max"; then
@@ -148,8 +150,13 @@ else
         criu_fail "restored process is not appending (log stuck at $n_dump lines)"
       else
         cgline=$(cat /proc/"$pid"/cgroup 2>/dev/null)
-        if [ "$cgline" = "0::/vmlane-smoke-criu" ]; then
-          pass "criu dump+restore of pid $pid in $C3: log $n_dump -> $(lines) lines, still in ${cgline#0::}"
+        # The counter lives in the restored shell's memory: it must go on from where it was.
+        sleep 0.5
+        seq_ok=$(awk '$1 != NR {bad=1} END {print bad ? "no" : "yes"}' "$LOG")
+        if [ "$seq_ok" != yes ]; then
+          criu_fail "counter did not continue after restore: $(tail -n 4 "$LOG" | tr '\n' ' ')"
+        elif [ "$cgline" = "0::/vmlane-smoke-criu" ]; then
+          pass "criu dump+restore of pid $pid in $C3: counter $n_dump -> $(tail -n1 "$LOG") continued, still in ${cgline#0::}"
         else
           criu_fail "restored process cgroup is '${cgline:-gone}', want 0::/vmlane-smoke-criu"
         fi

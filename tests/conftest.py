@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from oomguard.criu import find_criu
+from oomguard.errors import CriuError
+from tests.helpers import CgroupFactory, own_v1_memory_cgroup
+
+
+def _integration_skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    if own_v1_memory_cgroup() is None:
+        return "no cgroup v1 memory controller on this host (the v2 lane covers v2)"
+    try:
+        find_criu()
+    except CriuError as exc:
+        return str(exc)
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) missing"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reason = _integration_skip_reason()
+    if reason is None:
+        return
+    for item in items:
+        if "integration" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def cgroups(request: pytest.FixtureRequest) -> Iterator[CgroupFactory]:
+    parent = own_v1_memory_cgroup()
+    assert parent is not None
+    tag = f"{os.getpid()}-{request.node.name[:40]}".replace("[", "-").replace("]", "")
+    made = CgroupFactory(parent=parent, tag=tag)
+    try:
+        yield made
+    finally:
+        made.cleanup()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"

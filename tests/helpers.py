@@ -1,0 +1,194 @@
+"""Shared helpers for the real-kernel tests: cgroups beneath our own, hogs, the daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomguard.cgroup.mounts import read_layout
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.procfs import ProcReader, parse_memory_cgroup
+
+REPO = Path(__file__).resolve().parents[1]
+HOG = REPO / "tests" / "workloads" / "hog.py"
+MiB = 1 << 20
+
+
+def own_v1_memory_cgroup() -> V1MemoryCgroup | None:
+    """This process's v1 memory cgroup: the only place tests may create cgroups."""
+    layout = read_layout()
+    if layout.memory_v1 is None:
+        return None
+    rel = parse_memory_cgroup(Path("/proc/self/cgroup").read_text()) or "/"
+    return V1MemoryCgroup(layout.memory_v1 / rel.lstrip("/"), layout.memory_v1)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
+
+
+def kill_pid(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def proc_state(pid: int) -> str | None:
+    try:
+        return ProcReader().state(pid)
+    except Exception:  # noqa: BLE001 - gone
+        return None
+
+
+def read_counts(log: Path) -> list[int]:
+    """The counts a hog wrote (first field of each line; 'done' lines excluded)."""
+    if not log.exists():
+        return []
+    counts = []
+    for line in log.read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if head.isdigit():
+            counts.append(int(head))
+    return counts
+
+
+def last_count(log: Path) -> int:
+    counts = read_counts(log)
+    return counts[-1] if counts else 0
+
+
+@dataclass
+class CgroupFactory:
+    """Creates memory cgroups beneath the test's own; removes them (and kills what is left in
+    them: only processes these tests started or restored) afterwards."""
+
+    parent: V1MemoryCgroup
+    tag: str
+    created: list[V1MemoryCgroup] = field(default_factory=list)
+
+    def make(self, name: str, limit: int | None) -> V1MemoryCgroup:
+        cg = self.parent.child(f"oomguard-test-{self.tag}-{name}")
+        cg.create()
+        if limit is not None:
+            cg.set_limit(limit)
+        self.created.append(cg)
+        return cg
+
+    def cleanup(self) -> None:
+        for cg in reversed(self.created):
+            for _ in range(100):
+                try:
+                    pids = cg.procs()
+                except Exception:  # noqa: BLE001 - already gone
+                    break
+                if not pids:
+                    break
+                for pid in pids:
+                    kill_pid(pid)
+                time.sleep(0.05)
+            for _ in range(50):
+                try:
+                    cg.path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def start_in_cgroup(cgroup: V1MemoryCgroup | None, argv: list[str], *,
+                    log: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start argv inside `cgroup` (the shell moves itself in, then execs), stdio off pipes:
+    a pipe to a reader outside the tree would not survive a checkpoint."""
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    if cgroup is None:
+        full = argv
+    else:
+        full = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),
+                *argv]
+    try:
+        return subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+    finally:
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def hog_argv(log: Path, *, target: int, rate: float, count: int, tick: float = 0.02,
+             children: int = 0, chunk: int = 4) -> list[str]:
+    return [sys.executable, str(HOG), "--log", str(log), "--target", str(target), "--rate",
+            str(rate), "--count", str(count), "--tick", str(tick), "--children", str(children),
+            "--chunk", str(chunk)]
+
+
+def oomguard_argv(store: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "oomguard", "--store", str(store), "--log-format", "json", *args]
+
+
+def run_oomguard(store: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(oomguard_argv(store, *args), capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL)
+
+
+def parse_events(text: str) -> list[dict[str, Any]]:
+    events = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    return events
+
+
+class DaemonProcess:
+    """`oomguard run` as a real process, its JSON log in a file."""
+
+    def __init__(self, store: Path, log: Path, *args: str) -> None:
+        self.log = log
+        self.handle = subprocess.Popen(oomguard_argv(store, "run", *args), cwd=REPO,
+                                       stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
+                                       stderr=subprocess.STDOUT)
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        found = parse_events(self.log.read_text()) if self.log.exists() else []
+        return [e for e in found if name is None or e.get("event") == name]
+
+    def wait_event(self, name: str, timeout: float = 30, count: int = 1) -> list[dict[str, Any]]:
+        found = wait_until(lambda: len(self.events(name)) >= count and self.events(name), timeout)
+        if not found or len(found) < count:
+            raise AssertionError(f"no {name!r} event within {timeout}s; log:\n"
+                                 f"{self.log.read_text()[-4000:]}")
+        return list(found)
+
+    def stop(self) -> int:
+        if self.handle.poll() is None:
+            self.handle.send_signal(signal.SIGTERM)
+            try:
+                return self.handle.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.handle.kill()
+                return self.handle.wait()
+        return self.handle.returncode
+
+
+@contextlib.contextmanager
+def daemon(store: Path, log: Path, *args: str) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(store, log, *args)
+    try:
+        yield proc
+    finally:
+        proc.stop()
