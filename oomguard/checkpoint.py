@@ -17,12 +17,14 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.freezer import Freezer, kill_tree
+from oomguard.ledger import FrozenLedger
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.store import CheckpointMeta, Store, new_id
 
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
+FROZEN_LEDGER = ".frozen.json"
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Checkpointer:
     def __init__(self, criu: Criu, store: Store, freezer: Freezer,
                  proc: ProcReader | None = None, *, headroom: int = 64 << 20,
                  freeze_timeout: float = 5.0, on_failure: str = ON_FAILURE_THAW,
-                 hook_dir: Path | None = None,
+                 hook_dir: Path | None = None, ledger: FrozenLedger | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.criu = criu
@@ -62,6 +64,7 @@ class Checkpointer:
         self.freeze_timeout = freeze_timeout
         self.on_failure = on_failure
         self.hook_dir = hook_dir
+        self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -72,7 +75,15 @@ class Checkpointer:
         """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
         Raises ProcessGone if the tree vanished before it could be stopped."""
         start = self.clock()
-        pids = self.freezer.freeze(tree.root.pid)
+        # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
+        self.store.ensure()
+        self.ledger.record(list(tree.pids))
+        try:
+            pids = self.freezer.freeze(tree.root.pid)
+        except ProcessGone:
+            self.ledger.clear(list(tree.pids))
+            raise
+        self.ledger.record(pids)
         original_limit: int | None = None
         raised = False
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
@@ -109,6 +120,8 @@ class Checkpointer:
             if raised and cgroup is not None:
                 with contextlib.suppress(OSError, CgroupGone):
                     cgroup.set_limit(original_limit)
+            with contextlib.suppress(OSError):
+                self.ledger.clear(pids + list(tree.pids))
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)

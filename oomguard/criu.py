@@ -95,7 +95,9 @@ def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
 
 
 def hook_script_text(python: str) -> str:
-    return f'#!/bin/sh\nexec "{python}" -I "{HOOK_MODULE}"\n'
+    # Only post-dump has work to do: skip starting Python for the other actions.
+    return (f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+            f'exec "{python}" -I "{HOOK_MODULE}"\n')
 
 
 @dataclass

@@ -70,6 +70,10 @@ class Daemon:
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
+        thawed = self.checkpointer.ledger.recover()
+        if thawed:
+            self.log.warning("victim.thawed_after_crash", pids=thawed,
+                             explanation="a previous run stopped these and did not finish")
         for spec in self.config.guards:
             for path in spec.cgroups:
                 cgroup = open_cgroup(path, self.layout)

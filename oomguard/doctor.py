@@ -7,10 +7,13 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from oomguard.cgroup.mounts import read_layout
 from oomguard.criu import Criu, find_criu, format_version
 from oomguard.errors import CriuError
 from oomguard.store import Store
+from oomguard.units import format_size
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,11 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc")
     checks.append(Check("psi", psi.exists(),
                         psi.read_text().splitlines()[0] if psi.exists() else "absent",
                         "boot with psi=1 (CONFIG_PSI)", warn_only=True))
+    memory = psutil.virtual_memory()
+    swap = psutil.swap_memory()
+    checks.append(Check("memory", True, f"{format_size(memory.total)} total, "
+                        f"{format_size(memory.available)} available, "
+                        f"swap {format_size(swap.total)}"))
     checks.append(Check("privileges", os.geteuid() == 0,
                         "root" if os.geteuid() == 0 else f"uid {os.geteuid()}",
                         "CRIU dump/restore and cgroup writes need root"))

@@ -1,0 +1,78 @@
+"""A durable record of the trees oomguard has stopped, so a crash never leaves one frozen.
+
+Written (fsync'd) before SIGSTOP, cleared when the tree is dumped, thawed or killed. On start the
+daemon thaws whatever is still recorded, after checking each PID still names the same process
+(its start time), so a reused PID is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomguard.errors import ProcessGone
+from oomguard.procfs import ProcReader
+
+
+@dataclass(frozen=True)
+class FrozenEntry:
+    pid: int
+    starttime: int
+
+
+class FrozenLedger:
+    def __init__(self, path: Path, proc: ProcReader | None = None) -> None:
+        self.path = path
+        self.proc = proc or ProcReader()
+
+    def _load(self) -> list[FrozenEntry]:
+        try:
+            data = json.loads(self.path.read_text())
+            return [FrozenEntry(int(e["pid"]), int(e["starttime"])) for e in data]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
+    def _save(self, entries: list[FrozenEntry]) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps([e.__dict__ for e in entries]).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(self.path)
+
+    def record(self, pids: list[int]) -> None:
+        entries = self._load()
+        known = {e.pid for e in entries}
+        for pid in pids:
+            if pid in known:
+                continue
+            with contextlib.suppress(ProcessGone):
+                entries.append(FrozenEntry(pid, self.proc.process(pid).starttime))
+        self._save(entries)
+
+    def clear(self, pids: list[int]) -> None:
+        gone = set(pids)
+        self._save([e for e in self._load() if e.pid not in gone])
+
+    def recover(self) -> list[int]:
+        """SIGCONT every recorded task that still exists as the same process; returns them."""
+        thawed = []
+        for entry in self._load():
+            try:
+                info = self.proc.process(entry.pid)
+            except ProcessGone:
+                continue
+            if info.starttime != entry.starttime:
+                continue  # the PID was reused: not ours
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(entry.pid, signal.SIGCONT)
+                thawed.append(entry.pid)
+        self._save([])
+        return thawed
