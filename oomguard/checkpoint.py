@@ -25,6 +25,7 @@ from oomguard.store import CheckpointMeta, Store, new_id
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
 FROZEN_LEDGER = ".frozen.json"
+OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,12 @@ class Checkpointer:
         Raises ProcessGone if the tree vanished before it could be stopped."""
         start = self.clock()
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
-        self.store.ensure()
-        self.ledger.record(list(tree.pids))
+        try:
+            self.store.ensure()
+            self.ledger.record(list(tree.pids))
+        except (StoreError, OSError) as exc:
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
+                                   f"{exc}", OUTCOME_UNTOUCHED) from exc
         try:
             pids = self.freezer.freeze(tree.root.pid)
         except ProcessGone:

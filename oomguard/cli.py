@@ -205,7 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from oomguard.wiring import build_checkpointer, build_criu
+    from oomguard.wiring import build_checkpointer, build_criu, remove_criu_cgroup
 
     _need_root("oomguard checkpoint")
     config = _base_config(args)
@@ -222,6 +222,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     except CheckpointFailed as exc:
         log.error("checkpoint.failed", pid=args.pid, outcome=exc.outcome, error=str(exc))
         return EXIT_FAILED
+    finally:
+        remove_criu_cgroup(layout, proc)
     meta = result.meta
     log.info("checkpoint.done", id=meta.id, pid=meta.pid, image_bytes=meta.image_bytes,
              seconds=round(result.timings.total_s, 3))
@@ -255,7 +257,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from oomguard.wiring import build_criu, build_restorer
+    from oomguard.wiring import build_criu, build_restorer, remove_criu_cgroup
 
     _need_root("oomguard restore")
     config = _base_config(args)
@@ -285,6 +287,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except RestoreFailed as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
+    finally:
+        remove_criu_cgroup(layout, proc)
     log.info("restore.done", id=args.id, pid=result.pid, seconds=round(result.seconds, 3),
              cgroup=result.meta.restored_cgroup)
     print(result.pid)

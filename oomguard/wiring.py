@@ -36,7 +36,7 @@ def criu_cgroup(layout: CgroupLayout, proc: ProcReader, limit: int) -> MemoryCgr
     parent = own_memory_cgroup(layout, proc)
     if parent is None:
         return None
-    child = parent.child(CRIU_CGROUP_NAME)
+    child = parent.child(f"{CRIU_CGROUP_NAME}-{os.getpid()}")
     try:
         child.create()
         child.set_limit(limit)
@@ -70,4 +70,4 @@ def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
     parent = own_memory_cgroup(layout, proc)
     if parent is not None:
         with contextlib.suppress(OSError):
-            parent.child(CRIU_CGROUP_NAME).remove()
+            parent.child(f"{CRIU_CGROUP_NAME}-{os.getpid()}").remove()

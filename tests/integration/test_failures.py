@@ -4,6 +4,7 @@ configured, killed), and the event says which and why."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import stat
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def test_unwritable_store_leaves_the_process_running(
         assert wait_until(lambda: last_count(log) > 5, 10)
         result = run_oomguard(blocker / "store", "checkpoint", str(hog.pid))
         assert result.returncode == 1
-        assert "thawed" in result.stderr and "not-a-dir" in result.stderr
+        assert '"outcome": "untouched"' in result.stderr and "not-a-dir" in result.stderr
         mark = last_count(log)
         assert wait_until(lambda: last_count(log) > mark + 10, 10), "victim left stopped"
         assert hog.poll() is None
@@ -118,3 +119,28 @@ def test_restore_refuses_taken_pid_and_too_small_cgroup_then_works(
         assert wait_until(lambda: "done 400 ok" in log.read_text(), 30)
     finally:
         kill_pid(int(result.stdout.strip()))
+
+
+def test_full_store_disk_thaws_the_victim(cgroups: CgroupFactory, tmp_path: Path) -> None:
+    """The dump runs out of space half way (an 8 MiB tmpfs for a ~100 MiB image)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=700", "tmpfs", str(mount_point)],
+                   check=True)
+    cg = cgroups.make("full", None)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=96, rate=500, count=100_000))
+    try:
+        assert wait_until(lambda: last_count(log) > 30, 10)
+        result = run_oomguard(mount_point / "store", "checkpoint", str(hog.pid))
+        assert result.returncode == 1
+        assert '"outcome": "thawed"' in result.stderr
+        mark = last_count(log)
+        assert wait_until(lambda: last_count(log) > mark + 10, 10), "victim left stopped"
+        assert hog.poll() is None
+        store = Store(mount_point / "store")
+        assert not store.list() and not store.partials()
+    finally:
+        kill_pid(hog.pid)
+        hog.wait()
+        subprocess.run(["umount", str(mount_point)], check=False)

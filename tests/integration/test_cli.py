@@ -1,0 +1,127 @@
+"""The command line against a real store and the real CRIU: list/show/forget, permissions,
+bad input (exit 2, naming the key and the file), the daemon on the embedded default config."""
+
+from __future__ import annotations
+
+import json
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    MiB,
+    CgroupFactory,
+    DaemonProcess,
+    hog_argv,
+    last_count,
+    run_oomguard,
+    start_in_cgroup,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_list_show_forget_and_store_permissions(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("cli", None)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=32, rate=200, count=100_000))
+    try:
+        assert wait_until(lambda: last_count(log) > 10, 10)
+        result = run_oomguard(store, "checkpoint", str(hog.pid), "--reason", "test")
+        assert result.returncode == 0, result.stderr
+        checkpoint_id = result.stdout.strip()
+    finally:
+        hog.wait(timeout=10)
+    assert stat.S_IMODE(store.stat().st_mode) == 0o700
+    assert stat.S_IMODE((store / checkpoint_id).stat().st_mode) == 0o700
+
+    listed = run_oomguard(store, "list", "--json")
+    assert listed.returncode == 0
+    (entry,) = json.loads(listed.stdout)
+    assert entry["id"] == checkpoint_id and entry["pid"] == hog.pid
+    assert entry["reason"] == "test" and entry["state"] == "checkpointed"
+    assert entry["user"] == "root" and entry["cgroup"] == cg.rel_path
+    assert entry["image_bytes"] > 32 * MiB and entry["criu_version"].startswith("4.")
+    assert "hog.py" in entry["command"]
+
+    table = run_oomguard(store, "list")
+    assert checkpoint_id in table.stdout and "checkpointed" in table.stdout
+    shown = run_oomguard(store, "show", checkpoint_id)
+    assert json.loads(shown.stdout)["pids"] == [hog.pid]
+
+    assert run_oomguard(store, "forget", checkpoint_id).returncode == 0
+    assert not (store / checkpoint_id).exists()
+    again = run_oomguard(store, "show", checkpoint_id)
+    assert again.returncode == 1 and "no checkpoint" in again.stderr
+    bad = run_oomguard(store, "show", "../etc")
+    assert bad.returncode == 1 and "invalid checkpoint id" in bad.stderr
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["run", "--threshold", "150%"], "--threshold"),
+    (["run", "--poll-interval", "soon"], "--poll-interval"),
+    (["restore"], "id"),
+    (["checkpoint", "abc"], "invalid int"),
+    (["frobnicate"], "invalid choice"),
+    (["run", "--cgroup", "relative/path"], "--cgroup"),
+])
+def test_bad_arguments_exit_2(store: Path, args: list[str], expected: str) -> None:
+    result = run_oomguard(store, *args, timeout=30)
+    assert result.returncode == 2, result
+    assert expected in result.stderr
+
+
+def test_bad_config_file_names_file_and_every_key(store: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[daemon]\npoll_interval = "fast"\n\n[[guard]]\ncgroups = ["/x"]\n'
+                   'threshold = "150%"\nfrobnicate = 1\n')
+    for args in (["check-config", str(bad)], ["run", "--config", str(bad)]):
+        result = run_oomguard(store, *args, timeout=30)
+        assert result.returncode == 2
+        for key in ("daemon.poll_interval", "guard[0].threshold", "guard[0].frobnicate"):
+            assert f"{bad}: {key}:" in result.stderr, result.stderr
+    good = run_oomguard(store, "check-config", "config/oomguard.toml")
+    assert good.returncode == 0 and "OK" in good.stdout
+
+
+def test_doctor_passes_on_this_machine(store: Path) -> None:
+    result = run_oomguard(store, "doctor")
+    assert result.returncode == 0, result.stdout
+    for name in ("kernel", "cgroups", "criu", "criu check", "privileges"):
+        assert f"PASS  {name}:" in result.stdout
+    assert "Looks good" in result.stdout
+
+
+def test_daemon_on_embedded_default_config_idles_and_stops_cleanly(
+        store: Path, tmp_path: Path) -> None:
+    daemon = DaemonProcess(store, tmp_path / "daemon.log")
+    try:
+        idle = daemon.wait_event("guard.idle", timeout=30)[0]
+        assert "no [[guard]] rules" in idle["explanation"]
+        started = daemon.events("guard.started")[0]
+        assert started["config"] in ("<embedded default>", "/etc/oomguard/oomguard.toml")
+        time.sleep(0.5)
+        assert daemon.handle.poll() is None
+        daemon.handle.send_signal(signal.SIGTERM)
+        assert daemon.handle.wait(timeout=10) == 0
+        assert daemon.events("guard.stopped")
+    finally:
+        daemon.stop()
+
+
+def test_sigterm_is_handled_while_guarding(cgroups: CgroupFactory, store: Path,
+                                           tmp_path: Path) -> None:
+    cg = cgroups.make("term", 128 * MiB)
+    daemon = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    try:
+        daemon.wait_event("guard.armed")
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+    # The CRIU cgroup the daemon made beneath its own is gone again.
+    assert not any("oomguard-criu" in p.name for p in cg.path.parent.iterdir())
