@@ -207,7 +207,13 @@ class Daemon:
             return
         self._note_oom_kills(guard, snap)
         decision = evaluate(snap, guard.spec.threshold)
-        guard.watching = decision.verdict is Verdict.WATCH
+        watching = decision.verdict is Verdict.WATCH
+        if watching and not guard.watching:
+            self.log.info("threshold.cache_only", cgroup=str(guard.cgroup.path), source=source,
+                          usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
+                          explanation="usage is over the threshold in reclaimable page cache; "
+                          "polling until it drops")
+        guard.watching = watching
         if decision.verdict is not Verdict.ACT:
             return
         self.log.warning("threshold.crossed", cgroup=str(guard.cgroup.path), source=source,

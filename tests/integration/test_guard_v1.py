@@ -4,6 +4,7 @@ memory cgroup is checkpointed instead of OOM-killed, and comes back where it was
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,37 @@ def test_exec_workload_restores_in_its_own_pid_namespace(
         assert read_counts(log) == list(range(1, 151))
     finally:
         kill_pid(pid)
+
+
+def test_polling_fallback_catches_a_slow_hog(cgroups: CgroupFactory, store: Path,
+                                             tmp_path: Path) -> None:
+    """Where eventfd notifications are unavailable (or turned off), polling still works."""
+    small = cgroups.make("poll", 256 * MiB)
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path), "--no-events",
+                "--poll-interval", "50ms") as guard:
+        armed = guard.wait_event("guard.armed")[0]
+        assert armed["detection"].startswith("polling every 50")
+        hog = start_in_cgroup(small, hog_argv(tmp_path / "hog.log", target=400, rate=100,
+                                              count=100))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert guard.events("threshold.crossed")[0]["source"] == "poll"
+        assert hog.wait(timeout=10) == -signal.SIGKILL
+    assert done["pid"] == hog.pid
+    assert small.snapshot().oom_kills == 0
+
+
+def test_page_cache_alone_is_not_acted_on(cgroups: CgroupFactory, store: Path,
+                                          tmp_path: Path) -> None:
+    """A writer fills the cgroup with page cache (reclaimable): usage crosses the threshold,
+    resident memory does not, and nothing is stopped."""
+    small = cgroups.make("cache", 128 * MiB)
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
+        guard.wait_event("guard.armed")
+        writer = start_in_cgroup(small, ["dd", "if=/dev/zero", f"of={tmp_path / 'big.file'}",
+                                         "bs=1M", "count=300"])
+        assert writer.wait(timeout=60) == 0
+        time.sleep(0.5)
+        assert guard.events("threshold.cache_only"), "usage never crossed: the test proves nothing"
+        assert not guard.events("threshold.crossed")
+        assert not guard.events("checkpoint.done")
+    assert small.snapshot().oom_kills == 0
