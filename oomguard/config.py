@@ -97,6 +97,8 @@ def _cgroup_list(value: Any) -> tuple[str, ...]:
     for item in items:
         if not item.startswith("/"):
             raise ValueError(f"cgroup paths must be absolute, got {item!r}")
+        if ".." in item.split("/"):
+            raise ValueError(f"cgroup paths may not contain '..', got {item!r}")
     return tuple(items)
 
 
@@ -125,6 +127,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     read.leftovers(daemon, "daemon.")
     if poll <= 0:
         issues.append(ConfigIssue(source, "daemon.poll_interval", "must be above 0"))
+    if rescan <= 0:
+        issues.append(ConfigIssue(source, "daemon.rescan_interval", "must be above 0"))
 
     c = CriuConfig()
     criu = CriuConfig(
@@ -145,6 +149,9 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         none: tuple[str, ...] = ()
         cgroups = read.take(table, prefix, "cgroup", _cgroup_list, none)
         cgroups += read.take(table, prefix, "cgroups", _cgroup_list, none)
+        if ("cgroup" in raw or "cgroups" in raw) and not cgroups and not any(
+                i.key.startswith(f"{prefix}cgroup") for i in issues):
+            issues.append(ConfigIssue(source, f"{prefix}cgroups", "empty: no cgroup to guard"))
         g = GuardConfig(cgroups=())
         guards.append(GuardConfig(
             cgroups=cgroups,

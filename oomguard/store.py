@@ -56,13 +56,15 @@ class CheckpointMeta:
     @classmethod
     def from_json(cls, text: str) -> CheckpointMeta:
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("meta.json is not a JSON object")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def validate_id(checkpoint_id: str) -> str:
     """Ids name directories: letters, digits, '-' and '_' only (no '/', no '..', no dotfiles)."""
-    if not ID_RE.match(checkpoint_id):
+    if not isinstance(checkpoint_id, str) or not ID_RE.fullmatch(checkpoint_id):
         raise StoreError(f"invalid checkpoint id {checkpoint_id!r}")
     return checkpoint_id
 

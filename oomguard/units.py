@@ -6,6 +6,7 @@ Parsers raise ValueError with a message fit to show after the key name.
 
 from __future__ import annotations
 
+import math
 import re
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
@@ -34,6 +35,8 @@ def parse_duration(value: str | int | float) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected a duration such as '150ms' or '2s', got {value!r}")
     if isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise ValueError(f"a duration must be a finite number, got {value}")
         if value < 0:
             raise ValueError(f"a duration cannot be negative, got {value}")
         return float(value)
@@ -56,7 +59,7 @@ def parse_fraction(value: str | int | float) -> float:
             raise ValueError(f"expected a percentage such as '85%', got {value!r}") from None
     else:
         fraction = float(value)
-    if not 0 < fraction <= 1:
+    if not math.isfinite(fraction) or not 0 < fraction <= 1:
         raise ValueError(f"must be above 0% and at most 100%, got {value!r}")
     return fraction
 

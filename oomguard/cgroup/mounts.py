@@ -108,6 +108,8 @@ def open_cgroup(path: str | Path, layout: CgroupLayout) -> MemoryCgroup:
     candidate = Path(path)
     if not candidate.is_absolute():
         raise ValueError(f"cgroup path must be absolute: {path}")
+    if ".." in candidate.parts:
+        raise ValueError(f"cgroup path may not contain '..': {path}")
     if not candidate.is_relative_to(mount):
         candidate = mount / str(candidate).lstrip("/")
     if layout.memory_version == 1:

@@ -50,17 +50,22 @@ class V1MemoryCgroup:
         except FileNotFoundError as exc:
             raise CgroupGone(f"cgroup {self.path} is gone") from exc
 
-    def limit(self) -> int | None:
-        value = self._ctl.limit_in_bytes
-        if value is None:
-            raise CgroupGone(f"cgroup {self.path} is gone")
-        return None if value >= V1_UNLIMITED_FLOOR else int(value)
-
-    def usage(self) -> int:
-        value = self._ctl.usage_in_bytes
+    def _int(self, attribute: str) -> int:
+        # cgroupspy raises FileNotFoundError for a vanished cgroup (or returns None on some paths).
+        try:
+            value = getattr(self._ctl, attribute)
+        except FileNotFoundError:
+            value = None
         if value is None:
             raise CgroupGone(f"cgroup {self.path} is gone")
         return int(value)
+
+    def limit(self) -> int | None:
+        value = self._int("limit_in_bytes")
+        return None if value >= V1_UNLIMITED_FLOOR else value
+
+    def usage(self) -> int:
+        return self._int("usage_in_bytes")
 
     def stat(self) -> dict[str, int]:
         return parse_flat_keyed(self._read("memory.stat"))

@@ -439,18 +439,12 @@ def test_v1_missing_directory_files_read_directly(tmp_path: Path) -> None:
             call()
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "BUG: V1MemoryCgroup.usage()/limit() read through cgroupspy's descriptor, which raises "
-    "FileNotFoundError for a missing file instead of returning None, so a removed v1 cgroup "
-    "escapes as FileNotFoundError rather than CgroupGone"))
 def test_v1_missing_directory_snapshot_is_cgroup_gone(tmp_path: Path) -> None:
     cg = V1MemoryCgroup(tmp_path / "memory" / "gone", tmp_path / "memory")
     with pytest.raises(CgroupGone):
         cg.snapshot()
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "BUG: same as above, for a v1 cgroup removed between two readings"))
 def test_v1_removed_while_watched(tmp_path: Path) -> None:
     path = _v1_dir(tmp_path)
     cg = V1MemoryCgroup(path, tmp_path / "memory")

@@ -14,6 +14,7 @@ from oomguard.policy import (
     is_protected,
     rank_victims,
 )
+from oomguard.procfs import ProcessInfo
 from tests.unit._support import MiB, proc_info
 
 NONE: frozenset[int] = frozenset()
@@ -92,7 +93,7 @@ def test_evaluate_act_reason_shows_numbers() -> None:
     ],
     ids=["init", "kthreadd", "kworker", "ppid-2", "own-pid", "other-pid", "ordinary", "init-nspid"],
 )
-def test_is_protected(proc, protected: frozenset[int], expected: bool) -> None:  # type: ignore[no-untyped-def]
+def test_is_protected(proc: ProcessInfo, protected: frozenset[int], expected: bool) -> None:
     assert is_protected(proc, protected) is expected
 
 
