@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.helpers import (  # noqa: E402
-    MiB,
+from tests.helpers import (
     CgroupFactory,
+    MiB,
     daemon,
     hog_argv,
     kill_pid,

@@ -51,7 +51,7 @@ def kill_pid(pid: int) -> None:
 def proc_state(pid: int) -> str | None:
     try:
         return ProcReader().state(pid)
-    except Exception:  # noqa: BLE001 - gone
+    except Exception:
         return None
 
 
@@ -94,7 +94,7 @@ class CgroupFactory:
             for _ in range(100):
                 try:
                     pids = cg.procs()
-                except Exception:  # noqa: BLE001 - already gone
+                except Exception:
                     break
                 if not pids:
                     break

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    MiB,
     CgroupFactory,
     DaemonProcess,
+    MiB,
     hog_argv,
     last_count,
     run_oomguard,

@@ -4,16 +4,16 @@ configured, killed), and the event says which and why."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from oomguard.store import Store
 from tests.helpers import (
-    MiB,
     CgroupFactory,
+    MiB,
     daemon,
     hog_argv,
     kill_pid,

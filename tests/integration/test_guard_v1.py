@@ -11,8 +11,8 @@ import pytest
 
 from oomguard.store import Store
 from tests.helpers import (
-    MiB,
     CgroupFactory,
+    MiB,
     daemon,
     hog_argv,
     kill_pid,
