@@ -125,3 +125,22 @@ def test_sigterm_is_handled_while_guarding(cgroups: CgroupFactory, store: Path,
         daemon.stop()
     # The CRIU cgroup the daemon made beneath its own is gone again.
     assert not any("oomguard-criu" in p.name for p in cg.path.parent.iterdir())
+
+
+def test_guarded_cgroup_removed_and_recreated(cgroups: CgroupFactory, store: Path,
+                                              tmp_path: Path) -> None:
+    """A cgroup that goes away is routine: the daemon says so, keeps running, and re-arms when
+    it comes back."""
+    cg = cgroups.make("comego", 128 * MiB)
+    daemon = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    try:
+        daemon.wait_event("guard.armed")
+        cg.path.rmdir()
+        daemon.wait_event("guard.cgroup_gone", timeout=10)
+        assert daemon.handle.poll() is None
+        cg.create()
+        cg.set_limit(128 * MiB)
+        daemon.wait_event("guard.armed", count=2, timeout=10)
+        assert daemon.handle.poll() is None
+    finally:
+        assert daemon.stop() == 0
