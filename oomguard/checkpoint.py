@@ -72,9 +72,13 @@ class Checkpointer:
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
+                   after_signal: Callable[[], None] | None = None,
                    ) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
-        Raises ProcessGone if the tree vanished before it could be stopped."""
+        `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
+        stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
+        the victim before it runs another instruction). Raises ProcessGone if the tree vanished
+        before it could be stopped."""
         start = self.clock()
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
@@ -89,8 +93,9 @@ class Checkpointer:
             self.ledger.clear(list(tree.pids))
             raise
         self.ledger.record(pids)
-        original_limit: int | None = None
-        raised = False
+        if after_signal is not None:
+            after_signal()
+        undo_limit: Callable[[], None] | None = None
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         began = False
         try:
@@ -99,9 +104,7 @@ class Checkpointer:
                 raised_limit = headroom_needed(
                     snap, self.headroom if headroom is None else headroom)
                 if raised_limit is not None:
-                    original_limit = snap.limit_bytes
-                    cgroup.set_limit(raised_limit)
-                    raised = True
+                    undo_limit = cgroup.raise_limit(raised_limit)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
             frozen_at = self.clock()
             if on_frozen is not None:
@@ -122,9 +125,9 @@ class Checkpointer:
             outcome = self._fail(pids, on_failure or self.on_failure)
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}", outcome) from exc
         finally:
-            if raised and cgroup is not None:
+            if undo_limit is not None:
                 with contextlib.suppress(OSError, CgroupGone):
-                    cgroup.set_limit(original_limit)
+                    undo_limit()
             with contextlib.suppress(OSError):
                 self.ledger.clear(pids + list(tree.pids))
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,

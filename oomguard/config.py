@@ -37,6 +37,12 @@ class GuardConfig:
     headroom: int = 64 << 20
     on_failure: str = ON_FAILURE_THAW
     events: bool = True  # kernel notifications; False: poll only
+    memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
+    freeze_cgroup: bool = True  # v2: cgroup.freeze the whole cgroup first (growth stops at once)
+    psi: bool = True  # v2 / system: a PSI trigger on the pressure file wakes the daemon
+    system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
+    min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
+    victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
 
 
 @dataclass(frozen=True)
@@ -144,8 +150,12 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     for index, raw in enumerate(guard_list):
         prefix = f"guard[{index}]."
         table = dict(raw)
-        if "cgroup" not in table and "cgroups" not in table:
-            issues.append(ConfigIssue(source, f"{prefix}cgroups", "missing: which cgroups to guard"))
+        if "cgroup" not in table and "cgroups" not in table and table.get("system") is not True:
+            issues.append(ConfigIssue(source, f"{prefix}cgroups",
+                                      "missing: which cgroups to guard (or system = true)"))
+        if table.get("system") is True and ("cgroup" in table or "cgroups" in table):
+            issues.append(ConfigIssue(source, f"{prefix}system",
+                                      "a system-wide rule takes no cgroups"))
         none: tuple[str, ...] = ()
         cgroups = read.take(table, prefix, "cgroup", _cgroup_list, none)
         cgroups += read.take(table, prefix, "cgroups", _cgroup_list, none)
@@ -153,19 +163,34 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                 i.key.startswith(f"{prefix}cgroup") for i in issues):
             issues.append(ConfigIssue(source, f"{prefix}cgroups", "empty: no cgroup to guard"))
         g = GuardConfig(cgroups=())
-        guards.append(GuardConfig(
+        system = read.take(table, prefix, "system", _bool, False)
+        min_available = read.take(table, prefix, "min_available", _size_or_fraction, 0.10)
+        spec = GuardConfig(
             cgroups=cgroups,
             threshold=read.take(table, prefix, "threshold", parse_fraction, g.threshold),
             headroom=read.take(table, prefix, "headroom", parse_size, g.headroom),
             on_failure=read.take(table, prefix, "on_failure", _on_failure, g.on_failure),
             events=read.take(table, prefix, "events", _bool, g.events),
-        ))
+            memory_high=read.take(table, prefix, "memory_high", _bool, g.memory_high),
+            freeze_cgroup=read.take(table, prefix, "freeze_cgroup", _bool, g.freeze_cgroup),
+            psi=read.take(table, prefix, "psi", _bool, g.psi),
+            system=system, min_available=min_available,
+            victim_cgroups=read.take(table, prefix, "victim_cgroups", _cgroup_list, none),
+        )
+        guards.append(spec)
         read.leftovers(table, prefix)
 
     if issues:
         raise ConfigError(issues)
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, criu=criu, guards=tuple(guards))
+
+
+def _size_or_fraction(value: Any) -> float | int:
+    """'10%' or 0.1 -> fraction of MemTotal; '2G' or an integer -> bytes."""
+    if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
+        return parse_fraction(value)
+    return parse_size(value)
 
 
 def _guard_array(value: Any) -> list[dict[str, Any]]:

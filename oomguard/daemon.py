@@ -1,58 +1,68 @@
 """The guard loop: kernel notifications in, decisions out, one checkpoint at a time.
 
-Sleeps in select() until a cgroup's eventfd fires (usage crossing a threshold, an OOM episode),
-a signal arrives, or the rescan interval passes. Polls only where notifications are unavailable
-or usage sits above the threshold in page cache.
+Sleeps in epoll until a watched fd fires (v1 usage thresholds and OOM events, v2 memory.high /
+memory.events changes, PSI triggers), a signal arrives, or the rescan interval passes. Polls
+only where notifications cannot tell a crossing (v2 without memory.high, pages of cache above
+the threshold, system-wide MemAvailable as it nears the floor).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import selectors
+import select
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+
+import psutil
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig, GuardConfig
+from oomguard.config import DaemonConfig
 from oomguard.errors import CgroupGone, CheckpointFailed, ProcessGone
-from oomguard.policy import Verdict, build_trees, evaluate, rank_victims
+from oomguard.guards import (
+    EPOLL_MASK,
+    CgroupGuard,
+    Guard,
+    SystemGuard,
+    arm_system,
+    arm_v1,
+    arm_v2,
+    consume,
+    psi_trigger_for,
+)
+from oomguard.ledger import SavedLimits
+from oomguard.policy import (
+    ProcessTree,
+    Verdict,
+    below_min_available,
+    build_trees,
+    evaluate,
+    rank_victims,
+    system_candidates,
+)
 from oomguard.procfs import ProcReader
 from oomguard.units import format_size
 
 MAX_VICTIM_ATTEMPTS = 3
-
-
-@dataclass
-class Guard:
-    spec: GuardConfig
-    cgroup: MemoryCgroup
-    eventfds: list[int] = field(default_factory=list)
-    armed_limit: int | None = None
-    poll_only: bool = False
-    watching: bool = False
-    oom_kills: int = 0
-    present: bool = True
-
-
-def threshold_marks(limit: int, threshold: float) -> list[int]:
-    """Usage levels to be told about: the threshold, and halfway from it to the limit (a second
-    chance when the first crossing was page cache that later turned into resident memory)."""
-    first = int(limit * threshold)
-    second = int(limit * (threshold + (1 - threshold) / 2))
-    return sorted({first, second})
+CGROUP_FREEZE_TIMEOUT = 1.0
+# System rules poll MemAvailable the way earlyoom does: the closer to the floor, the more often;
+# it assumes memory can be eaten at up to 6 GB/s (earlyoom's figure).
+WORST_GROWTH_BYTES_PER_S = 6e9
+SYSTEM_MAX_POLL = 1.0
+SAVED_HIGH = ".memory-high.json"
 
 
 class Daemon:
     def __init__(self, config: DaemonConfig, checkpointer: Checkpointer, layout: CgroupLayout,
                  log: Any, *, proc: ProcReader | None = None,
-                 clock: Callable[[], float] = time.monotonic, self_pid: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
+                 meminfo: Callable[[], Any] = psutil.virtual_memory) -> None:
         self.config = config
         self.checkpointer = checkpointer
         self.layout = layout
@@ -60,69 +70,112 @@ class Daemon:
         self.proc = proc or ProcReader()
         self.clock = clock
         self.self_pid = self_pid if self_pid is not None else os.getpid()
+        self.meminfo = meminfo
         self.guards: list[Guard] = []
-        self.selector = selectors.DefaultSelector()
+        self.epoll = select.epoll()
+        self._fd_owner: dict[int, tuple[Guard, str]] = {}
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self.epoll.register(self._wake_r, select.EPOLLIN)
         self._next_rescan = 0.0
+        self._next_system_poll = 0.0
+        self.saved_high = SavedLimits(config.store / SAVED_HIGH)
+        self.psi_trigger = psi_trigger_for()
 
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
         thawed = self.checkpointer.ledger.recover()
         if thawed:
-            self.log.warning("victim.thawed_after_crash", pids=thawed,
+            self.log.warning("victim.thawed_after_crash", thawed=thawed,
                              explanation="a previous run stopped these and did not finish")
         for spec in self.config.guards:
+            if spec.system:
+                system = SystemGuard(spec=spec)
+                self.guards.append(system)
+                arm_system(system, self.psi_trigger)
+                self._register(system)
+                self.log.info("guard.armed", cgroup="system", detection=system.detection,
+                              min_available=spec.min_available)
+                continue
             for path in spec.cgroups:
-                cgroup = open_cgroup(path, self.layout)
-                guard = Guard(spec=spec, cgroup=cgroup)
+                guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout))
                 self.guards.append(guard)
-                self._arm_guard(guard)
+                self._arm_cgroup(guard)
         self._next_rescan = self.clock() + self.config.rescan_interval
 
-    def _arm_guard(self, guard: Guard) -> None:
+    def _register(self, guard: Guard) -> None:
+        for fd, kind in guard.fds.items():
+            self.epoll.register(fd, EPOLL_MASK[kind])
+            self._fd_owner[fd] = (guard, kind)
+
+    def _arm_cgroup(self, guard: CgroupGuard) -> None:
         self._disarm(guard)
         try:
             snap = guard.cgroup.snapshot()
         except CgroupGone:
             if guard.present:
-                self.log.warning("guard.cgroup_missing", cgroup=str(guard.cgroup.path))
+                self.log.warning("guard.cgroup_missing", cgroup=guard.name)
             guard.present = False
             return
         guard.present = True
         guard.armed_limit = snap.limit_bytes
         guard.oom_kills = snap.oom_kills
-        detection = "none (no limit)"
+        guard.detection = "none (no memory limit)"
         if snap.limit_bytes is not None:
-            if guard.spec.events and isinstance(guard.cgroup, V1MemoryCgroup):
-                try:
-                    for mark in threshold_marks(snap.limit_bytes, guard.spec.threshold):
-                        guard.eventfds.append(guard.cgroup.register_threshold(mark))
-                    guard.eventfds.append(guard.cgroup.register_oom())
-                    detection = "eventfd"
-                except OSError as exc:
-                    self.log.warning("guard.events_unavailable", cgroup=str(guard.cgroup.path),
-                                     error=str(exc))
-                    self._disarm(guard)
-            guard.poll_only = not guard.eventfds
+            try:
+                if guard.spec.events and isinstance(guard.cgroup, V1MemoryCgroup):
+                    arm_v1(guard, snap.limit_bytes)
+                elif guard.spec.events and isinstance(guard.cgroup, V2MemoryCgroup):
+                    self._set_high(guard, guard.cgroup, snap.limit_bytes)
+                    arm_v2(guard, snap.limit_bytes, self.psi_trigger)
+            except (OSError, CgroupGone) as exc:
+                self.log.warning("guard.events_unavailable", cgroup=guard.name, error=str(exc))
+                self._disarm(guard)
+            # v2 reports no usage crossings by itself: without memory.high it is polled.
+            guard.poll_only = not guard.fds or (
+                isinstance(guard.cgroup, V2MemoryCgroup) and not guard.high_set)
             if guard.poll_only:
-                detection = f"polling every {self.config.poll_interval * 1000:.0f}ms"
-            for efd in guard.eventfds:
-                self.selector.register(efd, selectors.EVENT_READ, guard)
-        self.log.info("guard.armed", cgroup=str(guard.cgroup.path), detection=detection,
-                      limit=snap.limit_bytes, threshold=guard.spec.threshold,
-                      usage=snap.usage_bytes)
+                polled = f"polling every {self.config.poll_interval * 1000:.0f}ms"
+                guard.detection = f"{guard.detection} + {polled}" if guard.fds else polled
+            self._register(guard)
+        self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
+                      detection=guard.detection, limit=snap.limit_bytes,
+                      threshold=guard.spec.threshold, usage=snap.usage_bytes)
         # Already over the threshold when armed: no crossing will come, look now.
-        self._examine(guard, self.clock(), source="arm")
+        self._examine_cgroup(guard, self.clock(), source="arm")
+
+    def _set_high(self, guard: CgroupGuard, cgroup: V2MemoryCgroup, limit: int) -> None:
+        """memory.high at the threshold: the kernel throttles there and counts a `high` event,
+        which wakes us exactly at the crossing (v2 has no usage thresholds)."""
+        if not guard.spec.memory_high:
+            return
+        mark = int(limit * guard.spec.threshold)
+        original = self.saved_high.remember(guard.name, cgroup.high())
+        if original is not None and original <= mark:
+            self.saved_high.forget(guard.name)
+            guard.high_set = True  # the user's own memory.high already throttles first
+            return
+        cgroup.set_high(mark)
+        guard.high_original = original
+        guard.high_set = True
+
+    def _restore_high(self, guard: CgroupGuard) -> None:
+        if guard.high_set and isinstance(guard.cgroup, V2MemoryCgroup):
+            with contextlib.suppress(OSError, CgroupGone):
+                original = self.saved_high.remember(guard.name, guard.high_original)
+                guard.cgroup.set_high(original)
+            self.saved_high.forget(guard.name)
+        guard.high_set = False
 
     def _disarm(self, guard: Guard) -> None:
-        for efd in guard.eventfds:
-            with contextlib.suppress(KeyError, ValueError):
-                self.selector.unregister(efd)
-            os.close(efd)
-        guard.eventfds.clear()
+        for fd in guard.fds:
+            with contextlib.suppress(OSError):
+                self.epoll.unregister(fd)
+            self._fd_owner.pop(fd, None)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        guard.fds.clear()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -136,7 +189,9 @@ class Daemon:
     def close(self) -> None:
         for guard in self.guards:
             self._disarm(guard)
-        self.selector.close()
+            if isinstance(guard, CgroupGuard):
+                self._restore_high(guard)
+        self.epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -147,96 +202,210 @@ class Daemon:
             self.tick()
 
     def _timeout(self) -> float:
-        until_rescan = max(0.0, self._next_rescan - self.clock())
-        if any(g.present and (g.poll_only or g.watching) and g.armed_limit is not None
-               for g in self.guards):
-            return min(self.config.poll_interval, until_rescan)
-        return until_rescan
+        now = self.clock()
+        timeout = max(0.0, self._next_rescan - now)
+        for guard in self.guards:
+            if isinstance(guard, SystemGuard):
+                timeout = min(timeout, max(0.0, self._next_system_poll - now))
+            elif guard.present and guard.armed_limit is not None and (
+                    guard.poll_only or guard.watching):
+                timeout = min(timeout, self.config.poll_interval)
+        return timeout
 
     def tick(self) -> None:
-        events = self.selector.select(self._timeout())
+        ready = self.epoll.poll(self._timeout())
         woke = self.clock()
         fired: list[Guard] = []
-        for key, _ in events:
-            if key.data is None:
+        for fd, _mask in ready:
+            if fd == self._wake_r:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 64)
                 continue
-            with contextlib.suppress(BlockingIOError):
-                os.read(key.fd, 8)  # reset the eventfd counter
-            if key.data not in fired:
-                fired.append(key.data)
+            owner = self._fd_owner.get(fd)
+            if owner is None:
+                continue
+            guard, kind = owner
+            consume(fd, kind)
+            if guard not in fired:
+                fired.append(guard)
         if self._stopping:
             return
         for guard in fired:
-            self._examine(guard, woke, source="event")
+            self._examine(guard, woke, "event")
+        now = self.clock()
         for guard in self.guards:
-            if guard not in fired and guard.present and (guard.poll_only or guard.watching):
-                self._examine(guard, self.clock(), source="poll")
+            if guard in fired:
+                continue
+            if isinstance(guard, SystemGuard):
+                if now >= self._next_system_poll:
+                    self._examine(guard, now, "poll")
+            elif guard.present and (guard.poll_only or guard.watching):
+                self._examine(guard, now, "poll")
         if self.clock() >= self._next_rescan:
             self._rescan()
             self._next_rescan = self.clock() + self.config.rescan_interval
 
+    def _examine(self, guard: Guard, woke: float, source: str) -> None:
+        if isinstance(guard, SystemGuard):
+            self._examine_system(guard, woke, source)
+        else:
+            self._examine_cgroup(guard, woke, source)
+
     def _rescan(self) -> None:
         for guard in self.guards:
+            if not isinstance(guard, CgroupGuard):
+                continue
             try:
                 snap = guard.cgroup.snapshot()
             except CgroupGone:
-                if guard.present:
-                    self.log.warning("guard.cgroup_gone", cgroup=str(guard.cgroup.path))
-                    self._disarm(guard)
-                    guard.present = False
+                self._cgroup_gone(guard)
                 continue
             if not guard.present or snap.limit_bytes != guard.armed_limit:
-                self._arm_guard(guard)
+                self._arm_cgroup(guard)
             self._note_oom_kills(guard, snap)
 
-    def _note_oom_kills(self, guard: Guard, snap: MemorySnapshot) -> None:
+    def _cgroup_gone(self, guard: CgroupGuard) -> None:
+        if guard.present:
+            self.log.warning("guard.cgroup_gone", cgroup=guard.name)
+            self._disarm(guard)
+            guard.high_set = False
+            self.saved_high.forget(guard.name)
+            guard.present = False
+
+    def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
         if snap.oom_kills > guard.oom_kills:
-            self.log.error("oom.kill_seen", cgroup=str(guard.cgroup.path),
+            self.log.error("oom.kill_seen", cgroup=guard.name,
                            kills=snap.oom_kills - guard.oom_kills,
                            explanation="the kernel OOM killer acted before oomguard could")
         guard.oom_kills = snap.oom_kills
 
-    # -- decisions and actions ---------------------------------------------------------------
+    # -- cgroup rules --------------------------------------------------------------------------
 
-    def _examine(self, guard: Guard, woke: float, source: str) -> None:
+    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None:
         try:
             snap = guard.cgroup.snapshot()
         except CgroupGone:
+            self._cgroup_gone(guard)
             return
         self._note_oom_kills(guard, snap)
         decision = evaluate(snap, guard.spec.threshold)
         watching = decision.verdict is Verdict.WATCH
         if watching and not guard.watching:
-            self.log.info("threshold.cache_only", cgroup=str(guard.cgroup.path), source=source,
+            self.log.info("threshold.cache_only", cgroup=guard.name, source=source,
                           usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
                           explanation="usage is over the threshold in reclaimable page cache; "
                           "polling until it drops")
         guard.watching = watching
         if decision.verdict is not Verdict.ACT:
             return
-        self.log.warning("threshold.crossed", cgroup=str(guard.cgroup.path), source=source,
+        self.log.warning("threshold.crossed", cgroup=guard.name, source=source,
                          usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
                          reason=decision.reason)
-        self._act(guard, snap, woke, decision.reason)
+        if self.config.dry_run or not (guard.spec.freeze_cgroup
+                                       and isinstance(guard.cgroup, V2MemoryCgroup)):
+            self._act_cgroup(guard, woke, decision.reason, after_signal=None)
+            return
+        self._act_frozen_v2(guard, guard.cgroup, woke, decision.reason)
+
+    def _act_frozen_v2(self, guard: CgroupGuard, cgroup: V2MemoryCgroup, woke: float,
+                       reason: str) -> None:
+        """cgroup.freeze first (every task parks at once), choose, SIGSTOP the victim, thaw the
+        cgroup (the pending SIGSTOP takes the victim on its way out of the freezer; the others
+        go on). A crash in between is undone at the next start: the cgroup is in the ledger."""
+        ledger = self.checkpointer.ledger
+        ledger.record_cgroup(cgroup.path)
+        thawed = False
+
+        def thaw() -> None:
+            nonlocal thawed
+            if not thawed:
+                with contextlib.suppress(OSError, CgroupGone):
+                    cgroup.thaw()
+                thawed = True
+
+        try:
+            cgroup.freeze()
+            frozen = cgroup.wait_frozen(CGROUP_FREEZE_TIMEOUT)
+            self.log.info("cgroup.frozen", cgroup=guard.name, frozen=frozen,
+                          detect_to_frozen_ms=round((self.clock() - woke) * 1000, 2))
+            self._act_cgroup(guard, woke, reason, after_signal=thaw)
+        except (OSError, CgroupGone) as exc:
+            self.log.error("cgroup.freeze_failed", cgroup=guard.name, error=str(exc))
+        finally:
+            thaw()
+            ledger.clear_cgroup(cgroup.path)
 
     def protected_pids(self) -> frozenset[int]:
         return frozenset(self.proc.descendants(self.self_pid))
 
-    def _act(self, guard: Guard, snap: MemorySnapshot, woke: float, reason: str) -> None:
-        cgroup = guard.cgroup
+    def _act_cgroup(self, guard: CgroupGuard, woke: float, reason: str,
+                    after_signal: Callable[[], None] | None) -> None:
         try:
-            members = self.proc.processes(cgroup.procs())
+            members = self.proc.processes(guard.cgroup.procs())
         except CgroupGone:
             return
         ranked = rank_victims(build_trees(members, self.protected_pids()))
+        self._checkpoint_first(guard, ranked, lambda tree: guard.cgroup, woke, reason,
+                               after_signal)
+
+    # -- system-wide rules --------------------------------------------------------------------
+
+    def _examine_system(self, guard: SystemGuard, woke: float, source: str) -> None:
+        memory = self.meminfo()
+        floor = guard.spec.min_available
+        distance = memory.available - (int(memory.total * floor) if isinstance(floor, float)
+                                       else floor)
+        interval = min(SYSTEM_MAX_POLL, max(self.config.poll_interval,
+                                            distance / WORST_GROWTH_BYTES_PER_S))
+        self._next_system_poll = self.clock() + interval
+        if not below_min_available(memory.available, memory.total, floor):
+            return
+        reason = (f"MemAvailable {format_size(memory.available)} at or below the floor "
+                  f"({floor:.0%} of MemTotal)" if isinstance(floor, float) else
+                  f"MemAvailable {format_size(memory.available)} at or below "
+                  f"{format_size(floor)}")
+        self.log.warning("threshold.crossed", cgroup="system", source=source,
+                         available=memory.available, total=memory.total, reason=reason)
+        processes = self.proc.processes(self.proc.all_pids())
+        if guard.spec.victim_cgroups:
+            processes = [p for p in processes if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
+        ranked = system_candidates(processes, self.protected_pids())
+        self._checkpoint_first(guard, ranked, self._cgroup_of, woke, reason, None)
+        self._next_system_poll = self.clock()
+
+    def _in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
+        try:
+            rel = self.proc.memory_cgroup(pid) or "/"
+        except ProcessGone:
+            return False
+        mount = str(self.layout.memory_mount or "")
+        for root in roots:
+            inner = root[len(mount):] if mount and root.startswith(mount) else root
+            inner = "/" + inner.strip("/")
+            if inner == "/" or rel == inner or rel.startswith(inner + "/"):
+                return True
+        return False
+
+    def _cgroup_of(self, tree: ProcessTree) -> MemoryCgroup | None:
+        try:
+            rel = self.proc.memory_cgroup(tree.root.pid)
+            return open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
+        except (ProcessGone, ValueError):
+            return None
+
+    # -- acting -----------------------------------------------------------------------------------
+
+    def _checkpoint_first(self, guard: Guard, ranked: list[ProcessTree],
+                          cgroup_for: Callable[[ProcessTree], MemoryCgroup | None],
+                          woke: float, reason: str,
+                          after_signal: Callable[[], None] | None) -> None:
+        """Checkpoint the first candidate that can be; stop at the first success."""
         if not ranked:
-            self.log.warning("victim.none", cgroup=str(cgroup.path),
-                             explanation="no process in the cgroup may be checkpointed")
+            self.log.warning("victim.none", cgroup=guard.name,
+                             explanation="no process here may be checkpointed")
             return
         for tree in ranked[:MAX_VICTIM_ATTEMPTS]:
-            fields = {"cgroup": str(cgroup.path), "pid": tree.root.pid, "comm": tree.root.comm,
+            fields = {"cgroup": guard.name, "pid": tree.root.pid, "comm": tree.root.comm,
                       "rss": tree.rss_bytes, "tasks": len(tree.members)}
             if self.config.dry_run:
                 self.log.warning("victim.chosen", dry_run=True, **fields)
@@ -246,17 +415,17 @@ class Daemon:
                 self.log.info("victim.frozen", detect_to_frozen_ms=round((at - woke) * 1000, 2),
                               **fields)
 
+            cgroup = cgroup_for(tree)
             try:
                 result = self.checkpointer.checkpoint(
                     tree, cgroup, reason, on_frozen=frozen, headroom=guard.spec.headroom,
-                    on_failure=guard.spec.on_failure)
+                    on_failure=guard.spec.on_failure, after_signal=after_signal)
             except ProcessGone:
                 self.log.info("victim.gone", **fields)
                 continue
             except CheckpointFailed as exc:
                 self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
                 continue
-            after = self._usage(cgroup)
             meta, t = result.meta, result.timings
             self.log.warning(
                 "checkpoint.done", id=meta.id, image_bytes=meta.image_bytes,
@@ -264,10 +433,13 @@ class Daemon:
                 freeze_s=round(t.freeze_s, 3), dump_s=round(t.dump_s, 3),
                 commit_s=round(t.commit_s, 3),
                 mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
-                usage_after=after, path=str(result.path), **fields)
+                usage_after=self._usage(cgroup), path=str(result.path), **fields)
             return
 
-    def _usage(self, cgroup: MemoryCgroup) -> int | None:
+    @staticmethod
+    def _usage(cgroup: MemoryCgroup | None) -> int | None:
+        if cgroup is None:
+            return None
         try:
             return cgroup.snapshot().usage_bytes
         except CgroupGone:

@@ -20,8 +20,9 @@ from oomguard.procfs import ProcReader
 
 @dataclass(frozen=True)
 class FrozenEntry:
-    pid: int
+    pid: int  # 0 for a frozen cgroup (v2 cgroup.freeze)
     starttime: int
+    cgroup: str = ""  # the cgroup directory whose cgroup.freeze we set
 
 
 class FrozenLedger:
@@ -32,7 +33,8 @@ class FrozenLedger:
     def _load(self) -> list[FrozenEntry]:
         try:
             data = json.loads(self.path.read_text())
-            return [FrozenEntry(int(e["pid"]), int(e["starttime"])) for e in data]
+            return [FrozenEntry(int(e["pid"]), int(e["starttime"]), str(e.get("cgroup", "")))
+                    for e in data]
         except (OSError, ValueError, KeyError, TypeError):
             return []
 
@@ -59,12 +61,27 @@ class FrozenLedger:
 
     def clear(self, pids: list[int]) -> None:
         gone = set(pids)
-        self._save([e for e in self._load() if e.pid not in gone])
+        self._save([e for e in self._load() if e.pid not in gone or e.cgroup])
 
-    def recover(self) -> list[int]:
-        """SIGCONT every recorded task that still exists as the same process; returns them."""
-        thawed = []
+    def record_cgroup(self, directory: Path) -> None:
+        entries = self._load()
+        if not any(e.cgroup == str(directory) for e in entries):
+            entries.append(FrozenEntry(0, 0, str(directory)))
+        self._save(entries)
+
+    def clear_cgroup(self, directory: Path) -> None:
+        self._save([e for e in self._load() if e.cgroup != str(directory)])
+
+    def recover(self) -> list[str]:
+        """Thaw every recorded cgroup and SIGCONT every recorded task that still exists as the
+        same process; returns what was thawed."""
+        thawed: list[str] = []
         for entry in self._load():
+            if entry.cgroup:
+                with contextlib.suppress(OSError):
+                    (Path(entry.cgroup) / "cgroup.freeze").write_text("0")
+                    thawed.append(entry.cgroup)
+                continue
             try:
                 info = self.proc.process(entry.pid)
             except ProcessGone:
@@ -73,6 +90,41 @@ class FrozenLedger:
                 continue  # the PID was reused: not ours
             with contextlib.suppress(ProcessLookupError):
                 os.kill(entry.pid, signal.SIGCONT)
-                thawed.append(entry.pid)
+                thawed.append(str(entry.pid))
         self._save([])
         return thawed
+
+
+class SavedLimits:
+    """The memory.high values oomguard replaced, kept on disk so that a restart after a crash
+    puts back the user's value, not the one oomguard set."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _load(self) -> dict[str, int | None]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {str(k): (None if v is None else int(v)) for k, v in data.items()} \
+            if isinstance(data, dict) else {}
+
+    def _save(self, data: dict[str, int | None]) -> None:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)
+
+    def remember(self, key: str, current: int | None) -> int | None:
+        """The original value for `key`: the saved one if oomguard already replaced it."""
+        data = self._load()
+        if key not in data:
+            data[key] = current
+            self._save(data)
+        return data[key]
+
+    def forget(self, key: str) -> None:
+        data = self._load()
+        if data.pop(key, "absent") != "absent":
+            self._save(data)

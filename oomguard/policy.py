@@ -60,9 +60,14 @@ class ProcessTree:
         return sum(p.rss_bytes for p in self.members)
 
 
+OOM_SCORE_ADJ_MIN = -1000  # "never kill this": respected as "never checkpoint this"
+
+
 def is_protected(proc: ProcessInfo, protected_pids: frozenset[int]) -> bool:
-    """Never a victim: PID 1, kernel threads, oomguard itself and its helpers (CRIU)."""
-    return proc.pid == 1 or proc.kernel_thread or proc.pid in protected_pids or proc.ppid == 2
+    """Never a victim: PID 1, kernel threads, oomguard itself and its helpers (CRIU), and
+    processes that opted out of OOM handling with oom_score_adj = -1000."""
+    return (proc.pid == 1 or proc.kernel_thread or proc.pid in protected_pids or proc.ppid == 2
+            or proc.oom_score_adj <= OOM_SCORE_ADJ_MIN)
 
 
 def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]) -> list[ProcessTree]:
@@ -86,6 +91,33 @@ def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]
             index += 1
         trees.append(ProcessTree(root=root, members=tuple(members)))
     return trees
+
+
+def system_candidates(processes: Iterable[ProcessInfo], protected_pids: frozenset[int],
+                      limit: int = 5) -> list[ProcessTree]:
+    """System-wide rules: the `limit` processes with the most resident memory of their own (like
+    earlyoom; a tree rooted at the session manager would hold the whole desktop), each with its
+    descendants, largest first."""
+    eligible = {p.pid: p for p in processes if not is_protected(p, protected_pids)}
+    children: dict[int, list[ProcessInfo]] = {}
+    for proc in eligible.values():
+        children.setdefault(proc.ppid, []).append(proc)
+    top = sorted(eligible.values(), key=lambda p: (-p.rss_bytes, -p.starttime))[:limit]
+    trees = []
+    for root in top:
+        members = [root]
+        index = 0
+        while index < len(members):
+            members.extend(sorted(children.get(members[index].pid, []), key=lambda p: p.pid))
+            index += 1
+        trees.append(ProcessTree(root=root, members=tuple(members)))
+    return trees
+
+
+def below_min_available(available: int, total: int, min_available: float | int) -> bool:
+    """System rules: MemAvailable at or under the floor (a fraction of MemTotal, or bytes)."""
+    floor = int(total * min_available) if isinstance(min_available, float) else min_available
+    return available <= floor
 
 
 def rank_victims(trees: Iterable[ProcessTree]) -> list[ProcessTree]:

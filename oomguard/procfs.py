@@ -6,6 +6,7 @@ that reads files under an injectable /proc root.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ class ProcessInfo:
     cmdline: tuple[str, ...]
     kernel_thread: bool
     nspid: tuple[int, ...]
+    oom_score_adj: int = 0
 
     @property
     def is_pidns_init(self) -> bool:
@@ -121,6 +123,9 @@ class ProcReader:
             cmdline = parse_cmdline((base / "cmdline").read_bytes())
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
+        oom_score_adj = 0
+        with contextlib.suppress(OSError, ValueError):
+            oom_score_adj = int((base / "oom_score_adj").read_text().strip())
         return ProcessInfo(
             pid=stat.pid,
             ppid=stat.ppid,
@@ -133,6 +138,7 @@ class ProcReader:
             cmdline=cmdline,
             kernel_thread=bool(stat.flags & PF_KTHREAD),
             nspid=status.nspid or (stat.pid,),
+            oom_score_adj=oom_score_adj,
         )
 
     def processes(self, pids: list[int]) -> list[ProcessInfo]:
@@ -150,6 +156,9 @@ class ProcReader:
             return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).state
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
+
+    def all_pids(self) -> list[int]:
+        return sorted(int(name) for name in os.listdir(self.root) if name.isdigit())
 
     def exists(self, pid: int) -> bool:
         return (self.root / str(pid)).exists()

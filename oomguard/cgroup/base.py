@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -17,6 +18,8 @@ class MemorySnapshot:
     file_bytes: int  # page cache
     oom_kills: int  # kernel OOM kills counted for this cgroup
     under_oom: bool
+    high_events: int = 0  # v2 memory.events: times memory.high throttled the cgroup
+    max_events: int = 0  # v2 memory.events: times usage hit memory.max
 
     @property
     def usage_fraction(self) -> float | None:
@@ -45,6 +48,8 @@ class MemoryCgroup(Protocol):
     def limit(self) -> int | None: ...
 
     def set_limit(self, limit_bytes: int | None) -> None: ...
+
+    def raise_limit(self, new_limit: int) -> Callable[[], None]: ...
 
     def procs(self) -> list[int]: ...
 

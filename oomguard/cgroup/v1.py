@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from cgroupspy.controllers import MemoryController
@@ -94,6 +95,12 @@ class V1MemoryCgroup:
             (self.path / "memory.limit_in_bytes").write_text(value)
         except FileNotFoundError as exc:
             raise CgroupGone(f"cgroup {self.path} is gone") from exc
+
+    def raise_limit(self, new_limit: int) -> Callable[[], None]:
+        """Lift the limit to `new_limit`; returns the undo."""
+        old = self.limit()
+        self.set_limit(new_limit)
+        return lambda: self.set_limit(old)
 
     def procs(self) -> list[int]:
         return parse_procs(self._read("cgroup.procs"))

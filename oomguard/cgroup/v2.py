@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from oomguard.cgroup.base import MemorySnapshot, parse_flat_keyed, parse_procs
@@ -61,10 +64,66 @@ class V2MemoryCgroup:
             file_bytes=stat.get("file", 0),
             oom_kills=events.get("oom_kill", 0),
             under_oom=False,
+            high_events=events.get("high", 0),
+            max_events=events.get("max", 0),
         )
 
     def set_limit(self, limit_bytes: int | None) -> None:
         self._write("memory.max", "max" if limit_bytes is None else str(limit_bytes))
+
+    def set_high(self, high_bytes: int | None) -> None:
+        self._write("memory.high", "max" if high_bytes is None else str(high_bytes))
+
+    def raise_limit(self, new_limit: int) -> Callable[[], None]:
+        """Lift memory.max (and memory.high, which would throttle the dump) to `new_limit`;
+        returns the undo."""
+        old_max, old_high = self.limit(), self.high()
+        if old_high is not None and old_high < new_limit:
+            self.set_high(new_limit)
+        self.set_limit(new_limit)
+
+        def undo() -> None:
+            self.set_limit(old_max)
+            self.set_high(old_high)
+        return undo
+
+    # -- freezer (cgroup.freeze / cgroup.events) ---------------------------------------------------
+
+    def freeze(self) -> None:
+        self._write("cgroup.freeze", "1")
+
+    def thaw(self) -> None:
+        self._write("cgroup.freeze", "0")
+
+    def is_frozen(self) -> bool:
+        return parse_flat_keyed(self._read("cgroup.events")).get("frozen", 0) == 1
+
+    def wait_frozen(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> bool:
+        """True once cgroup.events says `frozen 1` (every task parked in the freezer)."""
+        deadline = clock() + timeout
+        while not self.is_frozen():
+            if clock() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True
+
+    # -- notifications -------------------------------------------------------------------------------
+
+    def open_events_watch(self) -> int:
+        """An fd on memory.events that polls POLLPRI when a counter changes (kernfs notify).
+        After each wake-up it must be re-read (`rearm_watch`) or it stays ready."""
+        try:
+            fd = os.open(self.path / "memory.events", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+        rearm_watch(fd)
+        return fd
+
+    def open_psi_trigger(self, trigger: str) -> int:
+        from oomguard.psi import open_trigger
+
+        return open_trigger(self.path / "memory.pressure", trigger)
+
 
     def procs(self) -> list[int]:
         return parse_procs(self._read("cgroup.procs"))
@@ -81,3 +140,10 @@ class V2MemoryCgroup:
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.rmdir()
+
+
+def rearm_watch(fd: int) -> None:
+    """Re-read a kernfs file so its poll state is reset."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    with contextlib.suppress(OSError):
+        os.read(fd, 4096)

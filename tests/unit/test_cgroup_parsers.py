@@ -389,7 +389,7 @@ def test_v2_snapshot(tmp_path: Path) -> None:
     snap = cg.snapshot()
     assert snap == MemorySnapshot(usage_bytes=203816960, limit_bytes=268435456,
                                   anon_bytes=188743680, file_bytes=12582912, oom_kills=2,
-                                  under_oom=False)
+                                  under_oom=False, high_events=0, max_events=57)
     assert cg.events()["max"] == 57
     assert cg.procs() == [5001]
 

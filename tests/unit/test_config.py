@@ -127,7 +127,7 @@ def test_input_dict_not_mutated() -> None:
         ('[criu]\ntimeout = "forever"\n', "criu.timeout", "expected a duration"),
         ('[criu]\ntcp_close = 1\n', "criu.tcp_close", "expected true or false, got 1"),
         ('[criu]\nversion = "4.2"\n', "criu.version", "unknown key"),
-        ("[[guard]]\nthreshold = \"85%\"\n", "guard[0].cgroups", "missing: which cgroups to guard"),
+        ("[[guard]]\nthreshold = \"85%\"\n", "guard[0].cgroups", "missing: which cgroups to guard (or system = true)"),
         ('[[guard]]\ncgroup = "jobs/a"\n', "guard[0].cgroup",
          "cgroup paths must be absolute, got 'jobs/a'"),
         ('[[guard]]\ncgroups = ["/a", "b"]\n', "guard[0].cgroups",
@@ -200,7 +200,7 @@ extra = 1
     assert all(i.source == "many.toml" for i in info.value.issues)
     assert len(str(info.value).splitlines()) == len(keys)
     reasons = {i.key: i.reason for i in info.value.issues}
-    assert reasons["guard[1].cgroups"] == "missing: which cgroups to guard"
+    assert reasons["guard[1].cgroups"] == "missing: which cgroups to guard (or system = true)"
     assert reasons["guard[2].cgroups"] == "cgroup paths must be absolute, got 'relative'"
 
 

@@ -1,0 +1,122 @@
+"""What the daemon watches, per rule: the kernel's notification fds for one cgroup (v1 eventfd
+thresholds and OOM events; v2 memory.high events, memory.events changes and a PSI trigger) or
+for the whole system (a PSI trigger on /proc/pressure/memory)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
+from oomguard.config import GuardConfig
+from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
+
+EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
+EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI}
+PSI_STALL_SHARE = 10  # a trigger fires at 10% of the window stalled ("some")
+
+
+@dataclass
+class CgroupGuard:
+    spec: GuardConfig
+    cgroup: MemoryCgroup
+    fds: dict[int, str] = field(default_factory=dict)
+    armed_limit: int | None = None
+    poll_only: bool = False
+    watching: bool = False
+    oom_kills: int = 0
+    present: bool = True
+    detection: str = ""
+    high_original: int | None = None
+    high_set: bool = False
+
+    @property
+    def name(self) -> str:
+        return str(self.cgroup.path)
+
+
+@dataclass
+class SystemGuard:
+    spec: GuardConfig
+    fds: dict[int, str] = field(default_factory=dict)
+    detection: str = ""
+    watching: bool = False
+    present: bool = True
+
+    @property
+    def name(self) -> str:
+        return "system"
+
+
+Guard = CgroupGuard | SystemGuard
+
+
+def threshold_marks(limit: int, threshold: float) -> list[int]:
+    """Usage levels to be told about: the threshold, and halfway from it to the limit (a second
+    chance when the first crossing was page cache that later turned into resident memory)."""
+    first = int(limit * threshold)
+    second = int(limit * (threshold + (1 - threshold) / 2))
+    return sorted({first, second})
+
+
+def psi_trigger_for(proc_root: str = "/proc") -> str:
+    """The fastest trigger this process may register: a 500 ms window with CAP_SYS_RESOURCE,
+    else 2 s (the kernel's rule for unprivileged triggers)."""
+    try:
+        privileged = has_cap_sys_resource(Path(proc_root, "self", "status").read_text())
+    except OSError:
+        privileged = False
+    window = shortest_window_us(privileged)
+    return trigger_string("some", window // PSI_STALL_SHARE, window)
+
+
+def arm_v1(guard: CgroupGuard, limit: int) -> None:
+    assert isinstance(guard.cgroup, V1MemoryCgroup)
+    for mark in threshold_marks(limit, guard.spec.threshold):
+        guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
+    guard.fds[guard.cgroup.register_oom()] = EVENTFD
+    guard.detection = "eventfd: memory.usage_in_bytes thresholds + memory.oom_control"
+
+
+def arm_v2(guard: CgroupGuard, limit: int, psi_trigger: str) -> list[str]:
+    """Registers memory.events and PSI watches; returns the paths that are active."""
+    assert isinstance(guard.cgroup, V2MemoryCgroup)
+    paths = []
+    guard.fds[guard.cgroup.open_events_watch()] = KERNFS
+    paths.append("memory.events")
+    if guard.high_set:
+        paths.insert(0, f"memory.high at {guard.spec.threshold:.0%}")
+    if guard.spec.psi:
+        try:
+            guard.fds[guard.cgroup.open_psi_trigger(psi_trigger)] = PSI
+            paths.append(f"PSI '{psi_trigger}'")
+        except (OSError, ValueError):
+            pass
+    guard.detection = " + ".join(paths)
+    return paths
+
+
+def arm_system(guard: SystemGuard, psi_trigger: str, proc_root: str = "/proc") -> None:
+    paths = ["MemAvailable (adaptive polling)"]
+    if guard.spec.psi:
+        try:
+            fd = open_trigger(Path(proc_root, "pressure", "memory"), psi_trigger)
+            guard.fds[fd] = PSI
+            paths.append(f"PSI '{psi_trigger}' on /proc/pressure/memory")
+        except (OSError, ValueError):
+            pass
+    guard.detection = " + ".join(paths)
+
+
+def consume(fd: int, kind: str) -> None:
+    """Reset an fd after it woke us, so it does not report ready again for the same event."""
+    with contextlib.suppress(BlockingIOError, OSError):
+        if kind == EVENTFD:
+            os.read(fd, 8)
+        elif kind == KERNFS:
+            rearm_watch(fd)
