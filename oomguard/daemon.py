@@ -50,6 +50,7 @@ from oomguard.procfs import ProcReader
 from oomguard.units import format_size
 
 MAX_VICTIM_ATTEMPTS = 3
+NEXT_VICTIM_SHARE = 4  # a fallback victim must hold at least a quarter of the top one's RSS
 CGROUP_FREEZE_TIMEOUT = 1.0
 # System rules poll MemAvailable the way earlyoom does: the closer to the floor, the more often;
 # it assumes memory can be eaten at up to 6 GB/s (earlyoom's figure).
@@ -404,7 +405,9 @@ class Daemon:
             self.log.warning("victim.none", cgroup=guard.name,
                              explanation="no process here may be checkpointed")
             return
-        for tree in ranked[:MAX_VICTIM_ATTEMPTS]:
+        # After a failure only trees that would free real memory are worth a try.
+        worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
+        for tree in [ranked[0], *worth][:MAX_VICTIM_ATTEMPTS]:
             fields = {"cgroup": guard.name, "pid": tree.root.pid, "comm": tree.root.comm,
                       "rss": tree.rss_bytes, "tasks": len(tree.members)}
             if self.config.dry_run:

@@ -12,6 +12,7 @@ import psutil
 from oomguard.cgroup.mounts import read_layout
 from oomguard.criu import Criu, find_criu, format_version
 from oomguard.errors import CriuError
+from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store import Store
 from oomguard.units import format_size
 
@@ -35,6 +36,27 @@ def parse_kernel_version(release: str) -> tuple[int, int]:
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
+def _psi_check(proc_root: Path) -> Check:
+    pressure = proc_root / "pressure" / "memory"
+    if not pressure.exists():
+        return Check("psi", False, "absent: system rules poll MemAvailable only",
+                     "boot with psi=1 (CONFIG_PSI)", warn_only=True)
+    try:
+        privileged = has_cap_sys_resource((proc_root / "self" / "status").read_text())
+    except OSError:
+        privileged = False
+    window = shortest_window_us(privileged)
+    trigger = trigger_string("some", window // 10, window)
+    try:
+        os.close(open_trigger(pressure, trigger))
+    except (OSError, ValueError) as exc:
+        return Check("psi", False, f"trigger {trigger!r} refused: {exc}",
+                     "PSI triggers need write access to the pressure files", warn_only=True)
+    why = ("CAP_SYS_RESOURCE: windows from 500 ms" if privileged
+           else "no CAP_SYS_RESOURCE: windows must be multiples of 2 s")
+    return Check("psi", True, f"triggers work; {why}; oomguard uses {trigger!r}")
+
+
 def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc") -> list[Check]:
     checks = []
     release = platform.release()
@@ -54,13 +76,18 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc")
     if layout.memory_version == 1 and layout.memory_v1 is not None:
         ok = (layout.memory_v1 / "cgroup.event_control").exists()
         checks.append(Check("detection", ok,
-                            "eventfd thresholds on memory.usage_in_bytes + memory.oom_control"
-                            if ok else "cgroup.event_control missing: polling only",
+                            "cgroup rules: eventfd thresholds on memory.usage_in_bytes + "
+                            "memory.oom_control" if ok else
+                            "cgroup.event_control missing: cgroup rules poll",
                             "kernel built without CONFIG_MEMCG v1 events", warn_only=True))
-    psi = Path(proc_root) / "pressure" / "memory"
-    checks.append(Check("psi", psi.exists(),
-                        psi.read_text().splitlines()[0] if psi.exists() else "absent",
-                        "boot with psi=1 (CONFIG_PSI)", warn_only=True))
+    elif layout.memory_version == 2 and layout.unified is not None:
+        has_psi = (layout.unified / "memory.pressure").exists() or any(
+            (p / "memory.pressure").exists() for p in layout.unified.iterdir() if p.is_dir())
+        checks.append(Check("detection", True,
+                            "cgroup rules: memory.high events at the threshold + memory.events "
+                            "+ " + ("per-cgroup PSI triggers" if has_psi else "no per-cgroup PSI"),
+                            warn_only=True))
+    checks.append(_psi_check(Path(proc_root)))
     memory = psutil.virtual_memory()
     swap = psutil.swap_memory()
     checks.append(Check("memory", True, f"{format_size(memory.total)} total, "

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.cgroup.mounts import read_layout
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.mounts import open_cgroup, read_layout
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.procfs import ProcReader, parse_memory_cgroup
 
@@ -30,6 +31,15 @@ def own_v1_memory_cgroup() -> V1MemoryCgroup | None:
         return None
     rel = parse_memory_cgroup(Path("/proc/self/cgroup").read_text()) or "/"
     return V1MemoryCgroup(layout.memory_v1 / rel.lstrip("/"), layout.memory_v1)
+
+
+def own_memory_cgroup() -> MemoryCgroup | None:
+    """This process's memory cgroup, v1 or v2 (the VM lane)."""
+    layout = read_layout()
+    if layout.memory_mount is None:
+        return None
+    rel = parse_memory_cgroup(Path("/proc/self/cgroup").read_text()) or "/"
+    return open_cgroup(rel, layout)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
@@ -77,11 +87,11 @@ class CgroupFactory:
     """Creates memory cgroups beneath the test's own; removes them (and kills what is left in
     them: only processes these tests started or restored) afterwards."""
 
-    parent: V1MemoryCgroup
+    parent: MemoryCgroup
     tag: str
-    created: list[V1MemoryCgroup] = field(default_factory=list)
+    created: list[MemoryCgroup] = field(default_factory=list)
 
-    def make(self, name: str, limit: int | None) -> V1MemoryCgroup:
+    def make(self, name: str, limit: int | None) -> MemoryCgroup:
         cg = self.parent.child(f"oomguard-test-{self.tag}-{name}")
         cg.create()
         if limit is not None:
@@ -111,8 +121,8 @@ class CgroupFactory:
                     time.sleep(0.1)
 
 
-def start_in_cgroup(cgroup: V1MemoryCgroup | None, argv: list[str], *,
-                    log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_in_cgroup(cgroup: MemoryCgroup | None, argv: list[str], *,
+                    log: Path | None = None, cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start argv inside `cgroup` (the shell moves itself in, then execs), stdio off pipes:
     a pipe to a reader outside the tree would not survive a checkpoint."""
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
@@ -122,7 +132,7 @@ def start_in_cgroup(cgroup: V1MemoryCgroup | None, argv: list[str], *,
         full = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),
                 *argv]
     try:
-        return subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+        return subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=cwd)
     finally:
         if log:
             out.close()  # type: ignore[union-attr]

@@ -1,5 +1,6 @@
-"""The core promise on the real kernel (cgroup v1) with the real CRIU: a hog that outgrows its
-memory cgroup is checkpointed instead of OOM-killed, and comes back where it was."""
+"""The core promise on the real kernel with the real CRIU: a hog that outgrows its memory cgroup
+is checkpointed instead of OOM-killed, and comes back where it was. Runs on the host (cgroup v1)
+and, unchanged, inside the VM lane on a real cgroup v2 kernel (tests/integration/test_v2_lane.py)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_process_tree_with_children_and_open_files_round_trip(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     cg = cgroups.make("tree", 512 * MiB)
     log = tmp_path / "tree.log"
-    hog = start_in_cgroup(cg, hog_argv(log, target=64, rate=200, count=200, tick=0.02,
+    hog = start_in_cgroup(cg, hog_argv(log, target=64, rate=200, count=600, tick=0.01,
                                       children=2))
     kids = [Path(f"{log}.child{i}") for i in range(2)]
     assert wait_until(lambda: last_count(log) > 20 and all(last_count(k) > 5 for k in kids), 20)
@@ -105,8 +106,8 @@ def test_process_tree_with_children_and_open_files_round_trip(
         assert pid == hog.pid  # CRIU restores the same PIDs
         assert wait_until(lambda: all(last_count(k) > m + 5 for k, m in zip(kids, marks[1:],
                                                                           strict=True)), 20)
-        assert wait_until(lambda: _done_line(log), 30) == "done 200 ok"
-        assert read_counts(log) == list(range(1, 201))
+        assert wait_until(lambda: _done_line(log), 60) == "done 600 ok"
+        assert read_counts(log) == list(range(1, 601))
         for kid in kids:  # each child continued its own count
             assert read_counts(kid) == list(range(1, len(read_counts(kid)) + 1))
     finally:
@@ -121,8 +122,11 @@ def test_exec_workload_restores_in_its_own_pid_namespace(
     log = tmp_path / "exec.log"
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
         guard.wait_event("guard.armed")
+        # cwd: CRIU's parasite mounts a /proc of the namespace in a directory it makes in the
+        # task's working directory, which must be writable (the VM lane's repo is read-only).
         wrapper = start_in_cgroup(None, [*oomguard_argv(store), "exec", "--cgroup", str(small.path),
-                                         "--", *hog_argv(log, target=400, rate=300, count=150)])
+                                         "--", *hog_argv(log, target=400, rate=300, count=150)],
+                                  cwd=tmp_path)
         done = guard.wait_event("checkpoint.done", timeout=60)[0]
         wrapper.wait(timeout=10)
     meta = Store(store).get(done["id"])

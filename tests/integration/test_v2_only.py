@@ -1,0 +1,87 @@
+"""cgroup v2 specifics, on a real v2 kernel (inside the VM lane; skipped on v1 hosts):
+memory.high at the threshold and put back, cgroup.freeze before the dump, crash recovery of a
+frozen cgroup, the detection paths in use."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from oomguard.cgroup.mounts import read_layout
+from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.checkpoint import FROZEN_LEDGER
+from oomguard.ledger import FrozenLedger
+from tests.helpers import (
+    MiB,
+    CgroupFactory,
+    DaemonProcess,
+    daemon,
+    hog_argv,
+    kill_pid,
+    last_count,
+    start_in_cgroup,
+    wait_until,
+)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(read_layout().memory_version != 2,
+                       reason="needs a cgroup v2 memory controller: runs inside the VM lane "
+                              "(tests/integration/test_v2_lane.py)"),
+]
+
+
+def test_memory_high_events_drive_detection_and_high_is_put_back(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("high", 128 * MiB)
+    assert isinstance(cg, V2MemoryCgroup)
+    assert cg.high() is None
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+        armed = guard.wait_event("guard.armed", timeout=60)[0]
+        assert armed["cgroup_version"] == 2
+        assert "memory.high at 85%" in armed["detection"] and "memory.events" in armed["detection"]
+        assert "PSI" in armed["detection"]
+        assert cg.high() == int(128 * MiB * 0.85) // 4096 * 4096  # the kernel keeps whole pages
+        hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=200, rate=100,
+                                           count=100_000))
+        done = guard.wait_event("checkpoint.done", timeout=120)[0]
+        assert hog.wait(timeout=30) == -signal.SIGKILL
+        crossed = guard.events("threshold.crossed")[0]
+        assert crossed["source"] == "event", "v2 crossing should come from memory.events"
+        frozen = guard.events("cgroup.frozen")[0]
+        assert frozen["frozen"] is True
+        print(f"\nv2 detection: event -> cgroup frozen {frozen['detect_to_frozen_ms']} ms, "
+              f"-> victim stopped {guard.events('victim.frozen')[0]['detect_to_frozen_ms']} ms; "
+              f"dump {done['dump_s']} s for {done['image_bytes'] >> 20} MiB")
+    assert cg.high() is None, "memory.high not put back when the guard stopped"
+    assert cg.snapshot().oom_kills == 0
+    assert not cg.is_frozen()
+
+
+def test_a_cgroup_left_frozen_by_a_crash_is_thawed_at_start(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("crash", 256 * MiB)
+    assert isinstance(cg, V2MemoryCgroup)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=16, rate=100, count=100_000))
+    try:
+        assert wait_until(lambda: last_count(log) > 5, 60)
+        # What the daemon does before cgroup.freeze, then "crashes" with the cgroup frozen.
+        store.mkdir(mode=0o700)
+        FrozenLedger(store / FROZEN_LEDGER).record_cgroup(cg.path)
+        cg.freeze()
+        assert cg.wait_frozen(5)
+        mark = last_count(log)
+        proc = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+        try:
+            thawed = proc.wait_event("victim.thawed_after_crash", timeout=60)[0]
+            assert str(cg.path) in thawed["thawed"]
+            assert wait_until(lambda: not cg.is_frozen(), 10)
+            assert wait_until(lambda: last_count(log) > mark + 5, 30), "hog still stuck"
+        finally:
+            proc.stop()
+    finally:
+        kill_pid(hog.pid)
+        hog.wait()
