@@ -25,6 +25,18 @@ class FrozenEntry:
     cgroup: str = ""  # the cgroup directory whose cgroup.freeze we set
 
 
+def _write_json_durably(path: Path, data: object) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, json.dumps(data).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
 class FrozenLedger:
     def __init__(self, path: Path, proc: ProcReader | None = None) -> None:
         self.path = path
@@ -39,25 +51,16 @@ class FrozenLedger:
             return []
 
     def _save(self, entries: list[FrozenEntry]) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps([e.__dict__ for e in entries]).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        tmp.replace(self.path)
+        _write_json_durably(self.path, [e.__dict__ for e in entries])
 
     def record(self, pids: list[int]) -> None:
-        entries = self._load()
-        known = {e.pid for e in entries}
+        """Note the tasks about to be stopped (a stale entry for a reused PID is replaced)."""
+        fresh = {}
         for pid in pids:
-            if pid in known:
-                continue
             with contextlib.suppress(ProcessGone):
-                entries.append(FrozenEntry(pid, self.proc.process(pid).starttime))
-        self._save(entries)
+                fresh[pid] = FrozenEntry(pid, self.proc.process(pid).starttime)
+        entries = [e for e in self._load() if e.cgroup or e.pid not in fresh]
+        self._save(entries + list(fresh.values()))
 
     def clear(self, pids: list[int]) -> None:
         gone = set(pids)
@@ -107,14 +110,13 @@ class SavedLimits:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
-        return {str(k): (None if v is None else int(v)) for k, v in data.items()} \
-            if isinstance(data, dict) else {}
+        if not isinstance(data, dict):
+            return {}
+        return {str(k): v for k, v in data.items()
+                if v is None or (isinstance(v, int) and not isinstance(v, bool))}
 
     def _save(self, data: dict[str, int | None]) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(self.path)
+        _write_json_durably(self.path, data)
 
     def remember(self, key: str, current: int | None) -> int | None:
         """The original value for `key`: the saved one if oomguard already replaced it."""

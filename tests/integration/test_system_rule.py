@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from tests.helpers import (
-    MiB,
     CgroupFactory,
+    MiB,
     daemon,
     hog_argv,
     start_in_cgroup,

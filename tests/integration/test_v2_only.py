@@ -14,9 +14,9 @@ from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.checkpoint import FROZEN_LEDGER
 from oomguard.ledger import FrozenLedger
 from tests.helpers import (
-    MiB,
     CgroupFactory,
     DaemonProcess,
+    MiB,
     daemon,
     hog_argv,
     kill_pid,

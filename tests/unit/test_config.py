@@ -127,7 +127,8 @@ def test_input_dict_not_mutated() -> None:
         ('[criu]\ntimeout = "forever"\n', "criu.timeout", "expected a duration"),
         ('[criu]\ntcp_close = 1\n', "criu.tcp_close", "expected true or false, got 1"),
         ('[criu]\nversion = "4.2"\n', "criu.version", "unknown key"),
-        ("[[guard]]\nthreshold = \"85%\"\n", "guard[0].cgroups", "missing: which cgroups to guard (or system = true)"),
+        ("[[guard]]\nthreshold = \"85%\"\n", "guard[0].cgroups",
+         "missing: which cgroups to guard (or system = true)"),
         ('[[guard]]\ncgroup = "jobs/a"\n', "guard[0].cgroup",
          "cgroup paths must be absolute, got 'jobs/a'"),
         ('[[guard]]\ncgroups = ["/a", "b"]\n', "guard[0].cgroups",
@@ -245,17 +246,28 @@ def test_embedded_config_loads() -> None:
     assert config == DaemonConfig(source=EMBEDDED_CONFIG)
 
 
-def test_shipped_commented_guard_is_valid() -> None:
-    """Uncommenting the documented [[guard]] example must give a valid config."""
+def test_shipped_commented_guards_are_valid() -> None:
+    """Uncommenting each documented [[guard]] example must give a valid config."""
     lines = SHIPPED.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == "# [[guard]]")
-    # "# key = value" -> "key = value"; "# # comment" -> "# comment"
-    uncommented = [line[2:] if line.startswith("# ") else line for line in lines[start:]]
-    text = "\n".join(lines[:start] + uncommented) + "\n"
+    blocks = []
+    for start, line in enumerate(lines):
+        if line.strip() != "# [[guard]]":
+            continue
+        end = start
+        while end < len(lines) and lines[end].startswith("#"):
+            end += 1
+        # "# key = value" -> "key = value"; "# # comment" -> "# comment"
+        blocks.append([ln[2:] if ln.startswith("# ") else ln for ln in lines[start:end]])
+    head = lines[:next(i for i, line in enumerate(lines) if line.strip() == "# [[guard]]")]
+    text = "\n".join(head + [ln for block in blocks for ln in block]) + "\n"
     config = load_config_text(text, "uncommented")
-    assert config.guards == (GuardConfig(cgroups=("/sys/fs/cgroup/memory/jobs/build",),
-                                         threshold=0.85, headroom=64 * MiB, on_failure="thaw",
-                                         events=True),)
+    assert config.guards == (
+        GuardConfig(cgroups=("/sys/fs/cgroup/memory/jobs/build",), threshold=0.85,
+                    headroom=64 * MiB, on_failure="thaw", events=True),
+        GuardConfig(cgroups=(), system=True, min_available=0.10,
+                    victim_cgroups=("/sys/fs/cgroup/user.slice",), headroom=64 * MiB,
+                    on_failure="thaw"),
+    )
 
 
 # -- the CLI -------------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""oomguard.guards: threshold marks, the PSI trigger this process may use, system-guard arming."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from oomguard.config import GuardConfig
+from oomguard.guards import PSI, SystemGuard, arm_system, psi_trigger_for, threshold_marks
+from tests.unit._support import MiB
+
+# -- threshold_marks -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("limit", "threshold", "marks"),
+    [
+        # 256 MiB at 85%: the threshold and halfway to the limit (92.5%)
+        (256 * MiB, 0.85, [int(256 * MiB * 0.85), int(256 * MiB * 0.925)]),
+        (256 * MiB, 0.85, [228170137, 248302796]),
+        (256 * MiB, 1.0, [256 * MiB]),  # both marks at the limit: one
+        (1000, 0.5, [500, 750]),
+        (1000, 0.9, [900, 950]),
+        (1 << 30, 0.75, [(1 << 30) * 3 // 4, (1 << 30) * 7 // 8]),
+        (100, 0.99, [99]),  # 99 and int(99.5) collapse
+    ],
+    ids=["256M-85%", "256M-85%-literal", "100%", "1000-50%", "1000-90%", "1G-75%", "collapse"],
+)
+def test_threshold_marks(limit: int, threshold: float, marks: list[int]) -> None:
+    got = threshold_marks(limit, threshold)
+    assert got == marks
+    assert got == sorted(set(got))
+    assert all(0 < m <= limit for m in got)
+
+
+# -- psi_trigger_for -----------------------------------------------------------------------------
+
+def _proc_root(root: Path, cap_eff: str | None) -> Path:
+    (root / "self").mkdir(parents=True)
+    if cap_eff is not None:
+        (root / "self" / "status").write_text(
+            f"Name:\toomguard\nUid:\t0\t0\t0\t0\nCapPrm:\t{cap_eff}\nCapEff:\t{cap_eff}\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("cap_eff", "trigger"),
+    [
+        ("000001ffffffffff", "some 50000 500000"),  # CAP_SYS_RESOURCE: 500 ms window
+        ("0000000001000000", "some 50000 500000"),
+        ("000001fffeffffff", "some 200000 2000000"),  # without: 2 s window
+        ("0000000000000000", "some 200000 2000000"),
+        (None, "some 200000 2000000"),  # self/status unreadable: assume unprivileged
+    ],
+    ids=["root", "only-sys-resource", "root-minus-sys-resource", "user", "no-status"],
+)
+def test_psi_trigger_for(tmp_path: Path, cap_eff: str | None, trigger: str) -> None:
+    assert psi_trigger_for(str(_proc_root(tmp_path / "proc", cap_eff))) == trigger
+
+
+def test_psi_trigger_for_missing_proc_root(tmp_path: Path) -> None:
+    assert psi_trigger_for(str(tmp_path / "nothing")) == "some 200000 2000000"
+
+
+def test_psi_trigger_for_status_without_capeff(tmp_path: Path) -> None:
+    root = tmp_path / "proc"
+    (root / "self").mkdir(parents=True)
+    (root / "self" / "status").write_text("Name:\tx\nUid:\t0\t0\t0\t0\n")
+    assert psi_trigger_for(str(root)) == "some 200000 2000000"
+
+
+# -- arm_system (a regular file stands in for /proc/pressure/memory) -----------------------------
+
+def _system_guard(psi: bool = True) -> SystemGuard:
+    return SystemGuard(spec=GuardConfig(cgroups=(), system=True, psi=psi))
+
+
+def test_arm_system_registers_psi_trigger(tmp_path: Path) -> None:
+    (tmp_path / "pressure").mkdir()
+    pressure = tmp_path / "pressure" / "memory"
+    pressure.write_bytes(b"")
+    guard = _system_guard()
+    arm_system(guard, "some 200000 2000000", proc_root=str(tmp_path))
+    try:
+        assert list(guard.fds.values()) == [PSI]
+        assert guard.detection == ("MemAvailable (adaptive polling) + "
+                                   "PSI 'some 200000 2000000' on /proc/pressure/memory")
+        assert pressure.read_bytes() == b"some 200000 2000000\0"
+    finally:
+        for fd in guard.fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("psi", [True, False], ids=["no-pressure-file", "psi-off"])
+def test_arm_system_falls_back_to_polling(tmp_path: Path, psi: bool) -> None:
+    if not psi:
+        (tmp_path / "pressure").mkdir()
+        (tmp_path / "pressure" / "memory").write_bytes(b"")
+    guard = _system_guard(psi)
+    arm_system(guard, "some 200000 2000000", proc_root=str(tmp_path))
+    assert guard.fds == {}
+    assert guard.detection == "MemAvailable (adaptive polling)"
+    if not psi:
+        assert (tmp_path / "pressure" / "memory").read_bytes() == b""  # nothing written
