@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from oomguard.cgroup.mounts import read_layout
+from oomguard.cgroup.mounts import parse_mountinfo, read_layout
 from oomguard.criu import Criu, find_criu, format_version
 from oomguard.errors import CriuError
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
@@ -34,6 +34,20 @@ class Check:
 def parse_kernel_version(release: str) -> tuple[int, int]:
     parts = release.split(".")
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def filesystem_type(path: Path, proc_root: str = "/proc") -> str | None:
+    """The type of the filesystem that holds `path` (or would, for a path not made yet)."""
+    probe = path.resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    best: tuple[int, str] | None = None
+    for entry in parse_mountinfo((Path(proc_root) / "self" / "mountinfo").read_text()):
+        if probe.is_relative_to(entry.mount_point):
+            depth = len(entry.mount_point.parts)
+            if best is None or depth >= best[0]:
+                best = (depth, entry.fstype)
+    return best[1] if best else None
 
 
 def _psi_check(proc_root: Path) -> Check:
@@ -104,6 +118,11 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc")
         checks.append(Check("criu check", ok, text, "see `criu check --all` for what is missing"))
     except CriuError as exc:
         checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
+    fs_type = filesystem_type(store, proc_root)
+    if fs_type in ("tmpfs", "ramfs"):
+        checks.append(Check("store filesystem", False, f"{store} is on {fs_type}",
+                            "images on a RAM filesystem free no memory: put the store on disk",
+                            warn_only=True))
     st = Store(store)
     if store.exists():
         mode = store.stat().st_mode & 0o777

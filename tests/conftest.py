@@ -48,5 +48,8 @@ def cgroups(request: pytest.FixtureRequest) -> Iterator[CgroupFactory]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Path:
-    return tmp_path / "store"
+def store(tmp_path: Path) -> Iterator[Path]:
+    """A checkpoint store, deleted after the test (images are large; in the VM lane /tmp is RAM)."""
+    path = tmp_path / "store"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -23,9 +23,13 @@ LANE_SELECT = "not page_cache"
 def test_v2_lane(capsys: pytest.CaptureFixture[str]) -> None:
     if os.environ.get("OOMGUARD_IN_VM_LANE"):
         pytest.skip("already inside the v2 lane")
+    # The guest's /tmp is RAM (and small): test files and checkpoint stores go to the lane's
+    # scratch directory, which is the host's disk shared into the guest.
+    inner = (".venv/bin/python -m pytest -p no:cacheprovider -q -s -rs -o timeout=900 "
+             '--basetemp "$OOMGUARD_VM_SCRATCH/pytest" ' + " ".join(LANE_TESTS)
+             + f" -k '{LANE_SELECT}'")
     argv = [str(REPO / "scripts" / "vm-lane"), "run", "--timeout", "1200", "--",
-            ".venv/bin/python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s", "-rs",
-            "-o", "timeout=900", *LANE_TESTS, "-k", LANE_SELECT]
+            "sh", "-c", inner]
     start = time.monotonic()
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1500,
                             env={**os.environ, "OOMGUARD_IN_VM_LANE": "1"},
