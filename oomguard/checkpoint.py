@@ -7,6 +7,7 @@ raised CheckpointFailed says which and why. A process is never left stopped.
 from __future__ import annotations
 
 import contextlib
+import os
 import pwd
 import time
 from collections.abc import Callable
@@ -98,6 +99,7 @@ class Checkpointer:
         undo_limit: Callable[[], None] | None = None
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         began = False
+        lock_fd: int | None = None
         try:
             if cgroup is not None:
                 snap = cgroup.snapshot()
@@ -109,14 +111,15 @@ class Checkpointer:
             frozen_at = self.clock()
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
-            images = self.store.begin(checkpoint_id)
+            meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            images, lock_fd = self.store.begin(meta)
             began = True
             hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-            self.criu.dump(tree.root.pid, images, hook)
+            self.criu.dump(tree.root.pid, images, hook, lock_fd)
             # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
             self._wait_dead(pids)
             dumped_at = self.clock()
-            meta = self._meta(checkpoint_id, tree, cgroup, reason, dumped_at - frozen_at)
+            meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta)
             done = self.clock()
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
@@ -125,6 +128,8 @@ class Checkpointer:
             outcome = self._fail(pids, on_failure or self.on_failure)
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}", outcome) from exc
         finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
             if undo_limit is not None:
                 with contextlib.suppress(OSError, CgroupGone):
                     undo_limit()

@@ -128,9 +128,12 @@ class Criu:
             tmp.replace(path)
         return path
 
-    def dump(self, pid: int, images_dir: Path, hook: Path | None) -> None:
+    def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None) -> None:
+        """`lock_fd` (an flock'd fd on the checkpoint directory) is inherited by CRIU, so the
+        lock says "a dump is writing here" for as long as CRIU lives, even if we die."""
         argv = dump_argv(self.binary, pid, images_dir, self.options, hook)
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
+                                 pass_fds=() if lock_fd is None else (lock_fd,))
         if result.timed_out:
             raise CriuError(f"criu dump timed out after {self.options.timeout:.0f}s",
                             log_tail(images_dir / DUMP_LOG))

@@ -22,7 +22,8 @@ class CommandResult:
 
 class CommandRunner(Protocol):
     def run(self, argv: Sequence[str], *, timeout: float | None = None,
-            env: Mapping[str, str] | None = None) -> CommandResult: ...
+            env: Mapping[str, str] | None = None,
+            pass_fds: Sequence[int] = ()) -> CommandResult: ...
 
 
 class SubprocessRunner:
@@ -30,11 +31,13 @@ class SubprocessRunner:
     on timeout its whole process group is SIGKILLed."""
 
     def run(self, argv: Sequence[str], *, timeout: float | None = None,
-            env: Mapping[str, str] | None = None) -> CommandResult:
+            env: Mapping[str, str] | None = None,
+            pass_fds: Sequence[int] = ()) -> CommandResult:
         full_env = None if env is None else {**os.environ, **env}
         proc = subprocess.Popen(
             list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=full_env, start_new_session=True, text=True, errors="replace",
+            pass_fds=tuple(pass_fds),
         )
         try:
             out, err = proc.communicate(timeout=timeout)

@@ -6,6 +6,7 @@ and its meta.json written, so a crash never leaves a half checkpoint that looks 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -18,11 +19,16 @@ from typing import Any
 
 from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import StoreError
+from oomguard.integrity import CHECKSUMS, compute, format_sums, verify
 
 DEFAULT_STORE = Path("/var/lib/oomguard")
 META = "meta.json"
 IMAGES = "images"
 PARTIAL_PREFIX = ".partial-"
+STATE_DUMPING = "dumping"
+STATE_CHECKPOINTED = "checkpointed"
+STATE_RESTORED = "restored"
+DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
 
@@ -44,7 +50,7 @@ class CheckpointMeta:
     pidns: bool = False  # the tree is the init of its own PID namespace (`oomguard exec`)
     image_bytes: int = 0
     dump_seconds: float = 0.0
-    state: str = "checkpointed"  # checkpointed | restored
+    state: str = "checkpointed"  # dumping (provisional) | checkpointed | restored
     restored_at: float | None = None
     restored_pid: int | None = None
     restored_cgroup: str | None = None
@@ -117,27 +123,75 @@ class Store:
     def images_of(self, checkpoint_id: str) -> Path:
         return self.path_of(checkpoint_id) / IMAGES
 
-    def begin(self, checkpoint_id: str) -> Path:
-        """A fresh partial directory; returns its images directory."""
+    def begin(self, meta: CheckpointMeta) -> tuple[Path, int]:
+        """A fresh partial directory holding a provisional meta.json (state "dumping", so a
+        restart can finish or discard it), locked (flock) by the returned fd. Returns the
+        images directory and the lock fd: pass it on to CRIU, close it when done."""
         self.ensure()
-        partial = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id))
+        partial = self.root / (PARTIAL_PREFIX + validate_id(meta.id))
         try:
             partial.mkdir(mode=0o700)
             (partial / IMAGES).mkdir(mode=0o700)
+            lock_fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)  # inheritable on purpose
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            meta.state = STATE_DUMPING
+            _write_durably(partial / META, meta.to_json())
         except OSError as exc:
             raise StoreError(f"cannot create checkpoint in {self.root}: {exc.strerror}") from exc
-        return partial / IMAGES
+        return partial / IMAGES, lock_fd
 
     def commit(self, meta: CheckpointMeta) -> Path:
+        """Images durable, checksummed, meta.json final, then the rename that makes it whole."""
         partial = self.root / (PARTIAL_PREFIX + validate_id(meta.id))
         images = partial / IMAGES
         sync_and_drop(str(images))
         meta.image_bytes = dir_size(images)
+        meta.state = STATE_CHECKPOINTED
+        _write_durably(partial / CHECKSUMS, format_sums(compute(images)))
         _write_durably(partial / META, meta.to_json())
         final = self.path_of(meta.id)
         partial.rename(final)
         _fsync_dir(self.root)
         return final
+
+    def verify(self, checkpoint_id: str) -> None:
+        path = self.path_of(checkpoint_id)
+        verify(path / IMAGES, path / CHECKSUMS)
+
+    def recover_partials(self) -> list[tuple[str, str]]:
+        """After a crash: finish the partial checkpoints whose dump completed (CRIU logged
+        success, so the tree is gone and the images were synced by the post-dump hook) and
+        delete the others (their dump failed: CRIU resumed the tree). A partial still locked
+        belongs to a CRIU that is still running: left alone. Returns (id, what was done)."""
+        done = []
+        for partial in self.partials():
+            checkpoint_id = partial.name[len(PARTIAL_PREFIX):]
+            try:
+                fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    done.append((checkpoint_id, "in progress"))
+                    continue
+                log = partial / IMAGES / "dump.log"
+                finished = log.is_file() and DUMP_SUCCESS in log.read_text(errors="replace")
+                try:
+                    meta = CheckpointMeta.from_json((partial / META).read_text())
+                except (OSError, ValueError, TypeError):
+                    meta = None
+                if finished and meta is not None and meta.id == checkpoint_id:
+                    meta.extra["recovered"] = True
+                    self.commit(meta)
+                    done.append((checkpoint_id, "completed"))
+                else:
+                    shutil.rmtree(partial, ignore_errors=True)
+                    done.append((checkpoint_id, "removed"))
+            finally:
+                os.close(fd)
+        return done
 
     def abort(self, checkpoint_id: str) -> None:
         partial = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id))

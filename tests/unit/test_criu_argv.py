@@ -145,7 +145,7 @@ class FakeRunner:
     side_effect: Callable[[Sequence[str]], None] | None = None
 
     def run(self, argv: Sequence[str], *, timeout: float | None = None,
-            env: Mapping[str, str] | None = None) -> CommandResult:
+            env: Mapping[str, str] | None = None, pass_fds: Sequence[int] = ()) -> CommandResult:
         self.calls.append((tuple(argv), timeout))
         if self.side_effect is not None:
             self.side_effect(argv)

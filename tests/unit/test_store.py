@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 from dataclasses import asdict
 from pathlib import Path
@@ -42,8 +43,19 @@ def st(tmp_path: Path) -> Store:
     return Store(tmp_path / "var" / "lib" / "oomguard")
 
 
+def begin_meta(store: Store, meta: CheckpointMeta) -> Path:
+    """Store.begin returns the images dir and a lock fd (handed to CRIU in real use)."""
+    images_dir, lock_fd = store.begin(meta)
+    os.close(lock_fd)
+    return images_dir
+
+
+def begin(store: Store, checkpoint_id: str) -> Path:
+    return begin_meta(store, make_meta(checkpoint_id))
+
+
 def checkpoint(store: Store, meta: CheckpointMeta, images: dict[str, bytes] | None = None) -> Path:
-    images_dir = store.begin(meta.id)
+    images_dir = begin_meta(store, meta)
     for name, data in (images or {"pages-1.img": b"\0" * 8192, "inventory.img": b"inv"}).items():
         (images_dir / name).write_bytes(data)
     return store.commit(meta)
@@ -113,7 +125,8 @@ def test_new_id_is_valid_and_sortable() -> None:
 
 @pytest.mark.parametrize("bad", ["..", "a/b", ".partial-x"])
 def test_paths_validate_ids(st: Store, bad: str) -> None:
-    for call in (st.path_of, st.images_of, st.begin, st.abort, st.get, st.forget):
+    for call in (st.path_of, st.images_of, st.abort, st.get, st.forget,
+                 lambda i: st.begin(make_meta(i))):
         with pytest.raises(StoreError):
             call(bad)
     assert not st.root.exists() or list(st.root.iterdir()) == []
@@ -122,7 +135,7 @@ def test_paths_validate_ids(st: Store, bad: str) -> None:
 # -- begin / commit / abort ----------------------------------------------------------------------
 
 def test_begin_makes_partial(st: Store) -> None:
-    images = st.begin("ck1")
+    images = begin(st, "ck1")
     assert images == st.root / (PARTIAL_PREFIX + "ck1") / IMAGES
     assert images.is_dir()
     assert mode_of(images) == 0o700
@@ -133,9 +146,9 @@ def test_begin_makes_partial(st: Store) -> None:
 
 
 def test_begin_twice_fails(st: Store) -> None:
-    st.begin("ck1")
+    begin(st, "ck1")
     with pytest.raises(StoreError, match="cannot create checkpoint"):
-        st.begin("ck1")
+        begin(st, "ck1")
 
 
 def test_commit(st: Store) -> None:
@@ -144,7 +157,7 @@ def test_commit(st: Store) -> None:
     assert final == st.root / "ck1"
     assert sorted(p.name for p in st.root.iterdir()) == ["ck1"]  # no partial left
     assert st.partials() == []
-    assert sorted(p.name for p in final.iterdir()) == [IMAGES, META]  # no meta.json.tmp
+    assert sorted(p.name for p in final.iterdir()) == ["SHA256SUMS", IMAGES, META]  # no .tmp left
     assert (final / IMAGES / "pages-1.img").read_bytes() == b"x" * 10000
     assert mode_of(final / META) == 0o600
     assert meta.image_bytes == 10300
@@ -180,7 +193,7 @@ def test_meta_missing_optional_keys_take_defaults() -> None:
 
 
 def test_abort_removes_partial(st: Store) -> None:
-    images = st.begin("ck5")
+    images = begin(st, "ck5")
     (images / "pages-1.img").write_bytes(b"z" * 100)
     st.abort("ck5")
     assert not images.parent.exists()
@@ -190,7 +203,7 @@ def test_abort_removes_partial(st: Store) -> None:
 
 
 def test_partial_with_meta_is_not_listed(st: Store) -> None:
-    images = st.begin("ck6")
+    images = begin(st, "ck6")
     (images.parent / META).write_text(make_meta("ck6").to_json())
     assert st.list() == []
     with pytest.raises(StoreError, match="no checkpoint 'ck6'"):
@@ -203,7 +216,7 @@ def test_list_sorted_by_created(st: Store) -> None:
     checkpoint(st, make_meta("b-late", created=300.0))
     checkpoint(st, make_meta("a-early", created=100.0))
     checkpoint(st, make_meta("c-mid", created=200.0))
-    st.begin("d-partial")
+    begin(st, "d-partial")
     assert [m.id for m in st.list()] == ["a-early", "c-mid", "b-late"]
 
 
@@ -256,7 +269,7 @@ def test_forget(st: Store) -> None:
 
 
 def test_forget_leaves_partial_alone(st: Store) -> None:
-    st.begin("ck8")
+    begin(st, "ck8")
     with pytest.raises(StoreError):
         st.forget("ck8")
     assert st.partials() == [st.root / (PARTIAL_PREFIX + "ck8")]
@@ -274,7 +287,7 @@ def test_update(st: Store) -> None:
     assert (again.state, again.restored_pid, again.restored_at, again.restored_cgroup) == (
         "restored", 999, 1_700_000_100.0, "/jobs/bigger")
     assert again.image_bytes == meta.image_bytes
-    assert sorted(p.name for p in (st.root / "ck9").iterdir()) == [IMAGES, META]
+    assert sorted(p.name for p in (st.root / "ck9").iterdir()) == ["SHA256SUMS", IMAGES, META]
 
 
 def test_dir_size_counts_files_recursively(tmp_path: Path) -> None:
