@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ class Checkpointer:
         self.on_failure = on_failure
         self.hook_dir = hook_dir
         self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
+        # One checkpoint at a time: the daemon's own and those asked for on the control socket.
+        self.lock = threading.Lock()
         self.clock = clock
         self.wall_clock = wall_clock
 

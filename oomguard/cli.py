@@ -7,13 +7,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from oomguard import __version__
+from oomguard.backend import Backend, open_backend
 from oomguard.cgroup.mounts import open_cgroup, read_layout
-from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW, tree_of
+from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.config import (
     DEFAULT_CONFIG_PATH,
     DaemonConfig,
@@ -21,10 +22,10 @@ from oomguard.config import (
     load_config,
     load_embedded_config,
 )
+from oomguard.control.client import ControlError
 from oomguard.errors import (
     CheckpointFailed,
     ConfigError,
-    ConfigIssue,
     CriuError,
     OomguardError,
     ProcessGone,
@@ -32,7 +33,6 @@ from oomguard.errors import (
     StoreError,
 )
 from oomguard.logsetup import configure_logging, get_logger
-from oomguard.procfs import ProcReader
 from oomguard.store import Store
 from oomguard.units import format_size, parse_duration, parse_fraction
 
@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="oomguard", description="Checkpoint (CRIU) the top memory consumer of a cgroup "
         "near its limit instead of letting the OOM killer run.")
     parser.add_argument("--version", action="version", version=f"oomguard {__version__}")
-    parser.add_argument("--store", type=Path, help="checkpoint store (default /var/lib/oomguard)")
+    parser.add_argument("--store", type=Path, help="checkpoint store (default /var/lib/oomguard); "
+                        "given, the CLI acts on it directly (root) instead of asking the daemon")
+    parser.add_argument("--socket", type=Path, help="the daemon's control socket (default "
+                        "/run/oomguard/control.sock)")
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                         default="info")
@@ -76,15 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--poll-interval", type=_duration_arg, help="e.g. 100ms")
     run.add_argument("--no-events", action="store_true", help="poll instead of eventfd")
     run.add_argument("--dry-run", action="store_true", help="decide and log, touch nothing")
+    run.add_argument("--auto-restore", action="store_true",
+                     help="restore checkpoints of the --cgroup once they fit again")
     run.add_argument("--criu", help="path to criu (default: auto)")
 
     cp = sub.add_parser("checkpoint", help="checkpoint a process tree now")
     cp.add_argument("pid", type=int)
     cp.add_argument("--reason", default="on demand")
-    cp.add_argument("--on-failure", choices=(ON_FAILURE_THAW, ON_FAILURE_KILL),
-                    default=ON_FAILURE_THAW)
     cp.add_argument("--criu", help="path to criu (default: auto)")
 
+    st = sub.add_parser("status", help="guards, usage, checkpoints, last events")
+    st.add_argument("--json", action="store_true")
     ls = sub.add_parser("list", help="list checkpoints")
     ls.add_argument("--json", action="store_true")
     show = sub.add_parser("show", help="show one checkpoint")
@@ -159,89 +164,64 @@ def _need_root(what: str) -> None:
 # -- commands ------------------------------------------------------------------------------------
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from oomguard.daemon import Daemon
-    from oomguard.wiring import build_checkpointer, build_criu, remove_criu_cgroup
+    from oomguard.rundaemon import check_cgroup_paths, run_daemon
 
     config = _base_config(args)
     if args.cgroup:
         guard = GuardConfig(cgroups=tuple(args.cgroup), threshold=args.threshold,
-                            on_failure=args.on_failure, events=not args.no_events)
+                            on_failure=args.on_failure, events=not args.no_events,
+                            auto_restore=args.auto_restore)
         config = replace(config, guards=(guard,), source="command line")
     if args.poll_interval is not None:
         config = replace(config, poll_interval=args.poll_interval)
     if args.dry_run:
         config = replace(config, dry_run=True)
-    log = get_logger()
+    if args.socket is not None:
+        config = replace(config, socket=args.socket)
     _need_root("oomguard run")
-    layout = read_layout()
-    proc = ProcReader()
-    issues = []
-    for index, guard in enumerate(config.guards):
-        for path in guard.cgroups:
-            try:
-                open_cgroup(path, layout)
-            except ValueError as exc:
-                where = "--cgroup" if args.cgroup else f"guard[{index}].cgroups"
-                issues.append(ConfigIssue(config.source, where, str(exc)))
-    if issues:
-        raise ConfigError(issues)
-    criu = build_criu(config.criu, layout, proc)
-    daemon = Daemon(config, build_checkpointer(config, criu, proc), layout, log, proc=proc)
-    daemon.install_signal_handlers()
-    log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
-             criu=criu.binary, criu_version=".".join(map(str, criu.version)),
-             cgroup_mode=layout.mode, guards=len(config.guards), dry_run=config.dry_run)
-    if not config.guards:
-        log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
-                    "to the config or pass --cgroup")
+    check_cgroup_paths(config, "--cgroup" if args.cgroup else None)
+    return run_daemon(config, get_logger())
+
+
+def _backend(args: argparse.Namespace) -> Backend:
+    config = _base_config(args)
+    return open_backend(config, args.socket, store_given=args.store is not None)
+
+
+def _call(args: argparse.Namespace, method: str, **parameters: Any) -> dict[str, Any]:
+    backend = _backend(args)
     try:
-        daemon.arm()
-        daemon.run()
+        return backend.call(method, **parameters)
     finally:
-        daemon.close()
-        remove_criu_cgroup(layout, proc)
-        log.info("guard.stopped")
-    return EXIT_OK
+        backend.close()
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from oomguard.wiring import build_checkpointer, build_criu, remove_criu_cgroup
-
-    _need_root("oomguard checkpoint")
-    config = _base_config(args)
-    layout = read_layout()
-    proc = ProcReader()
     log = get_logger()
-    tree = tree_of(args.pid, proc)
-    rel = proc.memory_cgroup(args.pid)
-    cgroup = open_cgroup(rel, layout) if rel and layout.memory_mount else None
-    criu = build_criu(config.criu, layout, proc)
-    checkpointer = build_checkpointer(config, criu, proc, on_failure=args.on_failure)
     try:
-        result = checkpointer.checkpoint(tree, cgroup, args.reason)
+        meta = _call(args, "Checkpoint", pid=args.pid, reason=args.reason)["checkpoint"]
     except CheckpointFailed as exc:
         log.error("checkpoint.failed", pid=args.pid, outcome=exc.outcome, error=str(exc))
         return EXIT_FAILED
-    finally:
-        remove_criu_cgroup(layout, proc)
-    meta = result.meta
-    log.info("checkpoint.done", id=meta.id, pid=meta.pid, image_bytes=meta.image_bytes,
-             seconds=round(result.timings.total_s, 3))
-    print(meta.id)
+    except ControlError as exc:
+        log.error("checkpoint.failed", pid=args.pid, error=str(exc))
+        return EXIT_FAILED
+    log.info("checkpoint.done", id=meta["id"], pid=meta["pid"], image_bytes=meta["image_bytes"],
+             seconds=meta.get("seconds"))
+    print(meta["id"])
     return EXIT_OK
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    _need_root("oomguard list")
-    metas = _store(args).list()
+    metas = _call(args, "List")["checkpoints"]
     if args.json:
-        print(json.dumps([asdict(m) for m in metas], indent=2))
+        print(json.dumps(metas, indent=2))
         return EXIT_OK
     rows = [("ID", "PID", "USER", "RSS", "IMAGE", "STATE", "CREATED", "COMMAND")]
     for m in metas:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
-        rows.append((m.id, str(m.pid), m.user, format_size(m.rss_bytes),
-                     format_size(m.image_bytes), m.state, created, m.command[:60]))
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created"]))
+        rows.append((m["id"], str(m["pid"]), m["user"], format_size(m["rss_bytes"]),
+                     format_size(m["image_bytes"]), m["state"], created, m["command"][:60]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
@@ -249,56 +229,49 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    _need_root("oomguard show")
-    store = _store(args)
-    meta = store.get(args.id)
-    print(meta.to_json())
+    print(json.dumps(_call(args, "Show", id=args.id)["checkpoint"], indent=2, sort_keys=True))
     return EXIT_OK
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from oomguard.wiring import build_criu, build_restorer, remove_criu_cgroup
-
-    _need_root("oomguard restore")
-    config = _base_config(args)
-    layout = read_layout()
-    proc = ProcReader()
     log = get_logger()
-    store = Store(config.store)
-    meta = store.get(args.id)
-    target = None
-    original = None
-    if args.cgroup:
-        try:
-            target = open_cgroup(args.cgroup, layout)
-        except ValueError as exc:
-            print(f"oomguard: --cgroup: {exc}", file=sys.stderr)
-            return EXIT_USAGE
-        if not target.exists():
-            print(f"oomguard: --cgroup: {target.path} does not exist", file=sys.stderr)
-            return EXIT_USAGE
-    elif meta.cgroup and layout.memory_mount is not None:
-        candidate = open_cgroup(meta.cgroup, layout)
-        original = candidate if candidate.exists() else None
-    criu = build_criu(config.criu, layout, proc)
-    restorer = build_restorer(config, criu, proc)
     try:
-        result = restorer.restore(args.id, target=target, original=original, force=args.force)
-    except RestoreFailed as exc:
+        result = _call(args, "Restore", id=args.id, cgroup=args.cgroup, force=args.force or None)
+    except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
-    finally:
-        remove_criu_cgroup(layout, proc)
-    log.info("restore.done", id=args.id, pid=result.pid, seconds=round(result.seconds, 3),
-             cgroup=result.meta.restored_cgroup)
-    print(result.pid)
+    log.info("restore.done", id=args.id, pid=result["pid"], seconds=result["seconds"],
+             cgroup=result.get("cgroup"))
+    print(result["pid"])
     return EXIT_OK
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    _need_root("oomguard forget")
-    _store(args).forget(args.id)
+    _call(args, "Forget", id=args.id)
     get_logger().info("checkpoint.forgotten", id=args.id)
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _call(args, "Status")["status"]
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"daemon: {'running' if status.get('daemon') else 'not running (direct access)'}")
+    for guard in status.get("guards", []):
+        usage = guard.get("usage")
+        limit = guard.get("limit")
+        fill = f"{format_size(usage)} / {format_size(limit)}" if usage is not None and limit \
+            else "no limit" if usage is not None else "absent"
+        print(f"guard {guard['cgroup']}: {fill}, act at {guard['threshold']:.0%}; "
+              f"{guard['detection']}")
+    cps = status.get("checkpoints", {})
+    print(f"checkpoints: {cps.get('count', 0)} ({cps.get('checkpointed', 0)} not restored), "
+          f"{format_size(cps.get('bytes', 0))}")
+    for event in status.get("recent_events", [])[-10:]:
+        print(f"  {event.get('time', '')}  {event.get('event')}  "
+              + " ".join(f"{k}={v}" for k, v in event.items()
+                         if k not in ("event", "time", "level")))
     return EXIT_OK
 
 
@@ -334,6 +307,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Any] = {
     "run": cmd_run, "checkpoint": cmd_checkpoint, "list": cmd_list, "show": cmd_show,
+    "status": cmd_status,
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config,
 }

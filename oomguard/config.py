@@ -43,6 +43,9 @@ class GuardConfig:
     system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
     min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
     victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
+    auto_restore: bool = False  # restore this cgroup's checkpoints once memory is free again
+    restore_quiet: float = 10.0  # ...for this long without interruption
+    restore_margin: int = 64 << 20  # room left under the threshold after a restore
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class DaemonConfig:
     poll_interval: float = 0.1
     rescan_interval: float = 2.0
     dry_run: bool = False
+    socket: Path = Path("/run/oomguard/control.sock")
+    store_max_size: int | None = None  # size budget of the store; None: no budget
+    store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go
     criu: CriuConfig = field(default_factory=CriuConfig)
     guards: tuple[GuardConfig, ...] = ()
 
@@ -130,6 +136,9 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     poll = read.take(daemon, "daemon.", "poll_interval", parse_duration, base.poll_interval)
     rescan = read.take(daemon, "daemon.", "rescan_interval", parse_duration, base.rescan_interval)
     dry_run = read.take(daemon, "daemon.", "dry_run", _bool, base.dry_run)
+    socket = read.take(daemon, "daemon.", "socket", lambda v: Path(_str(v)), base.socket)
+    max_size = read.take(daemon, "daemon.", "store_max_size", _size_or_none, base.store_max_size)
+    max_age = read.take(daemon, "daemon.", "store_max_age", _duration_or_none, base.store_max_age)
     read.leftovers(daemon, "daemon.")
     if poll <= 0:
         issues.append(ConfigIssue(source, "daemon.poll_interval", "must be above 0"))
@@ -176,6 +185,11 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
             psi=read.take(table, prefix, "psi", _bool, g.psi),
             system=system, min_available=min_available,
             victim_cgroups=read.take(table, prefix, "victim_cgroups", _cgroup_list, none),
+            auto_restore=read.take(table, prefix, "auto_restore", _bool, g.auto_restore),
+            restore_quiet=read.take(table, prefix, "restore_quiet", parse_duration,
+                                    g.restore_quiet),
+            restore_margin=read.take(table, prefix, "restore_margin", parse_size,
+                                     g.restore_margin),
         )
         guards.append(spec)
         read.leftovers(table, prefix)
@@ -183,7 +197,23 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     if issues:
         raise ConfigError(issues)
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
-                        dry_run=dry_run, criu=criu, guards=tuple(guards))
+                        dry_run=dry_run, socket=socket, store_max_size=max_size,
+                        store_max_age=max_age, criu=criu, guards=tuple(guards))
+
+
+def _size_or_none(value: Any) -> int | None:
+    """A size; "0" or "none" means no limit."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "0"):
+        return None
+    size = parse_size(value)
+    return size or None
+
+
+def _duration_or_none(value: Any) -> float | None:
+    if isinstance(value, str) and value.strip().lower() in ("none", "0"):
+        return None
+    seconds = parse_duration(value)
+    return seconds or None
 
 
 def _size_or_fraction(value: Any) -> float | int:

@@ -34,6 +34,7 @@ class CgroupGuard:
     detection: str = ""
     high_original: int | None = None
     high_set: bool = False
+    quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
 
     @property
     def name(self) -> str:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ class FrozenEntry:
     pid: int  # 0 for a frozen cgroup (v2 cgroup.freeze)
     starttime: int
     cgroup: str = ""  # the cgroup directory whose cgroup.freeze we set
+    owner: int = 0  # the oomguard process that stopped it...
+    owner_start: int = 0  # ...and its start time (PIDs are reused)
 
 
 def _write_json_durably(path: Path, data: object) -> None:
@@ -38,64 +41,106 @@ def _write_json_durably(path: Path, data: object) -> None:
 
 
 class FrozenLedger:
-    def __init__(self, path: Path, proc: ProcReader | None = None) -> None:
+    """Shared by the daemon and the CLI (each entry names the process that wrote it): recovery
+    only touches entries whose owner is dead, and leaves a task that a CRIU of the dead owner
+    is still dumping (it is ptrace-attached) until that CRIU is done."""
+
+    def __init__(self, path: Path, proc: ProcReader | None = None,
+                 owner: int | None = None) -> None:
         self.path = path
         self.proc = proc or ProcReader()
+        self.owner = owner if owner is not None else os.getpid()
+        self._owner_start = self._start_of(self.owner)
+        self._lock = threading.Lock()
+
+    def _start_of(self, pid: int) -> int:
+        try:
+            return self.proc.process(pid).starttime
+        except ProcessGone:
+            return 0
 
     def _load(self) -> list[FrozenEntry]:
         try:
             data = json.loads(self.path.read_text())
-            return [FrozenEntry(int(e["pid"]), int(e["starttime"]), str(e.get("cgroup", "")))
+            return [FrozenEntry(int(e["pid"]), int(e["starttime"]), str(e.get("cgroup", "")),
+                                int(e.get("owner", 0)), int(e.get("owner_start", 0)))
                     for e in data]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return []
 
     def _save(self, entries: list[FrozenEntry]) -> None:
         _write_json_durably(self.path, [e.__dict__ for e in entries])
+
+    def _mine(self, entry: FrozenEntry) -> bool:
+        return (entry.owner == self.owner and entry.owner_start == self._owner_start
+                and self._owner_start > 0)
 
     def record(self, pids: list[int]) -> None:
         """Note the tasks about to be stopped (a stale entry for a reused PID is replaced)."""
         fresh = {}
         for pid in pids:
             with contextlib.suppress(ProcessGone):
-                fresh[pid] = FrozenEntry(pid, self.proc.process(pid).starttime)
-        entries = [e for e in self._load() if e.cgroup or e.pid not in fresh]
-        self._save(entries + list(fresh.values()))
+                fresh[pid] = FrozenEntry(pid, self.proc.process(pid).starttime, "",
+                                         self.owner, self._owner_start)
+        with self._lock:
+            entries = [e for e in self._load() if e.cgroup or e.pid not in fresh]
+            self._save(entries + list(fresh.values()))
 
     def clear(self, pids: list[int]) -> None:
         gone = set(pids)
-        self._save([e for e in self._load() if e.pid not in gone or e.cgroup])
+        with self._lock:
+            self._save([e for e in self._load() if e.pid not in gone or e.cgroup])
 
     def record_cgroup(self, directory: Path) -> None:
-        entries = self._load()
-        if not any(e.cgroup == str(directory) for e in entries):
-            entries.append(FrozenEntry(0, 0, str(directory)))
-        self._save(entries)
+        with self._lock:
+            entries = self._load()
+            if not any(e.cgroup == str(directory) for e in entries):
+                entries.append(FrozenEntry(0, 0, str(directory), self.owner, self._owner_start))
+            self._save(entries)
 
     def clear_cgroup(self, directory: Path) -> None:
-        self._save([e for e in self._load() if e.cgroup != str(directory)])
+        with self._lock:
+            self._save([e for e in self._load() if e.cgroup != str(directory)])
+
+    def _owner_alive(self, entry: FrozenEntry) -> bool:
+        if self._mine(entry):
+            return True
+        return (entry.owner > 0 and entry.owner_start > 0
+                and self._start_of(entry.owner) == entry.owner_start)
 
     def recover(self) -> list[str]:
-        """Thaw every recorded cgroup and SIGCONT every recorded task that still exists as the
-        same process; returns what was thawed."""
+        """Thaw what dead oomguard processes left stopped: each recorded cgroup, and each task
+        that still exists as the same process and is not being dumped right now. Returns what
+        was thawed; entries still pending stay (see `pending`)."""
         thawed: list[str] = []
-        for entry in self._load():
-            if entry.cgroup:
-                with contextlib.suppress(OSError):
-                    (Path(entry.cgroup) / "cgroup.freeze").write_text("0")
-                    thawed.append(entry.cgroup)
-                continue
-            try:
-                info = self.proc.process(entry.pid)
-            except ProcessGone:
-                continue
-            if info.starttime != entry.starttime:
-                continue  # the PID was reused: not ours
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(entry.pid, signal.SIGCONT)
-                thawed.append(str(entry.pid))
-        self._save([])
+        with self._lock:
+            keep = []
+            for entry in self._load():
+                if self._owner_alive(entry):
+                    keep.append(entry)
+                elif entry.cgroup:
+                    with contextlib.suppress(OSError):
+                        (Path(entry.cgroup) / "cgroup.freeze").write_text("0")
+                        thawed.append(entry.cgroup)
+                else:
+                    try:
+                        info = self.proc.process(entry.pid)
+                    except ProcessGone:
+                        continue
+                    if info.starttime != entry.starttime or info.state in ("Z", "X"):
+                        continue  # the PID was reused (not ours), or the task is dead
+                    if info.tracer_pid:
+                        keep.append(entry)  # a CRIU is at work on it: it decides
+                        continue
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(entry.pid, signal.SIGCONT)
+                        thawed.append(str(entry.pid))
+            self._save(keep)
         return thawed
+
+    def pending(self) -> bool:
+        """Entries left by dead owners that could not be settled yet."""
+        return any(not self._owner_alive(e) for e in self._load())
 
 
 class SavedLimits:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections import deque
 from typing import Any, TextIO
 
 import structlog
@@ -31,3 +33,33 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
 
 def get_logger(**bound: Any) -> Any:
     return structlog.get_logger("oomguard").bind(**bound)
+
+
+class RecordingLogger:
+    """A logger that also keeps the last events of note (warnings and up, and checkpoints and
+    restores) for `oomguard status`."""
+
+    NOTABLE = ("checkpoint.", "restore.", "threshold.crossed", "oom.", "victim.", "store.")
+
+    def __init__(self, log: Any, keep: int = 50) -> None:
+        self.log = log
+        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+
+    def _record(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        if level in ("warning", "error") or event.startswith(self.NOTABLE):
+            keep = {k: v for k, v in fields.items()
+                    if isinstance(v, str | int | float | bool) and k not in ("path",)}
+            self.recent.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level,
+                                "event": event, **keep})
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._record("info", event, fields)
+        self.log.info(event, **fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._record("warning", event, fields)
+        self.log.warning(event, **fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._record("error", event, fields)
+        self.log.error(event, **fields)

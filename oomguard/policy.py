@@ -64,10 +64,11 @@ OOM_SCORE_ADJ_MIN = -1000  # "never kill this": respected as "never checkpoint t
 
 
 def is_protected(proc: ProcessInfo, protected_pids: frozenset[int]) -> bool:
-    """Never a victim: PID 1, kernel threads, oomguard itself and its helpers (CRIU), and
-    processes that opted out of OOM handling with oom_score_adj = -1000."""
+    """Never a victim: PID 1, kernel threads, oomguard itself and its helpers (CRIU), processes
+    that opted out of OOM handling with oom_score_adj = -1000, and traced processes (a
+    debugger, or a CRIU already dumping it: ptrace allows one tracer)."""
     return (proc.pid == 1 or proc.kernel_thread or proc.pid in protected_pids or proc.ppid == 2
-            or proc.oom_score_adj <= OOM_SCORE_ADJ_MIN)
+            or proc.oom_score_adj <= OOM_SCORE_ADJ_MIN or proc.tracer_pid != 0)
 
 
 def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]) -> list[ProcessTree]:
@@ -133,3 +134,13 @@ def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:
     if snapshot.limit_bytes - snapshot.usage_bytes >= headroom:
         return None
     return snapshot.usage_bytes + headroom
+
+
+def restore_fits(snapshot: MemorySnapshot, image_bytes: int, margin: int,
+                 threshold: float) -> bool:
+    """Auto-restore only when the checkpoint fits back with room to spare: usage plus the image
+    plus a margin stays under the threshold, so a restore never lands straight back in the
+    pressure that caused the checkpoint (hysteresis)."""
+    if snapshot.limit_bytes is None:
+        return True
+    return snapshot.usage_bytes + image_bytes + margin <= threshold * snapshot.limit_bytes

@@ -37,6 +37,7 @@ class StatusFields:
     uid: int
     rss_bytes: int
     nspid: tuple[int, ...]  # PID in each nested PID namespace, outermost first
+    tracer_pid: int = 0  # a ptrace tracer (CRIU while it dumps), 0 if none
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ProcessInfo:
     kernel_thread: bool
     nspid: tuple[int, ...]
     oom_score_adj: int = 0
+    tracer_pid: int = 0
 
     @property
     def is_pidns_init(self) -> bool:
@@ -88,6 +90,7 @@ def parse_status(text: str) -> StatusFields:
     """Parse /proc/PID/status (VmRSS is absent for kernel threads and zombies: 0)."""
     uid = -1
     rss_kib = 0
+    tracer = 0
     nspid: tuple[int, ...] = ()
     for line in text.splitlines():
         key, _, value = line.partition(":")
@@ -97,9 +100,11 @@ def parse_status(text: str) -> StatusFields:
             rss_kib = int(value.split()[0])
         elif key == "NSpid":
             nspid = tuple(int(v) for v in value.split())
+        elif key == "TracerPid":
+            tracer = int(value.split()[0])
     if uid < 0:
         raise ValueError("malformed /proc/PID/status: no Uid line")
-    return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid)
+    return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid, tracer_pid=tracer)
 
 
 def parse_cmdline(raw: bytes) -> tuple[str, ...]:
@@ -139,6 +144,7 @@ class ProcReader:
             kernel_thread=bool(stat.flags & PF_KTHREAD),
             nspid=status.nspid or (stat.pid,),
             oom_score_adj=oom_score_adj,
+            tracer_pid=status.tracer_pid,
         )
 
     def processes(self, pids: list[int]) -> list[ProcessInfo]:

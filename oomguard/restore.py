@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
-from oomguard.errors import CgroupGone, CriuError, RestoreFailed
+from oomguard.errors import CgroupGone, CriuError, RestoreFailed, StoreError
 from oomguard.freezer import Freezer
 from oomguard.procfs import ProcReader
 from oomguard.store import IMAGES, CheckpointMeta, Store
@@ -104,6 +104,10 @@ class Restorer:
         """Restore into `target` (or the original cgroup, `original` being it when it exists)."""
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
+        try:
+            self.store.verify(checkpoint_id)
+        except StoreError as exc:
+            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
         start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)

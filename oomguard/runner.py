@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,22 +29,30 @@ class CommandRunner(Protocol):
 
 class SubprocessRunner:
     """Runs a command in a new session (setsid: what it starts does not belong to ours);
-    on timeout its whole process group is SIGKILLed."""
+    on timeout its whole process group is SIGKILLed. Output goes to unlinked temporary files,
+    not pipes: if oomguard dies, CRIU is not killed by SIGPIPE half way through a dump, and
+    finishes (or fails and resumes the tree) on its own."""
 
     def run(self, argv: Sequence[str], *, timeout: float | None = None,
             env: Mapping[str, str] | None = None,
             pass_fds: Sequence[int] = ()) -> CommandResult:
         full_env = None if env is None else {**os.environ, **env}
-        proc = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=full_env, start_new_session=True, text=True, errors="replace",
-            pass_fds=tuple(pass_fds),
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            return CommandResult(tuple(argv), -signal.SIGKILL, out, err, timed_out=True)
-        return CommandResult(tuple(argv), proc.returncode, out, err)
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                env=full_env, start_new_session=True, pass_fds=tuple(pass_fds),
+            )
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                timed_out = True
+            out.seek(0)
+            err.seek(0)
+            stdout = out.read().decode(errors="replace")
+            stderr = err.read().decode(errors="replace")
+        code = -signal.SIGKILL if timed_out else proc.returncode
+        return CommandResult(tuple(argv), code, stdout, stderr, timed_out=timed_out)

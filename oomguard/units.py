@@ -11,8 +11,8 @@ import re
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(i?B?)?\s*$", re.IGNORECASE)
 _SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_DURATION_SCALE = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_SCALE = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
 def parse_size(value: str | int) -> int:
@@ -31,7 +31,7 @@ def parse_size(value: str | int) -> int:
 
 
 def parse_duration(value: str | int | float) -> float:
-    """'150ms', '2s', '5m', 3 -> seconds."""
+    """'150ms', '2s', '5m', '7d', 3 -> seconds."""
     if isinstance(value, bool):
         raise ValueError(f"expected a duration such as '150ms' or '2s', got {value!r}")
     if isinstance(value, int | float):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
@@ -15,6 +17,7 @@ from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.freezer import SigstopFreezer
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
+from oomguard.service import Service
 from oomguard.store import Store
 
 CRIU_CGROUP_NAME = "oomguard-criu"
@@ -71,3 +74,13 @@ def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
     if parent is not None:
         with contextlib.suppress(OSError):
             parent.child(f"{CRIU_CGROUP_NAME}-{os.getpid()}").remove()
+
+
+def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
+                  with_criu: bool = True, checkpointer: Checkpointer | None = None,
+                  status: Callable[[], dict[str, Any]] | None = None) -> Service:
+    """The verbs of the control socket. Without CRIU (list/show/forget) nothing is probed."""
+    store = Store(config.store)
+    criu = build_criu(config.criu, layout, proc) if with_criu else Criu(binary="criu", version=())
+    return Service(store, Restorer(criu, store, SigstopFreezer(proc), proc),
+                   checkpointer or build_checkpointer(config, criu, proc), layout, proc, status)

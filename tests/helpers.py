@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -164,12 +165,19 @@ def parse_events(text: str) -> list[dict[str, Any]]:
     return events
 
 
-class DaemonProcess:
-    """`oomguard run` as a real process, its JSON log in a file."""
+def short_socket_path() -> Path:
+    """A control socket path well under the 108-byte limit of sun_path."""
+    return Path(tempfile.mkdtemp(prefix="og-", dir="/tmp")) / "control.sock"
 
-    def __init__(self, store: Path, log: Path, *args: str) -> None:
+
+class DaemonProcess:
+    """`oomguard run` as a real process, its JSON log in a file, its own control socket."""
+
+    def __init__(self, store: Path, log: Path, *args: str, socket: Path | None = None) -> None:
         self.log = log
-        self.handle = subprocess.Popen(oomguard_argv(store, "run", *args), cwd=REPO,
+        self.socket = socket or short_socket_path()
+        self.handle = subprocess.Popen(oomguard_argv(store, "--socket", str(self.socket), "run",
+                                                     *args), cwd=REPO,
                                        stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)
 
@@ -196,8 +204,9 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon(store: Path, log: Path, *args: str) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(store, log, *args)
+def daemon(store: Path, log: Path, *args: str,
+           socket: Path | None = None) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(store, log, *args, socket=socket)
     try:
         yield proc
     finally:

@@ -93,7 +93,7 @@ def test_parse_duration(value: str | float, expected: float) -> None:
         ("2 min", "expected a duration"),
         ("2S", "expected a duration"),  # units are case-sensitive: M would be ambiguous
         ("-1s", "expected a duration"),
-        ("1d", "expected a duration"),
+        ("1w", "expected a duration"),
         (-1, "cannot be negative"),
         (-0.5, "cannot be negative"),
         (True, "expected a duration"),

@@ -1,0 +1,130 @@
+"""What the control socket (and the CLI, acting directly as root) may do, and for whom.
+
+Root may see and act on every checkpoint. Any other user may list, show, restore and forget
+only checkpoints of processes they owned, checkpoint only their own processes, and restore only
+into the checkpoint's own cgroup or one delegated to them. Everything else is refused, and a
+checkpoint a user may not see is reported as not found (its existence is not leaked).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
+from oomguard.checkpoint import Checkpointer, tree_of
+from oomguard.errors import OomguardError, ProcessGone, RestoreFailed, StoreError
+from oomguard.procfs import ProcReader
+from oomguard.restore import Restorer
+from oomguard.store import CheckpointMeta, Store, validate_id
+
+ROOT = 0
+
+
+class PermissionDenied(OomguardError):
+    """The caller may not do this."""
+
+
+class Service:
+    def __init__(self, store: Store, restorer: Restorer, checkpointer: Checkpointer,
+                 layout: CgroupLayout, proc: ProcReader | None = None,
+                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.store = store
+        self.restorer = restorer
+        self.checkpointer = checkpointer
+        self.layout = layout
+        self.proc = proc or ProcReader()
+        self._status = status
+        self.restore_lock = threading.Lock()
+
+    # -- authorization ---------------------------------------------------------------------------
+
+    def _visible(self, uid: int, checkpoint_id: str) -> CheckpointMeta:
+        validate_id(checkpoint_id)
+        try:
+            meta = self.store.get(checkpoint_id)
+        except StoreError:
+            meta = None
+        if meta is None or (uid != ROOT and meta.uid != uid):
+            raise StoreError(f"no checkpoint {checkpoint_id!r}"
+                             + ("" if uid == ROOT else " of yours"))
+        return meta
+
+    def _target_cgroup(self, uid: int, path: str | None, meta: CheckpointMeta
+                       ) -> tuple[MemoryCgroup | None, MemoryCgroup | None]:
+        """(target, original): where to restore. A user may name only a cgroup delegated to
+        them (they own its cgroup.procs); otherwise anyone could escape their limit."""
+        if path:
+            try:
+                target = open_cgroup(path, self.layout)
+            except ValueError as exc:
+                raise RestoreFailed(f"--cgroup: {exc}") from None
+            if not target.exists():
+                raise RestoreFailed(f"target cgroup {target.path} does not exist")
+            if uid != ROOT and target.rel_path != meta.cgroup:
+                try:
+                    owner = os.stat(target.path / "cgroup.procs").st_uid
+                except OSError:
+                    owner = -1
+                if owner != uid:
+                    raise PermissionDenied(f"you may restore only into the checkpoint's own "
+                                           f"cgroup or one delegated to you, not {target.path}")
+            return target, None
+        if meta.cgroup and self.layout.memory_mount is not None:
+            original = open_cgroup(meta.cgroup, self.layout)
+            return None, original if original.exists() else None
+        return None, None
+
+    # -- verbs ---------------------------------------------------------------------------------------
+
+    def list(self, uid: int) -> list[dict[str, Any]]:
+        return [asdict(m) for m in self.store.list() if uid == ROOT or m.uid == uid]
+
+    def show(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
+        return asdict(self._visible(uid, checkpoint_id))
+
+    def forget(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
+        meta = self._visible(uid, checkpoint_id)
+        self.store.forget(meta.id)
+        return {"id": meta.id}
+
+    def restore(self, uid: int, checkpoint_id: str, cgroup: str | None = None,
+                force: bool = False) -> dict[str, Any]:
+        meta = self._visible(uid, checkpoint_id)
+        target, original = self._target_cgroup(uid, cgroup, meta)
+        with self.restore_lock:
+            result = self.restorer.restore(meta.id, target=target, original=original, force=force)
+        return {"id": meta.id, "pid": result.pid, "seconds": round(result.seconds, 3),
+                "cgroup": result.meta.restored_cgroup}
+
+    def checkpoint(self, uid: int, pid: int, reason: str = "on demand") -> dict[str, Any]:
+        try:
+            tree = tree_of(pid, self.proc)
+        except ProcessGone:
+            raise ProcessGone(f"no process {pid}") from None
+        if uid != ROOT and tree.root.uid != uid:
+            raise PermissionDenied(f"process {pid} is not yours")
+        try:
+            rel = self.proc.memory_cgroup(pid)
+        except ProcessGone:
+            rel = None
+        cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
+        result = self.checkpointer.checkpoint(tree, cgroup, reason)
+        return {**asdict(result.meta), "seconds": round(result.timings.total_s, 3)}
+
+    def status(self, uid: int) -> dict[str, Any]:
+        status: dict[str, Any] = dict(self._status()) if self._status else {"daemon": False}
+        checkpoints = self.store.list()
+        mine = [m for m in checkpoints if uid == ROOT or m.uid == uid]
+        status["checkpoints"] = {
+            "count": len(mine),
+            "checkpointed": sum(1 for m in mine if m.state == "checkpointed"),
+            "bytes": sum(m.image_bytes for m in mine),
+        }
+        if uid != ROOT:
+            status.pop("recent_events", None)
+        return status
