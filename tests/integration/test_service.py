@@ -302,7 +302,7 @@ def test_three_checkpoint_restore_cycles_of_an_exec_workload(
     pid = reader.children_of(wrapper.pid)[0]  # PID 1 of the namespace, seen from the host
     try:
         for cycle in range(3):
-            assert wait_until(lambda: last_count(log) > 40 * (cycle + 1), 30)
+            assert wait_until(lambda c=cycle: last_count(log) > 40 * (c + 1), 30)
             result = run_oomguard(store, "checkpoint", str(pid))
             assert result.returncode == 0, result.stderr
             assert Store(store).get(result.stdout.strip()).pidns
