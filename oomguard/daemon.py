@@ -12,7 +12,6 @@ import contextlib
 import os
 import select
 import signal
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig
-from oomguard.errors import CgroupGone, CheckpointFailed, ProcessGone, RestoreFailed, StoreError
+from oomguard.errors import CgroupGone, CheckpointFailed, ProcessGone
 from oomguard.guards import (
     EPOLL_MASK,
     CgroupGuard,
@@ -37,6 +36,7 @@ from oomguard.guards import (
     consume,
     psi_trigger_for,
 )
+from oomguard.keeper import StoreKeeper
 from oomguard.ledger import SavedLimits
 from oomguard.policy import (
     ProcessTree,
@@ -45,12 +45,10 @@ from oomguard.policy import (
     build_trees,
     evaluate,
     rank_victims,
-    restore_fits,
     system_candidates,
 )
 from oomguard.procfs import ProcReader
-from oomguard.restore import Restorer, memory_pages_bytes
-from oomguard.retention import Stored, choose_prunes
+from oomguard.restore import Restorer
 from oomguard.units import format_size
 
 MAX_VICTIM_ATTEMPTS = 3
@@ -63,8 +61,7 @@ CGROUP_FREEZE_TIMEOUT = 0.25
 WORST_GROWTH_BYTES_PER_S = 6e9
 SYSTEM_MAX_POLL = 1.0
 SAVED_HIGH = ".memory-high.json"
-PRUNE_INTERVAL = 60.0
-RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long
+
 
 
 class Daemon:
@@ -92,20 +89,14 @@ class Daemon:
         self._next_system_poll = 0.0
         self.saved_high = SavedLimits(config.store / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
-        self.restorer = restorer
-        self.wall_clock = wall_clock
-        self.store = checkpointer.store
-        self._next_prune = 0.0
-        self._restoring: threading.Thread | None = None
-        self._restore_backoff: dict[str, float] = {}
-        self._partials_busy = False
+        self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
+                                  restorer=restorer, clock=clock, wall_clock=wall_clock)
 
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
-        self._recover_store()
-        self._thaw_leftovers()
-        self._prune()
+        self.keeper.recover()
+        self.keeper.prune()
         for spec in self.config.guards:
             if spec.system:
                 system = SystemGuard(spec=spec)
@@ -281,13 +272,8 @@ class Daemon:
                 self._arm_cgroup(guard)
             self._note_oom_kills(guard, snap)
             if guard.spec.auto_restore and guard.present:
-                self._consider_restore(guard, snap)
-        if self._partials_busy:
-            self._recover_store()
-        if self.checkpointer.ledger.pending():
-            self._thaw_leftovers()
-        if self.clock() >= self._next_prune:
-            self._prune()
+                self.keeper.consider_restore(guard, snap)
+        self.keeper.tick()
 
     def _cgroup_gone(self, guard: CgroupGuard) -> None:
         if guard.present:
@@ -303,81 +289,6 @@ class Daemon:
                            kills=snap.oom_kills - guard.oom_kills,
                            explanation="the kernel OOM killer acted before oomguard could")
         guard.oom_kills = snap.oom_kills
-
-    # -- the store: crash recovery, retention, auto-restore ------------------------------------
-
-    def _thaw_leftovers(self) -> None:
-        thawed = self.checkpointer.ledger.recover()
-        if thawed:
-            self.log.warning("victim.thawed_after_crash", thawed=thawed,
-                             explanation="a previous run stopped these and did not finish")
-
-    def _recover_store(self) -> None:
-        self._partials_busy = False
-        for checkpoint_id, what in self.store.recover_partials():
-            if what == "completed":
-                self.log.warning("checkpoint.recovered", id=checkpoint_id,
-                                 explanation="the dump had finished when the last run died")
-            elif what == "removed":
-                self.log.warning("checkpoint.partial_removed", id=checkpoint_id,
-                                 explanation="an unfinished dump of the last run; its process "
-                                 "was resumed by CRIU")
-            else:
-                self._partials_busy = True
-                self.log.info("checkpoint.partial_busy", id=checkpoint_id,
-                              explanation="CRIU of the last run is still writing it; "
-                              "looked at again on every rescan")
-
-    def _prune(self) -> None:
-        self._next_prune = self.clock() + PRUNE_INTERVAL
-        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in self.store.list()]
-        for prune in choose_prunes(items, self.wall_clock(), self.config.store_max_size,
-                                   self.config.store_max_age):
-            try:
-                self.store.forget(prune.id)
-            except StoreError:
-                continue
-            self.log.warning("store.pruned", id=prune.id, bytes=prune.size, reason=prune.reason)
-
-    def _consider_restore(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
-        """Bring back this cgroup's oldest checkpoint once it fits under the threshold with a
-        margin, for `restore_quiet` without interruption; one restore at a time."""
-        if self._restoring is not None and self._restoring.is_alive():
-            return
-        now = self.clock()
-        waiting = [m for m in self.store.list()
-                   if m.state == "checkpointed" and m.cgroup == guard.cgroup.rel_path
-                   and self._restore_backoff.get(m.id, 0.0) <= now]
-        if not waiting or self.restorer is None:
-            guard.quiet_since = None
-            return
-        meta = waiting[0]
-        need = memory_pages_bytes(self.store, meta.id)
-        if not restore_fits(snap, need, guard.spec.restore_margin, guard.spec.threshold):
-            guard.quiet_since = None
-            return
-        if guard.quiet_since is None:
-            guard.quiet_since = now
-        if now - guard.quiet_since < guard.spec.restore_quiet:
-            return
-        guard.quiet_since = None
-        self.log.info("restore.auto", id=meta.id, cgroup=guard.name, image_bytes=need,
-                      usage=snap.usage_bytes, limit=snap.limit_bytes)
-        self._restoring = threading.Thread(target=self._auto_restore, args=(guard, meta.id),
-                                           name="oomguard-restore", daemon=True)
-        self._restoring.start()
-
-    def _auto_restore(self, guard: CgroupGuard, checkpoint_id: str) -> None:
-        assert self.restorer is not None
-        try:
-            result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
-        except (RestoreFailed, StoreError) as exc:
-            self._restore_backoff[checkpoint_id] = self.clock() + RESTORE_BACKOFF
-            self.log.error("restore.failed", id=checkpoint_id, cgroup=guard.name, auto=True,
-                           error=str(exc), retry_in_s=RESTORE_BACKOFF)
-            return
-        self.log.warning("restore.done", id=checkpoint_id, pid=result.pid, auto=True,
-                         cgroup=guard.name, seconds=round(result.seconds, 3))
 
     def status(self) -> dict[str, Any]:
         guards = []
@@ -556,7 +467,7 @@ class Daemon:
                 commit_s=round(t.commit_s, 3),
                 mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
                 usage_after=self._usage(cgroup), path=str(result.path), **fields)
-            self._prune()
+            self.keeper.prune()
             return
 
     @staticmethod

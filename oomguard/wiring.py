@@ -39,6 +39,7 @@ def criu_cgroup(layout: CgroupLayout, proc: ProcReader, limit: int) -> MemoryCgr
     parent = own_memory_cgroup(layout, proc)
     if parent is None:
         return None
+    remove_stale_criu_cgroups(parent, proc)
     child = parent.child(f"{CRIU_CGROUP_NAME}-{os.getpid()}")
     try:
         child.create()
@@ -46,6 +47,20 @@ def criu_cgroup(layout: CgroupLayout, proc: ProcReader, limit: int) -> MemoryCgr
     except (OSError, CgroupGone):
         return None
     return child
+
+
+def remove_stale_criu_cgroups(parent: MemoryCgroup, proc: ProcReader) -> None:
+    """CRIU cgroups of oomguard processes that died without cleaning up (empty ones only)."""
+    prefix = f"{CRIU_CGROUP_NAME}-"
+    try:
+        entries = list(parent.path.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        owner = entry.name[len(prefix):]
+        if entry.name.startswith(prefix) and owner.isdigit() and not proc.exists(int(owner)):
+            with contextlib.suppress(OSError):
+                entry.rmdir()  # fails while a CRIU of the dead owner still runs in it
 
 
 def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader) -> Criu:

@@ -124,7 +124,7 @@ def test_sigterm_is_handled_while_guarding(cgroups: CgroupFactory, store: Path,
     finally:
         daemon.stop()
     # The CRIU cgroup the daemon made beneath its own is gone again.
-    assert not any("oomguard-criu" in p.name for p in cg.path.parent.iterdir())
+    assert not (cg.path.parent / f"oomguard-criu-{daemon.handle.pid}").exists()
 
 
 def test_guarded_cgroup_removed_and_recreated(cgroups: CgroupFactory, store: Path,

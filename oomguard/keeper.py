@@ -1,0 +1,127 @@
+"""Keeping the checkpoint store: finishing or discarding what a crashed run left, thawing what
+it left stopped, pruning by age and size, and bringing checkpoints back once they fit."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from oomguard.cgroup.base import MemorySnapshot
+from oomguard.config import DaemonConfig
+from oomguard.errors import RestoreFailed, StoreError
+from oomguard.guards import CgroupGuard
+from oomguard.ledger import FrozenLedger
+from oomguard.policy import restore_fits
+from oomguard.restore import Restorer, memory_pages_bytes
+from oomguard.retention import Stored, choose_prunes
+from oomguard.store import Store
+
+PRUNE_INTERVAL = 60.0
+RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long
+
+
+class StoreKeeper:
+    def __init__(self, store: Store, ledger: FrozenLedger, config: DaemonConfig, log: Any, *,
+                 restorer: Restorer | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.config = config
+        self.log = log
+        self.restorer = restorer
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._next_prune = 0.0
+        self._restoring: threading.Thread | None = None
+        self._restore_backoff: dict[str, float] = {}
+        self._partials_busy = False
+
+    def recover(self) -> None:
+        """At start: partial dumps first (a CRIU still at work keeps its tasks), then thaw."""
+        self._recover_store()
+        self._thaw_leftovers()
+
+    def tick(self) -> None:
+        """On every rescan: what could not be settled at start, and retention now and then."""
+        if self._partials_busy:
+            self._recover_store()
+        if self.ledger.pending():
+            self._thaw_leftovers()
+        if self.clock() >= self._next_prune:
+            self.prune()
+
+    def _thaw_leftovers(self) -> None:
+        thawed = self.ledger.recover()
+        if thawed:
+            self.log.warning("victim.thawed_after_crash", thawed=thawed,
+                             explanation="a previous run stopped these and did not finish")
+
+    def _recover_store(self) -> None:
+        self._partials_busy = False
+        for checkpoint_id, what in self.store.recover_partials():
+            if what == "completed":
+                self.log.warning("checkpoint.recovered", id=checkpoint_id,
+                                 explanation="the dump had finished when the last run died")
+            elif what == "removed":
+                self.log.warning("checkpoint.partial_removed", id=checkpoint_id,
+                                 explanation="an unfinished dump of the last run; its process "
+                                 "was resumed by CRIU")
+            else:
+                self._partials_busy = True
+                self.log.info("checkpoint.partial_busy", id=checkpoint_id,
+                              explanation="CRIU of the last run is still writing it; "
+                              "looked at again on every rescan")
+
+    def prune(self) -> None:
+        self._next_prune = self.clock() + PRUNE_INTERVAL
+        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in self.store.list()]
+        for prune in choose_prunes(items, self.wall_clock(), self.config.store_max_size,
+                                   self.config.store_max_age):
+            try:
+                self.store.forget(prune.id)
+            except StoreError:
+                continue
+            self.log.warning("store.pruned", id=prune.id, bytes=prune.size, reason=prune.reason)
+
+    def consider_restore(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
+        """Bring back this cgroup's oldest checkpoint once it fits under the threshold with a
+        margin, for `restore_quiet` without interruption; one restore at a time."""
+        if self._restoring is not None and self._restoring.is_alive():
+            return
+        now = self.clock()
+        waiting = [m for m in self.store.list()
+                   if m.state == "checkpointed" and m.cgroup == guard.cgroup.rel_path
+                   and self._restore_backoff.get(m.id, 0.0) <= now]
+        if not waiting or self.restorer is None:
+            guard.quiet_since = None
+            return
+        meta = waiting[0]
+        need = memory_pages_bytes(self.store, meta.id)
+        if not restore_fits(snap, need, guard.spec.restore_margin, guard.spec.threshold):
+            guard.quiet_since = None
+            return
+        if guard.quiet_since is None:
+            guard.quiet_since = now
+        if now - guard.quiet_since < guard.spec.restore_quiet:
+            return
+        guard.quiet_since = None
+        self.log.info("restore.auto", id=meta.id, cgroup=guard.name, image_bytes=need,
+                      usage=snap.usage_bytes, limit=snap.limit_bytes)
+        self._restoring = threading.Thread(target=self._auto_restore, args=(guard, meta.id),
+                                           name="oomguard-restore", daemon=True)
+        self._restoring.start()
+
+    def _auto_restore(self, guard: CgroupGuard, checkpoint_id: str) -> None:
+        assert self.restorer is not None
+        try:
+            result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
+        except (RestoreFailed, StoreError) as exc:
+            self._restore_backoff[checkpoint_id] = self.clock() + RESTORE_BACKOFF
+            self.log.error("restore.failed", id=checkpoint_id, cgroup=guard.name, auto=True,
+                           error=str(exc), retry_in_s=RESTORE_BACKOFF)
+            return
+        self.log.warning("restore.done", id=checkpoint_id, pid=result.pid, auto=True,
+                         cgroup=guard.name, seconds=round(result.seconds, 3))
