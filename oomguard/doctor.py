@@ -111,6 +111,16 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc")
                         "root" if os.geteuid() == 0 else f"uid {os.geteuid()}",
                         "CRIU dump/restore and cgroup writes need root"))
     try:
+        cap_resource = has_cap_sys_resource((Path(proc_root) / "self" / "status").read_text())
+    except OSError:
+        cap_resource = False
+    checks.append(Check("CAP_SYS_RESOURCE", cap_resource,
+                        "present: processes of any user can be checkpointed" if cap_resource else
+                        "missing: CRIU cannot read other users' rlimits, so only root's own "
+                        "processes can be checkpointed",
+                        "run the daemon with the full capability set (the shipped unit does)",
+                        warn_only=True))
+    try:
         binary, version = find_criu(criu_binary)
         criu = Criu(binary=binary, version=version)
         ok, text = criu.check()

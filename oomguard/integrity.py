@@ -54,6 +54,8 @@ def verify(images: Path, sums_file: Path) -> None:
         expected = parse_sums(sums_file.read_text())
     except FileNotFoundError:
         raise StoreError(f"checkpoint has no {CHECKSUMS}: cannot verify its images") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoreError(f"checkpoint's {CHECKSUMS} is unreadable: {exc}") from None
     actual_names = {p.name for p in image_files(images)}
     problems = [f"{name} missing" for name in sorted(set(expected) - actual_names)]
     problems += [f"{name} not in {CHECKSUMS}" for name in sorted(actual_names - set(expected))]

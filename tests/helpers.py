@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,10 +197,12 @@ class DaemonProcess:
         if self.handle.poll() is None:
             self.handle.send_signal(signal.SIGTERM)
             try:
-                return self.handle.wait(timeout=30)
+                self.handle.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.handle.kill()
-                return self.handle.wait()
+                self.handle.wait()
+        if self.socket.parent.name.startswith("og-"):
+            shutil.rmtree(self.socket.parent, ignore_errors=True)
         return self.handle.returncode
 
 

@@ -91,6 +91,8 @@ class FrameBuffer:
         frames = []
         while b"\0" in self.data:
             frame, _, self.data = self.data.partition(b"\0")
+            if len(frame) > self.limit:
+                raise ProtocolError(f"message larger than {self.limit} bytes")
             frames.append(frame)
         if len(self.data) > self.limit:
             raise ProtocolError(f"message larger than {self.limit} bytes")

@@ -6,6 +6,7 @@ import contextlib
 import os
 import socket
 import socketserver
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -142,6 +143,8 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         self.note = note or (lambda *args, **kwargs: None)
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise OSError(f"{path} exists and is not a socket: refusing to replace it")
             if _answers(path):
                 raise OSError(f"another oomguard daemon answers on {path}")
             path.unlink()  # a stale socket of a previous run

@@ -22,6 +22,7 @@ LANE_SELECT = "not page_cache"
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1800)
 def test_v2_lane(capsys: pytest.CaptureFixture[str]) -> None:
     if os.environ.get("OOMGUARD_IN_VM_LANE"):
         pytest.skip("already inside the v2 lane")

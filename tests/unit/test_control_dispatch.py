@@ -6,6 +6,7 @@ records what reached them; no root, cgroups or CRIU are needed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -23,7 +24,13 @@ import pytest
 from oomguard import __version__
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.control.client import ControlClient, ControlError, DaemonUnavailable
-from oomguard.control.protocol import INTERFACE, INTERFACE_DESCRIPTION, METHODS, encode
+from oomguard.control.protocol import (
+    INTERFACE,
+    INTERFACE_DESCRIPTION,
+    METHODS,
+    FrameBuffer,
+    encode,
+)
 from oomguard.control.server import ControlServer, dispatch
 from oomguard.procfs import ProcReader
 from oomguard.service import Service
@@ -73,12 +80,20 @@ def add_checkpoint(store: Store, checkpoint_id: str, uid: int, created: float, s
     store.commit(meta)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Store:
-    st = Store(tmp_path / "store")
+@pytest.fixture(scope="module")
+def store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints, written once through Store.begin/commit (fsyncs are slow) and copied."""
+    st = Store(tmp_path_factory.mktemp("template") / "store")
     for checkpoint_id, (uid, created, size) in CHECKPOINTS.items():
         add_checkpoint(st, checkpoint_id, uid, created, size)
-    return st
+    return st.root
+
+
+@pytest.fixture
+def store(tmp_path: Path, store_template: Path) -> Store:
+    root = tmp_path / "store"
+    shutil.copytree(store_template, root)
+    return Store(root)
 
 
 @pytest.fixture
@@ -380,6 +395,15 @@ def test_garbage_is_invalid_request(service: Service, raw: bytes, message: str) 
 
 # -- a real socket -----------------------------------------------------------------------------------
 
+def start_quick(srv: ControlServer) -> ControlServer:
+    """srv.start(), with serve_forever polling for shutdown every 10 ms instead of 500 ms (so that
+    each stop() is quick); everything else as in the daemon."""
+    srv.serve_forever = functools.partial(ControlServer.serve_forever, srv,  # type: ignore[method-assign]
+                                          poll_interval=0.01)
+    srv.start()
+    return srv
+
+
 @pytest.fixture
 def socket_path() -> Iterator[Path]:
     directory = Path(tempfile.mkdtemp(prefix="og-", dir="/tmp"))
@@ -405,23 +429,29 @@ def server(socket_path: Path, service: Service,
         with lock:
             notes.append((event, fields))
 
-    srv = ControlServer(socket_path, service, note=note)
-    srv.start()
+    srv = start_quick(ControlServer(socket_path, service, note=note))
     try:
         yield srv
     finally:
         srv.stop()
 
 
-def _read_frame(sock: socket.socket) -> dict[str, Any] | None:
-    data = b""
-    while b"\0" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return None
-        data += chunk
-    result: dict[str, Any] = json.loads(data.partition(b"\0")[0])
-    return result
+class _Reader:
+    """Reads reply frames from a raw socket (several may arrive in one recv)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.frames = FrameBuffer()
+        self.ready: list[bytes] = []
+
+    def next(self) -> dict[str, Any] | None:
+        while not self.ready:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.ready += self.frames.feed(chunk)
+        result: dict[str, Any] = json.loads(self.ready.pop(0))
+        return result
 
 
 def _raw_connection(path: Path) -> socket.socket:
@@ -463,15 +493,16 @@ def test_socket_round_trip(server: ControlServer, socket_path: Path, service: Se
 
 def test_socket_garbage_gets_invalid_request(server: ControlServer, socket_path: Path) -> None:
     with _raw_connection(socket_path) as sock:
+        reader = _Reader(sock)
         sock.sendall(b"this is not json\0")
-        answer = _read_frame(sock)
+        answer = reader.next()
         assert answer == {"error": INVALID, "parameters": {"message": "message is not JSON"}}
         # still usable afterwards, and two calls in one write get two answers in order
         sock.sendall(encode({"method": "org.varlink.service.GetInfo"})
                      + encode({"method": "io.oomguard.Nope"}))
-        first = _read_frame(sock)
+        first = reader.next()
         assert first is not None and first["parameters"]["vendor"] == "oomguard"
-        second = _read_frame(sock)
+        second = reader.next()
         assert second is not None and second["error"] == NO_METHOD
 
 
@@ -479,7 +510,7 @@ def test_socket_oversized_message_is_rejected_and_closed(
         server: ControlServer, socket_path: Path, notes: list[tuple[str, dict[str, Any]]]) -> None:
     with _raw_connection(socket_path) as sock:
         sock.sendall(b"x" * (70 * 1024))  # no NUL: never a complete frame
-        answer = _read_frame(sock)
+        answer = _Reader(sock).next()
         assert answer is not None
         assert answer["error"] == INVALID
         assert answer["parameters"]["message"].startswith("message larger than")
@@ -488,8 +519,7 @@ def test_socket_oversized_message_is_rejected_and_closed(
 
 
 def test_stop_removes_socket(socket_path: Path, service: Service) -> None:
-    srv = ControlServer(socket_path, service)
-    srv.start()
+    srv = start_quick(ControlServer(socket_path, service))
     with ControlClient(socket_path) as client:
         assert "checkpoints" in client.call("List")
     srv.stop()
@@ -512,8 +542,7 @@ def test_stale_socket_is_replaced(socket_path: Path, service: Service) -> None:
     stale.bind(str(socket_path))  # bound, never listening: a previous run's leftover
     stale.close()
     assert socket_path.is_socket()
-    srv = ControlServer(socket_path, service)
-    srv.start()
+    srv = start_quick(ControlServer(socket_path, service))
     try:
         with ControlClient(socket_path) as client:
             assert "checkpoints" in client.call("List")

@@ -180,6 +180,13 @@ def test_framebuffer_default_limit_exceeded() -> None:
         buffer.feed(b"{")
 
 
+def test_framebuffer_complete_frame_over_limit_is_rejected() -> None:
+    buffer = FrameBuffer(limit=10)
+    assert buffer.feed(b"x" * 9) == []
+    with pytest.raises(ProtocolError, match="message larger than 10 bytes"):
+        buffer.feed(b"y" * 50 + b"\0")
+
+
 # -- param -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(

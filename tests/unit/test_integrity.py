@@ -187,11 +187,6 @@ def test_verify_with_a_malformed_sums_file(images: Path) -> None:
     assert _damage(images, sums) == f"{CHECKSUMS} line 3 is malformed"
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeDecodeError,
-                   reason="BUG: integrity.verify reads SHA256SUMS with read_text() and only maps "
-                          "FileNotFoundError; a corrupted (non-UTF-8) SHA256SUMS escapes as "
-                          "UnicodeDecodeError instead of StoreError, past Restorer.restore's "
-                          "`except StoreError` and the control server's dispatch()")
 def test_verify_with_undecodable_sums_file(images: Path) -> None:
     sums = _write_sums(images)
     sums.write_bytes(b"\xff\xfe" + sums.read_bytes())
