@@ -5,6 +5,7 @@ frozen cgroup, the detection paths in use."""
 from __future__ import annotations
 
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -68,9 +69,12 @@ def test_a_cgroup_left_frozen_by_a_crash_is_thawed_at_start(
     hog = start_in_cgroup(cg, hog_argv(log, target=16, rate=100, count=100_000))
     try:
         assert wait_until(lambda: last_count(log) > 5, 60)
-        # What the daemon does before cgroup.freeze, then "crashes" with the cgroup frozen.
+        # What the daemon does before cgroup.freeze, then "crashes" with the cgroup frozen: the
+        # ledger entry names an owner process that is gone.
         store.mkdir(mode=0o700)
-        FrozenLedger(store / FROZEN_LEDGER).record_cgroup(cg.path)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        FrozenLedger(store / FROZEN_LEDGER, owner=gone.pid).record_cgroup(cg.path)
         cg.freeze()
         assert cg.wait_frozen(5)
         mark = last_count(log)
@@ -83,5 +87,6 @@ def test_a_cgroup_left_frozen_by_a_crash_is_thawed_at_start(
         finally:
             proc.stop()
     finally:
+        cg.thaw()
         kill_pid(hog.pid)
         hog.wait()

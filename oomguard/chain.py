@@ -1,0 +1,189 @@
+"""Running a rule's action chain against one victim tree, step by step, until one settles it.
+
+Every step is bounded in time (CRIU's timeout, a signal's grace, the kill grace), a frozen tree
+is never left frozen (the chain ends by dumping, thawing or killing it, and gives up a freeze
+past `freeze_deadline`), and before each step the pressure is re-read: if it has passed, the
+chain stands down and thaws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, Step
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.checkpoint import CheckpointResult, Checkpointer
+from oomguard.errors import CheckpointFailed, ProcessGone
+from oomguard.freezer import Freezer
+from oomguard.policy import ProcessTree
+from oomguard.procfs import ProcReader
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    freeze_deadline: float = 60.0
+    kill_grace: float = 5.0
+    store_margin: int = 256 << 20  # free space wanted beyond the estimated image size
+    headroom: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class ChainOutcome:
+    result: str  # checkpointed | signalled | killed | thawed | stood-down | gone
+    step: str
+    detail: str
+    checkpoint: CheckpointResult | None = None
+
+    @property
+    def settled(self) -> bool:
+        """The pressure was dealt with (no need to try another victim)."""
+        return self.result in ("checkpointed", "signalled", "killed", "stood-down")
+
+
+def free_space(path: Path) -> int:
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+class ChainRunner:
+    def __init__(self, checkpointer: Checkpointer, freezer: Freezer, proc: ProcReader,
+                 log: Any, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep,
+                 free: Callable[[Path], int] = free_space) -> None:
+        self.checkpointer = checkpointer
+        self.freezer = freezer
+        self.proc = proc
+        self.log = log
+        self.clock = clock
+        self.sleep = sleep
+        self.free = free
+
+    def run(self, chain: tuple[Step, ...], tree: ProcessTree, cgroup: MemoryCgroup | None,
+            reason: str, settings: ChainSettings, still_pressing: Callable[[], bool],
+            fields: dict[str, Any],
+            on_frozen: Callable[[list[int], float], None] | None = None,
+            after_signal: Callable[[], None] | None = None) -> ChainOutcome:
+        frozen: list[int] = []
+        frozen_at = 0.0
+        ledger = self.checkpointer.ledger
+        try:
+            for index, step in enumerate(chain):
+                if index and not still_pressing():
+                    return ChainOutcome("stood-down", str(step), "the pressure passed")
+                if frozen and self.clock() - frozen_at > settings.freeze_deadline:
+                    return ChainOutcome("thawed", str(step),
+                                        f"freeze deadline ({settings.freeze_deadline:g}s) passed")
+                if step.kind == FREEZE:
+                    ledger.record(list(tree.pids))
+                    frozen = self.freezer.freeze(tree.root.pid)
+                    ledger.record(frozen)
+                    if after_signal is not None:
+                        after_signal()
+                        after_signal = None
+                    self.freezer.wait_frozen(frozen, 5.0)
+                    frozen_at = self.clock()
+                    if on_frozen is not None:
+                        on_frozen(frozen, frozen_at)
+                        on_frozen = None
+                elif step.kind == SIGNAL:
+                    outcome = self._signal(step, tree, frozen, still_pressing, fields)
+                    frozen = []
+                    if outcome is not None:
+                        return outcome
+                elif step.kind == CHECKPOINT:
+                    outcome = self._checkpoint(step, tree, cgroup, reason, settings, fields,
+                                               on_frozen, after_signal)
+                    after_signal = None
+                    if outcome.result in ("checkpointed", "gone"):
+                        frozen = []
+                        return outcome
+                    if outcome.result == "thawed":  # the checkpoint failed and thawed it
+                        frozen = []
+                elif step.kind == KILL:
+                    self._kill(tree, settings, reason, fields)
+                    frozen = []
+                    return ChainOutcome("killed", KILL, reason)
+            return ChainOutcome("thawed", str(chain[-1]), "no action settled it")
+        except ProcessGone:
+            return ChainOutcome("gone", "", "the victim exited")
+        finally:
+            if frozen:
+                self.freezer.thaw(frozen)
+            with contextlib.suppress(OSError):
+                ledger.clear(frozen + list(tree.pids))
+
+    def _signal(self, step: Step, tree: ProcessTree, frozen: list[int],
+                still_pressing: Callable[[], bool], fields: dict[str, Any]) -> ChainOutcome | None:
+        """Cooperative: a stopped process cannot handle a signal, so thaw first; then wait for
+        it to exit or for the pressure to pass."""
+        if frozen:
+            self.freezer.thaw(frozen)
+        try:
+            os.kill(tree.root.pid, step.signal)
+        except ProcessLookupError:
+            return ChainOutcome("gone", str(step), "the victim exited")
+        self.log.warning("victim.signalled", signal=signal.Signals(step.signal).name,
+                         grace_s=step.grace, **fields)
+        deadline = self.clock() + step.grace
+        while self.clock() < deadline:
+            if not self.proc.exists(tree.root.pid) or self.proc.state(tree.root.pid) in "ZX":
+                return ChainOutcome("signalled", str(step), "the victim exited")
+            if not still_pressing():
+                return ChainOutcome("signalled", str(step), "the victim shrank")
+            self.sleep(0.1)
+        return None
+
+    def _checkpoint(self, step: Step, tree: ProcessTree, cgroup: MemoryCgroup | None,
+                    reason: str, settings: ChainSettings, fields: dict[str, Any],
+                    on_frozen: Callable[[list[int], float], None] | None,
+                    after_signal: Callable[[], None] | None) -> ChainOutcome:
+        need = tree.rss_bytes + settings.store_margin
+        free = self.free(self.checkpointer.store.root)
+        if free < need:
+            detail = (f"store {self.checkpointer.store.root} has {free >> 20} MiB free, a "
+                      f"checkpoint needs ~{need >> 20} MiB")
+            self.log.error("checkpoint.refused", reason=detail, **fields)
+            return ChainOutcome("refused", str(step), detail)
+        try:
+            result = self.checkpointer.checkpoint(
+                tree, cgroup, reason, on_frozen=on_frozen, headroom=settings.headroom,
+                on_failure="thaw", after_signal=after_signal)
+        except CheckpointFailed as exc:
+            self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
+            return ChainOutcome("thawed" if exc.outcome != "untouched" else "refused", str(step),
+                                str(exc))
+        return ChainOutcome("checkpointed", str(step), reason, result)
+
+    def _kill(self, tree: ProcessTree, settings: ChainSettings, reason: str,
+              fields: dict[str, Any]) -> None:
+        """SIGTERM (and SIGCONT, so a stopped task can act on it), then SIGKILL what is left."""
+        pids = list(tree.pids)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGCONT)
+        deadline = self.clock() + settings.kill_grace
+        while self.clock() < deadline and any(self._alive(pid) for pid in pids):
+            self.sleep(0.05)
+        survivors = [pid for pid in pids if self._alive(pid)]
+        for pid in survivors:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.log.error("victim.killed", reason=reason, sigkill=len(survivors),
+                       explanation="the rule's last action: no checkpoint was possible", **fields)
+
+    def _alive(self, pid: int) -> bool:
+        try:
+            return self.proc.state(pid) not in "ZX"
+        except ProcessGone:
+            return False

@@ -1,0 +1,63 @@
+"""Victim preferences, like earlyoom's --prefer/--avoid/--ignore and nohang's regex badness:
+`protect` never chooses a match, `prefer` ranks matches first, `avoid` ranks them last. Regexes
+are matched against the process name (comm) and its command line."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from oomguard.policy import ProcessTree
+from oomguard.procfs import ProcessInfo
+
+
+@dataclass(frozen=True)
+class Preferences:
+    prefer: tuple[re.Pattern[str], ...] = ()
+    avoid: tuple[re.Pattern[str], ...] = ()
+    protect: tuple[re.Pattern[str], ...] = ()
+    protect_session_leaders: bool = False  # a login shell or desktop session holds everything
+
+
+def compile_patterns(values: Iterable[str]) -> tuple[re.Pattern[str], ...]:
+    patterns = []
+    for value in values:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a regular expression string, got {value!r}")
+        try:
+            patterns.append(re.compile(value))
+        except re.error as exc:
+            raise ValueError(f"bad regular expression {value!r}: {exc}") from None
+    return tuple(patterns)
+
+
+def _matches(patterns: tuple[re.Pattern[str], ...], proc: ProcessInfo) -> bool:
+    text = proc.command
+    return any(p.search(proc.comm) or p.search(text) for p in patterns)
+
+
+def is_excluded(proc: ProcessInfo, prefs: Preferences) -> bool:
+    """A protected process; also a session leader (login shell, desktop session) when asked,
+    except the init of a PID namespace (what `oomguard exec` starts is a session leader too)."""
+    if prefs.protect and _matches(prefs.protect, proc):
+        return True
+    return prefs.protect_session_leaders and proc.session == proc.pid and not proc.is_pidns_init
+
+
+def apply_preferences(ranked: list[ProcessTree], prefs: Preferences) -> list[ProcessTree]:
+    """Drop protected trees (a `protect` match anywhere in a tree protects the tree: dumping the
+    tree would stop it; session leaders only at the root), then order: preferred, neutral,
+    avoided (by the root), each band in the given order."""
+    kept = [t for t in ranked
+            if not is_excluded(t.root, prefs)
+            and not (prefs.protect and any(_matches(prefs.protect, p) for p in t.members))]
+
+    def band(tree: ProcessTree) -> int:
+        if prefs.prefer and _matches(prefs.prefer, tree.root):
+            return 0
+        if prefs.avoid and _matches(prefs.avoid, tree.root):
+            return 2
+        return 1
+
+    return sorted(kept, key=band)
