@@ -20,7 +20,7 @@ from typing import Any
 
 from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, Step
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.checkpoint import CheckpointResult, Checkpointer
+from oomguard.checkpoint import Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
 from oomguard.freezer import Freezer
 from oomguard.policy import ProcessTree

@@ -12,8 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
+from oomguard.actions import Step, parse_chain
 from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.preferences import compile_patterns
 from oomguard.units import parse_duration, parse_fraction, parse_size
 
 DEFAULT_CONFIG_PATH = Path("/etc/oomguard/oomguard.toml")
@@ -46,6 +48,17 @@ class GuardConfig:
     auto_restore: bool = False  # restore this cgroup's checkpoints once memory is free again
     restore_quiet: float = 10.0  # ...for this long without interruption
     restore_margin: int = 64 << 20  # room left under the threshold after a restore
+    actions: tuple[Step, ...] = ()  # the action chain; () = checkpoint (+ kill if on_failure)
+    prefer: tuple[str, ...] = ()  # regexes on name/command line: chosen first
+    avoid: tuple[str, ...] = ()  # ...chosen last
+    protect: tuple[str, ...] = ()  # ...never chosen
+    protect_session_leaders: bool = False  # never a login shell or desktop session's leader
+    post_action_delay: float = 0.0  # after acting on a cgroup, wait before acting there again
+    time_to_limit: bool = False  # act early when growth would hit the limit before a dump ends
+    predict_from: float = 0.5  # watch growth (poll) once usage passes this share of the limit
+    freeze_deadline: float = 60.0  # a freeze ends (dump, thaw or kill) within this
+    kill_grace: float = 5.0  # SIGTERM, then SIGKILL after this
+    store_margin: int = 256 << 20  # free space wanted in the store beyond the image estimate
 
 
 @dataclass(frozen=True)
@@ -190,6 +203,20 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                                     g.restore_quiet),
             restore_margin=read.take(table, prefix, "restore_margin", parse_size,
                                      g.restore_margin),
+            actions=read.take(table, prefix, "actions", parse_chain, g.actions),
+            prefer=read.take(table, prefix, "prefer", _regex_list, g.prefer),
+            avoid=read.take(table, prefix, "avoid", _regex_list, g.avoid),
+            protect=read.take(table, prefix, "protect", _regex_list, g.protect),
+            protect_session_leaders=read.take(table, prefix, "protect_session_leaders", _bool,
+                                              g.protect_session_leaders),
+            post_action_delay=read.take(table, prefix, "post_action_delay", parse_duration,
+                                        g.post_action_delay),
+            time_to_limit=read.take(table, prefix, "time_to_limit", _bool, g.time_to_limit),
+            predict_from=read.take(table, prefix, "predict_from", parse_fraction, g.predict_from),
+            freeze_deadline=read.take(table, prefix, "freeze_deadline", parse_duration,
+                                      g.freeze_deadline),
+            kill_grace=read.take(table, prefix, "kill_grace", parse_duration, g.kill_grace),
+            store_margin=read.take(table, prefix, "store_margin", parse_size, g.store_margin),
         )
         guards.append(spec)
         read.leftovers(table, prefix)
@@ -199,6 +226,14 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, socket=socket, store_max_size=max_size,
                         store_max_age=max_age, criu=criu, guards=tuple(guards))
+
+
+def _regex_list(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        raise ValueError(f"expected a regular expression or a list of them, got {value!r}")
+    compile_patterns(items)
+    return tuple(items)
 
 
 def _size_or_none(value: Any) -> int | None:

@@ -9,22 +9,26 @@ the threshold, system-wide MemAvailable as it nears the floor).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import select
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import psutil
 
+from oomguard.acting import Actor, Request, rule_parts
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig
-from oomguard.errors import CgroupGone, CheckpointFailed, ProcessGone
+from oomguard.config import DaemonConfig, load_config
+from oomguard.errors import CgroupGone, ConfigError, ProcessGone
 from oomguard.guards import (
     EPOLL_MASK,
     CgroupGuard,
@@ -47,15 +51,11 @@ from oomguard.policy import (
     rank_victims,
     system_candidates,
 )
+from oomguard.prediction import forecast
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
 from oomguard.units import format_size
 
-MAX_VICTIM_ATTEMPTS = 3
-NEXT_VICTIM_SHARE = 4  # a fallback victim must hold at least a quarter of the top one's RSS
-# A task throttled at memory.high sleeps out its penalty (up to 2 s, killable only) before the
-# freezer can park it; it allocates nothing meanwhile, so waiting longer buys nothing.
-CGROUP_FREEZE_TIMEOUT = 0.25
 # System rules poll MemAvailable the way earlyoom does: the closer to the floor, the more often;
 # it assumes memory can be eaten at up to 6 GB/s (earlyoom's figure).
 WORST_GROWTH_BYTES_PER_S = 6e9
@@ -91,6 +91,12 @@ class Daemon:
         self.psi_trigger = psi_trigger_for()
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   restorer=restorer, clock=clock, wall_clock=wall_clock)
+        self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
+                                       clock=clock),
+                           self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
+                           clock=clock)
+        self._reload = False
+        self._globs: list[tuple[Any, str]] = []
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -100,6 +106,7 @@ class Daemon:
         for spec in self.config.guards:
             if spec.system:
                 system = SystemGuard(spec=spec)
+                system.parts = rule_parts(spec)
                 self.guards.append(system)
                 arm_system(system, self.psi_trigger)
                 self._register(system)
@@ -107,10 +114,34 @@ class Daemon:
                               min_available=spec.min_available)
                 continue
             for path in spec.cgroups:
-                guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout))
-                self.guards.append(guard)
-                self._arm_cgroup(guard)
+                if glob.has_magic(path):
+                    self._globs.append((spec, path))
+                    continue
+                self._add_cgroup_guard(spec, path)
+        self._expand_globs()
         self._next_rescan = self.clock() + self.config.rescan_interval
+
+    def _add_cgroup_guard(self, spec: Any, path: str, pattern: str = "") -> None:
+        guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout), pattern=pattern)
+        guard.parts = rule_parts(spec)
+        self.guards.append(guard)
+        self._arm_cgroup(guard)
+
+    def _expand_globs(self) -> None:
+        """Rules may name cgroups by glob (`/slurm/uid_*/job_*`): guard each that exists now,
+        drop the ones that went away."""
+        mount = self.layout.memory_mount
+        for spec, pattern in self._globs:
+            fs_pattern = pattern if mount is None or pattern.startswith(str(mount)) else \
+                str(mount) + "/" + pattern.lstrip("/")
+            known = {g.name for g in self.guards if isinstance(g, CgroupGuard)}
+            for match in sorted(glob.glob(fs_pattern)):
+                if match not in known and os.path.isdir(match):
+                    self._add_cgroup_guard(spec, match, pattern)
+        for guard in list(self.guards):
+            if isinstance(guard, CgroupGuard) and guard.pattern and not guard.cgroup.exists():
+                self._cgroup_gone(guard)
+                self.guards.remove(guard)
 
     def _register(self, guard: Guard) -> None:
         for fd, kind in guard.fds.items():
@@ -188,6 +219,66 @@ class Daemon:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self.stop())
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.request_reload())
+
+    def request_reload(self) -> None:
+        self._reload = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"r")
+
+    def reload(self) -> None:
+        """SIGHUP: read the config file again. A config with any error is rejected, every error
+        logged, and the running rules stay; a good one replaces the rules."""
+        self._reload = False
+        source = self.config.source
+        if not os.path.isfile(source):
+            self.log.warning("config.reload_ignored", source=source,
+                             explanation="rules came from the command line, not a file")
+            return
+        try:
+            new = load_config(source)
+            for spec in new.guards:
+                for path in spec.cgroups:
+                    try:
+                        open_cgroup(path, self.layout)
+                    except ValueError as exc:
+                        raise ConfigError([]) from exc
+        except ConfigError as exc:
+            issues = [str(i) for i in exc.issues] or [str(exc.__cause__)]
+            self.log.error("config.rejected", source=source, issues=issues,
+                           explanation="the running rules stay in force")
+            return
+        for key in ("store", "socket", "criu"):
+            if getattr(new, key) != getattr(self.config, key):
+                self.log.warning("config.restart_needed", key=f"daemon.{key}",
+                                 explanation="this setting takes effect at the next start")
+        self.actor.join()
+        for guard in self.guards:
+            self._disarm(guard)
+            if isinstance(guard, CgroupGuard):
+                self._restore_high(guard)
+        self.guards = []
+        self._globs = []
+        self.config = replace(new, store=self.config.store, socket=self.config.socket,
+                              criu=self.config.criu)
+        self.actor.dry_run = self.config.dry_run
+        self.log.info("config.reloaded", source=source, guards=len(new.guards))
+        for spec in self.config.guards:
+            if spec.system:
+                system = SystemGuard(spec=spec)
+                system.parts = rule_parts(spec)
+                self.guards.append(system)
+                arm_system(system, self.psi_trigger)
+                self._register(system)
+                self.log.info("guard.armed", cgroup="system", detection=system.detection,
+                              min_available=spec.min_available)
+                continue
+            for path in spec.cgroups:
+                if glob.has_magic(path):
+                    self._globs.append((spec, path))
+                else:
+                    self._add_cgroup_guard(spec, path)
+        self._expand_globs()
 
     def stop(self) -> None:
         self._stopping = True
@@ -195,6 +286,7 @@ class Daemon:
             os.write(self._wake_w, b"x")
 
     def close(self) -> None:
+        self.actor.join()
         for guard in self.guards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
@@ -216,7 +308,7 @@ class Daemon:
             if isinstance(guard, SystemGuard):
                 timeout = min(timeout, max(0.0, self._next_system_poll - now))
             elif guard.present and guard.armed_limit is not None and (
-                    guard.poll_only or guard.watching):
+                    guard.poll_only or guard.watching or guard.predicting):
                 timeout = min(timeout, self.config.poll_interval)
         return timeout
 
@@ -238,6 +330,9 @@ class Daemon:
                 fired.append(guard)
         if self._stopping:
             return
+        if self._reload:
+            self.reload()
+            return
         for guard in fired:
             self._examine(guard, woke, "event")
         now = self.clock()
@@ -247,7 +342,7 @@ class Daemon:
             if isinstance(guard, SystemGuard):
                 if now >= self._next_system_poll:
                     self._examine(guard, now, "poll")
-            elif guard.present and (guard.poll_only or guard.watching):
+            elif guard.present and (guard.poll_only or guard.watching or guard.predicting):
                 self._examine(guard, now, "poll")
         if self.clock() >= self._next_rescan:
             self._rescan()
@@ -260,6 +355,8 @@ class Daemon:
             self._examine_cgroup(guard, woke, source)
 
     def _rescan(self) -> None:
+        if self._globs:
+            self._expand_globs()
         for guard in self.guards:
             if not isinstance(guard, CgroupGuard):
                 continue
@@ -327,57 +424,72 @@ class Daemon:
                           explanation="usage is over the threshold in reclaimable page cache; "
                           "polling until it drops")
         guard.watching = watching
+        reason = decision.reason
         if decision.verdict is not Verdict.ACT:
+            predicted = self._predict(guard, snap)
+            if predicted is None:
+                return
+            reason = predicted
+        else:
+            guard.samples.clear()
+        if self.actor.busy(guard.name):
+            return
+        since = self.clock() - self.actor.last_done.get(guard.name, -1e9)
+        if since < guard.spec.post_action_delay:
             return
         self.log.warning("threshold.crossed", cgroup=guard.name, source=source,
                          usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
-                         reason=decision.reason)
-        if self.config.dry_run or not (guard.spec.freeze_cgroup
-                                       and isinstance(guard.cgroup, V2MemoryCgroup)):
-            self._act_cgroup(guard, woke, decision.reason, after_signal=None)
-            return
-        self._act_frozen_v2(guard, guard.cgroup, woke, decision.reason)
+                         reason=reason)
+        cgroup = guard.cgroup
+        threshold = guard.spec.threshold
+        floor = int((snap.limit_bytes or 0) * min(threshold, guard.spec.predict_from)) \
+            if decision.verdict is not Verdict.ACT else 0
 
-    def _act_frozen_v2(self, guard: CgroupGuard, cgroup: V2MemoryCgroup, woke: float,
-                       reason: str) -> None:
-        """cgroup.freeze first (every task parks at once), choose, SIGSTOP the victim, thaw the
-        cgroup (the pending SIGSTOP takes the victim on its way out of the freezer; the others
-        go on). A crash in between is undone at the next start: the cgroup is in the ledger."""
-        ledger = self.checkpointer.ledger
-        ledger.record_cgroup(cgroup.path)
-        thawed = False
+        def still_pressing() -> bool:
+            try:
+                now = cgroup.snapshot()
+            except CgroupGone:
+                return False
+            if floor:
+                return now.anon_bytes >= floor
+            return evaluate(now, threshold).verdict is Verdict.ACT
 
-        def thaw() -> None:
-            nonlocal thawed
-            if not thawed:
-                with contextlib.suppress(OSError, CgroupGone):
-                    cgroup.thaw()
-                thawed = True
+        def candidates() -> list[ProcessTree]:
+            try:
+                members = self.proc.processes(cgroup.procs())
+            except CgroupGone:
+                return []
+            return rank_victims(build_trees(members, self.protected_pids()))
 
-        try:
-            cgroup.freeze()
-            frozen = cgroup.wait_frozen(CGROUP_FREEZE_TIMEOUT)
-            self.log.info("cgroup.frozen", cgroup=guard.name, frozen=frozen,
-                          detect_to_frozen_ms=round((self.clock() - woke) * 1000, 2))
-            self._act_cgroup(guard, woke, reason, after_signal=thaw)
-        except (OSError, CgroupGone) as exc:
-            self.log.error("cgroup.freeze_failed", cgroup=guard.name, error=str(exc))
-        finally:
-            thaw()
-            ledger.clear_cgroup(cgroup.path)
+        assert guard.parts is not None
+        freeze = cgroup if (guard.spec.freeze_cgroup and isinstance(cgroup, V2MemoryCgroup)
+                            and decision.verdict is Verdict.ACT) else None
+        self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
+                                 lambda tree: cgroup, still_pressing, freeze))
+
+    def _predict(self, guard: CgroupGuard, snap: MemorySnapshot) -> str | None:
+        """Time-to-limit: over `predict_from` of the limit, keep recent usage samples and act
+        when, at the current growth, the limit comes before a checkpoint could finish."""
+        limit = snap.limit_bytes
+        if not guard.spec.time_to_limit or limit is None:
+            return None
+        guard.predicting = snap.usage_bytes >= limit * guard.spec.predict_from
+        if not guard.predicting:
+            guard.samples.clear()
+            return None
+        guard.samples.append((self.clock(), snap.usage_bytes))
+        outlook = forecast(list(guard.samples), limit, snap.anon_bytes, self.keeper.throughput)
+        if outlook is None or not outlook.act:
+            return None
+        guard.samples.clear()
+        return outlook.reason()
+
+    def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
+        self.keeper.note_dump(image_bytes, dump_seconds)
+        self.keeper.prune()
 
     def protected_pids(self) -> frozenset[int]:
         return frozenset(self.proc.descendants(self.self_pid))
-
-    def _act_cgroup(self, guard: CgroupGuard, woke: float, reason: str,
-                    after_signal: Callable[[], None] | None) -> None:
-        try:
-            members = self.proc.processes(guard.cgroup.procs())
-        except CgroupGone:
-            return
-        ranked = rank_victims(build_trees(members, self.protected_pids()))
-        self._checkpoint_first(guard, ranked, lambda tree: guard.cgroup, woke, reason,
-                               after_signal)
 
     # -- system-wide rules --------------------------------------------------------------------
 
@@ -395,13 +507,27 @@ class Daemon:
                   f"({floor:.0%} of MemTotal)" if isinstance(floor, float) else
                   f"MemAvailable {format_size(memory.available)} at or below "
                   f"{format_size(floor)}")
+        if self.actor.busy(guard.name):
+            return
+        if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
+            return
         self.log.warning("threshold.crossed", cgroup="system", source=source,
                          available=memory.available, total=memory.total, reason=reason)
-        processes = self.proc.processes(self.proc.all_pids())
-        if guard.spec.victim_cgroups:
-            processes = [p for p in processes if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
-        ranked = system_candidates(processes, self.protected_pids())
-        self._checkpoint_first(guard, ranked, self._cgroup_of, woke, reason, None)
+
+        def candidates() -> list[ProcessTree]:
+            processes = self.proc.processes(self.proc.all_pids())
+            if guard.spec.victim_cgroups:
+                processes = [p for p in processes
+                             if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
+            return system_candidates(processes, self.protected_pids())
+
+        def still_pressing() -> bool:
+            now = self.meminfo()
+            return below_min_available(now.available, now.total, floor)
+
+        assert guard.parts is not None
+        self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
+                                 self._cgroup_of, still_pressing))
         self._next_system_poll = self.clock()
 
     def _in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
@@ -422,59 +548,4 @@ class Daemon:
             rel = self.proc.memory_cgroup(tree.root.pid)
             return open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
         except (ProcessGone, ValueError):
-            return None
-
-    # -- acting -----------------------------------------------------------------------------------
-
-    def _checkpoint_first(self, guard: Guard, ranked: list[ProcessTree],
-                          cgroup_for: Callable[[ProcessTree], MemoryCgroup | None],
-                          woke: float, reason: str,
-                          after_signal: Callable[[], None] | None) -> None:
-        """Checkpoint the first candidate that can be; stop at the first success."""
-        if not ranked:
-            self.log.warning("victim.none", cgroup=guard.name,
-                             explanation="no process here may be checkpointed")
-            return
-        # After a failure only trees that would free real memory are worth a try.
-        worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
-        for tree in [ranked[0], *worth][:MAX_VICTIM_ATTEMPTS]:
-            fields = {"cgroup": guard.name, "pid": tree.root.pid, "comm": tree.root.comm,
-                      "rss": tree.rss_bytes, "tasks": len(tree.members)}
-            if self.config.dry_run:
-                self.log.warning("victim.chosen", dry_run=True, **fields)
-                return
-
-            def frozen(pids: list[int], at: float, fields: dict[str, Any] = fields) -> None:
-                self.log.info("victim.frozen", detect_to_frozen_ms=round((at - woke) * 1000, 2),
-                              **fields)
-
-            cgroup = cgroup_for(tree)
-            try:
-                result = self.checkpointer.checkpoint(
-                    tree, cgroup, reason, on_frozen=frozen, headroom=guard.spec.headroom,
-                    on_failure=guard.spec.on_failure, after_signal=after_signal)
-            except ProcessGone:
-                self.log.info("victim.gone", **fields)
-                continue
-            except CheckpointFailed as exc:
-                self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
-                continue
-            meta, t = result.meta, result.timings
-            self.log.warning(
-                "checkpoint.done", id=meta.id, image_bytes=meta.image_bytes,
-                image=format_size(meta.image_bytes), seconds=round(t.total_s, 3),
-                freeze_s=round(t.freeze_s, 3), dump_s=round(t.dump_s, 3),
-                commit_s=round(t.commit_s, 3),
-                mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
-                usage_after=self._usage(cgroup), path=str(result.path), **fields)
-            self.keeper.prune()
-            return
-
-    @staticmethod
-    def _usage(cgroup: MemoryCgroup | None) -> int | None:
-        if cgroup is None:
-            return None
-        try:
-            return cgroup.snapshot().usage_bytes
-        except CgroupGone:
             return None

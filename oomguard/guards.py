@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
@@ -35,6 +37,10 @@ class CgroupGuard:
     high_original: int | None = None
     high_set: bool = False
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
+    pattern: str = ""  # the glob this cgroup was found by, if any
+    parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
+    predicting: bool = False  # time-to-limit: usage is in the zone where growth is watched
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=20))
 
     @property
     def name(self) -> str:
@@ -48,6 +54,8 @@ class SystemGuard:
     detection: str = ""
     watching: bool = False
     present: bool = True
+    parts: Any = None
+    predicting: bool = False
 
     @property
     def name(self) -> str:

@@ -14,6 +14,7 @@ from oomguard.errors import RestoreFailed, StoreError
 from oomguard.guards import CgroupGuard
 from oomguard.ledger import FrozenLedger
 from oomguard.policy import restore_fits
+from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
 from oomguard.restore import Restorer, memory_pages_bytes
 from oomguard.retention import Stored, choose_prunes
 from oomguard.store import Store
@@ -38,6 +39,10 @@ class StoreKeeper:
         self._restoring: threading.Thread | None = None
         self._restore_backoff: dict[str, float] = {}
         self._partials_busy = False
+        self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
+
+    def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
+        self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
 
     def recover(self) -> None:
         """At start: partial dumps first (a CRIU still at work keeps its tasks), then thaw."""

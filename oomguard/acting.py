@@ -1,0 +1,182 @@
+"""Acting on a rule's verdict: choose the victim (in order of preference), run the rule's action
+chain on it, report. Runs in a worker thread per guard, so a signal's grace period or a long
+dump never holds up the guard loop; one action per guard at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from oomguard.actions import CHECKPOINT, KILL, Step
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.chain import ChainRunner, ChainSettings
+from oomguard.checkpoint import ON_FAILURE_KILL
+from oomguard.config import GuardConfig
+from oomguard.errors import CgroupGone
+from oomguard.policy import ProcessTree
+from oomguard.preferences import Preferences, apply_preferences, compile_patterns
+from oomguard.units import format_size
+
+MAX_VICTIM_ATTEMPTS = 3
+NEXT_VICTIM_SHARE = 4  # a fallback victim must hold at least a quarter of the top one's RSS
+# A task throttled at memory.high sleeps out its penalty (up to 2 s, killable only) before the
+# freezer can park it; it allocates nothing meanwhile, so waiting longer buys nothing.
+CGROUP_FREEZE_TIMEOUT = 0.25
+
+
+@dataclass(frozen=True)
+class RuleParts:
+    chain: tuple[Step, ...]
+    prefs: Preferences
+    settings: ChainSettings
+
+
+def rule_parts(spec: GuardConfig) -> RuleParts:
+    """A rule's compiled pieces. Without `actions`, `on_failure = "kill"` means checkpoint, kill."""
+    chain = spec.actions or ((Step(CHECKPOINT), Step(KILL)) if spec.on_failure == ON_FAILURE_KILL
+                             else (Step(CHECKPOINT),))
+    prefs = Preferences(prefer=compile_patterns(spec.prefer), avoid=compile_patterns(spec.avoid),
+                        protect=compile_patterns(spec.protect),
+                        protect_session_leaders=spec.protect_session_leaders)
+    settings = ChainSettings(freeze_deadline=spec.freeze_deadline, kill_grace=spec.kill_grace,
+                             store_margin=spec.store_margin, headroom=spec.headroom)
+    return RuleParts(chain, prefs, settings)
+
+
+@dataclass
+class Request:
+    """One action to take: who, where, why; `candidates` is called once the cgroup is frozen."""
+
+    name: str
+    parts: RuleParts
+    woke: float
+    reason: str
+    candidates: Callable[[], list[ProcessTree]]
+    cgroup_for: Callable[[ProcessTree], MemoryCgroup | None]
+    still_pressing: Callable[[], bool]
+    freeze_first: V2MemoryCgroup | None = None
+
+
+class Actor:
+    def __init__(self, runner: ChainRunner, log: Any, *, dry_run: bool,
+                 on_checkpoint: Callable[[int, float], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.runner = runner
+        self.log = log
+        self.dry_run = dry_run
+        self.on_checkpoint = on_checkpoint
+        self.clock = clock
+        self._threads: dict[str, threading.Thread] = {}
+        self.last_done: dict[str, float] = {}
+
+    def busy(self, name: str) -> bool:
+        thread = self._threads.get(name)
+        return thread is not None and thread.is_alive()
+
+    def start(self, request: Request) -> None:
+        thread = threading.Thread(target=self._act, args=(request,), daemon=True,
+                                  name=f"oomguard-act-{request.name}")
+        self._threads[request.name] = thread
+        thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Let actions in flight finish (a dump is not abandoned half way)."""
+        for thread in list(self._threads.values()):
+            thread.join(timeout)
+
+    def _act(self, request: Request) -> None:
+        ledger = self.runner.checkpointer.ledger
+        cgroup = request.freeze_first
+        thawed = cgroup is None
+
+        def thaw() -> None:
+            nonlocal thawed
+            if not thawed:
+                with contextlib.suppress(OSError, CgroupGone):
+                    cgroup.thaw()  # type: ignore[union-attr]
+                thawed = True
+
+        try:
+            if cgroup is not None and not self.dry_run:
+                ledger.record_cgroup(cgroup.path)
+                cgroup.freeze()
+                frozen = cgroup.wait_frozen(CGROUP_FREEZE_TIMEOUT)
+                self.log.info("cgroup.frozen", cgroup=request.name, frozen=frozen,
+                              detect_to_frozen_ms=round((self.clock() - request.woke) * 1000, 2))
+            self._run(request, thaw)
+        except (OSError, CgroupGone) as exc:
+            self.log.error("action.failed", cgroup=request.name, error=str(exc))
+        finally:
+            thaw()
+            if cgroup is not None:
+                with contextlib.suppress(OSError):
+                    ledger.clear_cgroup(cgroup.path)
+            self.last_done[request.name] = self.clock()
+
+    def _run(self, request: Request, thaw: Callable[[], None]) -> None:
+        ranked = apply_preferences(request.candidates(), request.parts.prefs)
+        if not ranked:
+            self.log.warning("victim.none", cgroup=request.name,
+                             explanation="no process here may be checkpointed")
+            return
+        # After a failure only trees that would free real memory are worth a try.
+        worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
+        after_signal: Callable[[], None] | None = thaw
+        for tree in [ranked[0], *worth][:MAX_VICTIM_ATTEMPTS]:
+            fields = {"cgroup": request.name, "pid": tree.root.pid, "comm": tree.root.comm,
+                      "rss": tree.rss_bytes, "tasks": len(tree.members)}
+            if self.dry_run:
+                self.log.warning("victim.chosen", dry_run=True,
+                                 actions=[str(s) for s in request.parts.chain], **fields)
+                return
+
+            def frozen(pids: list[int], at: float, fields: dict[str, Any] = fields) -> None:
+                self.log.info("victim.frozen",
+                              detect_to_frozen_ms=round((at - request.woke) * 1000, 2), **fields)
+
+            cgroup = request.cgroup_for(tree)
+            outcome = self.runner.run(request.parts.chain, tree, cgroup, request.reason,
+                                      request.parts.settings, request.still_pressing, fields,
+                                      on_frozen=frozen, after_signal=after_signal)
+            after_signal = None
+            thaw()
+            if outcome.checkpoint is not None:
+                result = outcome.checkpoint
+                meta, t = result.meta, result.timings
+                self.log.warning(
+                    "checkpoint.done", id=meta.id, image_bytes=meta.image_bytes,
+                    image=format_size(meta.image_bytes), seconds=round(t.total_s, 3),
+                    freeze_s=round(t.freeze_s, 3), dump_s=round(t.dump_s, 3),
+                    commit_s=round(t.commit_s, 3),
+                    mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
+                    usage_after=_usage(cgroup), path=str(result.path), **fields)
+                if self.on_checkpoint is not None:
+                    self.on_checkpoint(meta.image_bytes, t.dump_s)
+            elif outcome.result == "gone":
+                self.log.info("victim.gone", **fields)
+                continue
+            elif outcome.result == "stood-down":
+                self.log.info("action.stood_down", step=outcome.step, detail=outcome.detail,
+                              **fields)
+            elif outcome.result == "signalled":
+                self.log.warning("action.signalled", step=outcome.step, detail=outcome.detail,
+                                 **fields)
+            elif not outcome.settled:
+                self.log.warning("victim.thawed", step=outcome.step, detail=outcome.detail,
+                                 **fields)
+            if outcome.settled:
+                return
+
+
+def _usage(cgroup: MemoryCgroup | None) -> int | None:
+    if cgroup is None:
+        return None
+    try:
+        return cgroup.snapshot().usage_bytes
+    except CgroupGone:
+        return None
