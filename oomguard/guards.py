@@ -86,7 +86,10 @@ def psi_trigger_for(proc_root: str = "/proc") -> str:
 
 def arm_v1(guard: CgroupGuard, limit: int) -> None:
     assert isinstance(guard.cgroup, V1MemoryCgroup)
-    for mark in threshold_marks(limit, guard.spec.threshold):
+    marks = threshold_marks(limit, guard.spec.threshold)
+    if guard.spec.time_to_limit:  # wake where growth starts being watched
+        marks.insert(0, int(limit * guard.spec.predict_from))
+    for mark in marks:
         guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
     guard.fds[guard.cgroup.register_oom()] = EVENTFD
     guard.detection = "eventfd: memory.usage_in_bytes thresholds + memory.oom_control"

@@ -45,9 +45,12 @@ class StoreKeeper:
         self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
 
     def recover(self) -> None:
-        """At start: partial dumps first (a CRIU still at work keeps its tasks), then thaw."""
+        """At start: partial dumps first (a CRIU still at work keeps its tasks), then thaw; and
+        learn this machine's dump throughput from the checkpoints already in the store."""
         self._recover_store()
         self._thaw_leftovers()
+        for meta in self.store.list():
+            self.note_dump(meta.image_bytes, meta.dump_seconds)
 
     def tick(self) -> None:
         """On every rescan: what could not be settled at start, and retention now and then."""

@@ -156,3 +156,24 @@ def test_globbed_cgroups_are_found_as_they_come(cgroups: CgroupFactory, store: P
             time.sleep(0.2)
             job.remove()
         guard.wait_event("guard.cgroup_gone", timeout=10)
+
+
+def test_time_to_limit_acts_before_the_threshold(cgroups: CgroupFactory, store: Path,
+                                                 tmp_path: Path) -> None:
+    """A fast grower is caught on its forecast: with the threshold at 98% (too late for a
+    1 GB/s hog), time_to_limit acts earlier, from the measured growth rate."""
+    cg = cgroups.make("ttl", 512 * MiB)
+    config = tmp_path / "ttl.toml"
+    config.write_text(f'[daemon]\npoll_interval = "20ms"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n'
+                      'threshold = "98%"\ntime_to_limit = true\npredict_from = "30%"\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.armed")
+        hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=800, rate=1000,
+                                           count=100_000, chunk=8))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert hog.wait(timeout=10) == -signal.SIGKILL
+    crossed = guard.events("threshold.crossed")[0]
+    assert "growing" in crossed["reason"] and "checkpoint takes" in crossed["reason"]
+    assert crossed["usage"] < 0.98 * 512 * MiB
+    assert done["pid"] == hog.pid
+    assert cg.snapshot().oom_kills == 0
