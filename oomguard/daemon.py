@@ -39,6 +39,8 @@ from oomguard.guards import (
     arm_v2,
     consume,
     psi_trigger_for,
+    put_back_high,
+    set_high_at_threshold,
 )
 from oomguard.keeper import StoreKeeper
 from oomguard.ledger import SavedLimits
@@ -54,12 +56,8 @@ from oomguard.policy import (
 from oomguard.prediction import forecast
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
-from oomguard.units import format_size
+from oomguard.systemrule import floor_reason, in_cgroups, next_poll
 
-# System rules poll MemAvailable the way earlyoom does: the closer to the floor, the more often;
-# it assumes memory can be eaten at up to 6 GB/s (earlyoom's figure).
-WORST_GROWTH_BYTES_PER_S = 6e9
-SYSTEM_MAX_POLL = 1.0
 SAVED_HIGH = ".memory-high.json"
 
 
@@ -103,6 +101,10 @@ class Daemon:
     def arm(self) -> None:
         self.keeper.recover()
         self.keeper.prune()
+        self._build_guards()
+        self._next_rescan = self.clock() + self.config.rescan_interval
+
+    def _build_guards(self) -> None:
         for spec in self.config.guards:
             if spec.system:
                 system = SystemGuard(spec=spec)
@@ -119,7 +121,6 @@ class Daemon:
                     continue
                 self._add_cgroup_guard(spec, path)
         self._expand_globs()
-        self._next_rescan = self.clock() + self.config.rescan_interval
 
     def _add_cgroup_guard(self, spec: Any, path: str, pattern: str = "") -> None:
         guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout), pattern=pattern)
@@ -166,7 +167,7 @@ class Daemon:
                 if guard.spec.events and isinstance(guard.cgroup, V1MemoryCgroup):
                     arm_v1(guard, snap.limit_bytes)
                 elif guard.spec.events and isinstance(guard.cgroup, V2MemoryCgroup):
-                    self._set_high(guard, guard.cgroup, snap.limit_bytes)
+                    set_high_at_threshold(guard, guard.cgroup, snap.limit_bytes, self.saved_high)
                     arm_v2(guard, snap.limit_bytes, self.psi_trigger)
             except (OSError, CgroupGone) as exc:
                 self.log.warning("guard.events_unavailable", cgroup=guard.name, error=str(exc))
@@ -183,29 +184,6 @@ class Daemon:
                       threshold=guard.spec.threshold, usage=snap.usage_bytes)
         # Already over the threshold when armed: no crossing will come, look now.
         self._examine_cgroup(guard, self.clock(), source="arm")
-
-    def _set_high(self, guard: CgroupGuard, cgroup: V2MemoryCgroup, limit: int) -> None:
-        """memory.high at the threshold: the kernel throttles there and counts a `high` event,
-        which wakes us exactly at the crossing (v2 has no usage thresholds)."""
-        if not guard.spec.memory_high:
-            return
-        mark = int(limit * guard.spec.threshold)
-        original = self.saved_high.remember(guard.name, cgroup.high())
-        if original is not None and original <= mark:
-            self.saved_high.forget(guard.name)
-            guard.high_set = True  # the user's own memory.high already throttles first
-            return
-        cgroup.set_high(mark)
-        guard.high_original = original
-        guard.high_set = True
-
-    def _restore_high(self, guard: CgroupGuard) -> None:
-        if guard.high_set and isinstance(guard.cgroup, V2MemoryCgroup):
-            with contextlib.suppress(OSError, CgroupGone):
-                original = self.saved_high.remember(guard.name, guard.high_original)
-                guard.cgroup.set_high(original)
-            self.saved_high.forget(guard.name)
-        guard.high_set = False
 
     def _disarm(self, guard: Guard) -> None:
         for fd in guard.fds:
@@ -256,29 +234,14 @@ class Daemon:
         for guard in self.guards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
-                self._restore_high(guard)
+                put_back_high(guard, self.saved_high)
         self.guards = []
         self._globs = []
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
                               criu=self.config.criu)
         self.actor.dry_run = self.config.dry_run
         self.log.info("config.reloaded", source=source, guards=len(new.guards))
-        for spec in self.config.guards:
-            if spec.system:
-                system = SystemGuard(spec=spec)
-                system.parts = rule_parts(spec)
-                self.guards.append(system)
-                arm_system(system, self.psi_trigger)
-                self._register(system)
-                self.log.info("guard.armed", cgroup="system", detection=system.detection,
-                              min_available=spec.min_available)
-                continue
-            for path in spec.cgroups:
-                if glob.has_magic(path):
-                    self._globs.append((spec, path))
-                else:
-                    self._add_cgroup_guard(spec, path)
-        self._expand_globs()
+        self._build_guards()
 
     def stop(self) -> None:
         self._stopping = True
@@ -290,7 +253,7 @@ class Daemon:
         for guard in self.guards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
-                self._restore_high(guard)
+                put_back_high(guard, self.saved_high)
         self.epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -376,8 +339,7 @@ class Daemon:
         if guard.present:
             self.log.warning("guard.cgroup_gone", cgroup=guard.name)
             self._disarm(guard)
-            guard.high_set = False
-            self.saved_high.forget(guard.name)
+            put_back_high(guard, self.saved_high)  # the cgroup is gone: only forgets
             guard.present = False
 
     def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
@@ -496,17 +458,11 @@ class Daemon:
     def _examine_system(self, guard: SystemGuard, woke: float, source: str) -> None:
         memory = self.meminfo()
         floor = guard.spec.min_available
-        distance = memory.available - (int(memory.total * floor) if isinstance(floor, float)
-                                       else floor)
-        interval = min(SYSTEM_MAX_POLL, max(self.config.poll_interval,
-                                            distance / WORST_GROWTH_BYTES_PER_S))
-        self._next_system_poll = self.clock() + interval
+        self._next_system_poll = self.clock() + next_poll(
+            memory.available, memory.total, floor, self.config.poll_interval)
         if not below_min_available(memory.available, memory.total, floor):
             return
-        reason = (f"MemAvailable {format_size(memory.available)} at or below the floor "
-                  f"({floor:.0%} of MemTotal)" if isinstance(floor, float) else
-                  f"MemAvailable {format_size(memory.available)} at or below "
-                  f"{format_size(floor)}")
+        reason = floor_reason(memory.available, floor)
         if self.actor.busy(guard.name):
             return
         if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
@@ -535,13 +491,7 @@ class Daemon:
             rel = self.proc.memory_cgroup(pid) or "/"
         except ProcessGone:
             return False
-        mount = str(self.layout.memory_mount or "")
-        for root in roots:
-            inner = root[len(mount):] if mount and root.startswith(mount) else root
-            inner = "/" + inner.strip("/")
-            if inner == "/" or rel == inner or rel.startswith(inner + "/"):
-                return True
-        return False
+        return in_cgroups(rel, str(self.layout.memory_mount or ""), roots)
 
     def _cgroup_of(self, tree: ProcessTree) -> MemoryCgroup | None:
         try:

@@ -16,6 +16,8 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
 from oomguard.config import GuardConfig
+from oomguard.errors import CgroupGone
+from oomguard.ledger import SavedLimits
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 
 EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
@@ -35,7 +37,8 @@ class CgroupGuard:
     present: bool = True
     detection: str = ""
     high_original: int | None = None
-    high_set: bool = False
+    high_set: bool = False  # `high` events come at (or before) the threshold
+    high_changed: bool = False  # ...because oomguard lowered memory.high (to be put back)
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
@@ -132,3 +135,30 @@ def consume(fd: int, kind: str) -> None:
             os.read(fd, 8)
         elif kind == KERNFS:
             rearm_watch(fd)
+
+
+def set_high_at_threshold(guard: CgroupGuard, cgroup: V2MemoryCgroup, limit: int,
+                          saved: SavedLimits) -> None:
+    """memory.high at the threshold: the kernel throttles there and counts a `high` event,
+    which wakes us exactly at the crossing (v2 has no usage thresholds). A memory.high the
+    user set at or below the threshold already does that, and is left alone."""
+    if not guard.spec.memory_high:
+        return
+    mark = int(limit * guard.spec.threshold)
+    original = saved.remember(guard.name, cgroup.high())
+    guard.high_set = True
+    if original is not None and original <= mark:
+        saved.forget(guard.name)
+        return
+    cgroup.set_high(mark)
+    guard.high_original = original
+    guard.high_changed = True
+
+
+def put_back_high(guard: CgroupGuard, saved: SavedLimits) -> None:
+    if guard.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
+        with contextlib.suppress(OSError, CgroupGone):
+            guard.cgroup.set_high(guard.high_original)
+        saved.forget(guard.name)
+    guard.high_set = False
+    guard.high_changed = False
