@@ -83,15 +83,17 @@ def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]
             children.setdefault(proc.ppid, []).append(proc)
         else:
             roots.append(proc)
-    trees = []
-    for root in roots:
-        members = [root]
-        index = 0
-        while index < len(members):
-            members.extend(sorted(children.get(members[index].pid, []), key=lambda p: p.pid))
-            index += 1
-        trees.append(ProcessTree(root=root, members=tuple(members)))
-    return trees
+    return [_grow(root, children) for root in roots]
+
+
+def _grow(root: ProcessInfo, children: dict[int, list[ProcessInfo]]) -> ProcessTree:
+    """`root` and its descendants (from a parent -> children map), parents before children."""
+    members = [root]
+    index = 0
+    while index < len(members):
+        members.extend(sorted(children.get(members[index].pid, []), key=lambda p: p.pid))
+        index += 1
+    return ProcessTree(root=root, members=tuple(members))
 
 
 def system_candidates(processes: Iterable[ProcessInfo], protected_pids: frozenset[int],
@@ -104,15 +106,7 @@ def system_candidates(processes: Iterable[ProcessInfo], protected_pids: frozense
     for proc in eligible.values():
         children.setdefault(proc.ppid, []).append(proc)
     top = sorted(eligible.values(), key=lambda p: (-p.rss_bytes, -p.starttime))[:limit]
-    trees = []
-    for root in top:
-        members = [root]
-        index = 0
-        while index < len(members):
-            members.extend(sorted(children.get(members[index].pid, []), key=lambda p: p.pid))
-            index += 1
-        trees.append(ProcessTree(root=root, members=tuple(members)))
-    return trees
+    return [_grow(root, children) for root in top]
 
 
 def below_min_available(available: int, total: int, min_available: float | int) -> bool:

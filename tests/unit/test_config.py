@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.actions import Step
 from oomguard.config import (
     EMBEDDED_CONFIG,
     CriuConfig,
@@ -263,7 +264,9 @@ def test_shipped_commented_guards_are_valid() -> None:
     config = load_config_text(text, "uncommented")
     assert config.guards == (
         GuardConfig(cgroups=("/sys/fs/cgroup/memory/jobs/build",), threshold=0.85,
-                    headroom=64 * MiB, on_failure="thaw", events=True),
+                    headroom=64 * MiB, on_failure="thaw", events=True,
+                    actions=(Step("checkpoint"),),
+                    protect=("^(sshd|systemd|Xorg|gnome-shell)$",)),
         GuardConfig(cgroups=(), system=True, min_available=0.10,
                     victim_cgroups=("/sys/fs/cgroup/user.slice",), headroom=64 * MiB,
                     on_failure="thaw"),
