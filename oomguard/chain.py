@@ -74,6 +74,7 @@ class ChainRunner:
             on_frozen: Callable[[list[int], float], None] | None = None,
             after_signal: Callable[[], None] | None = None) -> ChainOutcome:
         frozen: list[int] = []
+        recorded: list[int] = list(tree.pids)  # every pid the ledger heard of, to clear at the end
         frozen_at = 0.0
         ledger = self.checkpointer.ledger
         try:
@@ -87,6 +88,7 @@ class ChainRunner:
                     ledger.record(list(tree.pids))
                     frozen = self.freezer.freeze(tree.root.pid)
                     ledger.record(frozen)
+                    recorded += frozen
                     if after_signal is not None:
                         after_signal()
                         after_signal = None
@@ -110,7 +112,9 @@ class ChainRunner:
                     if outcome.result == "thawed":  # the checkpoint failed and thawed it
                         frozen = []
                 elif step.kind == KILL:
-                    self._kill(tree, settings, reason, fields)
+                    # Everything stopped goes too: the freeze may have caught a child that is
+                    # not in the tree (forked after the scan, or in another cgroup).
+                    self._kill(sorted(set(tree.pids) | set(frozen)), settings, reason, fields)
                     frozen = []
                     return ChainOutcome("killed", KILL, reason)
             return ChainOutcome("thawed", str(chain[-1]), "no action settled it")
@@ -120,7 +124,7 @@ class ChainRunner:
             if frozen:
                 self.freezer.thaw(frozen)
             with contextlib.suppress(OSError):
-                ledger.clear(frozen + list(tree.pids))
+                ledger.clear(recorded)
 
     def _signal(self, step: Step, tree: ProcessTree, frozen: list[int],
                 still_pressing: Callable[[], bool], fields: dict[str, Any]) -> ChainOutcome | None:
@@ -136,7 +140,7 @@ class ChainRunner:
                          grace_s=step.grace, **fields)
         deadline = self.clock() + step.grace
         while self.clock() < deadline:
-            if not self.proc.exists(tree.root.pid) or self.proc.state(tree.root.pid) in "ZX":
+            if not self._alive(tree.root.pid):
                 return ChainOutcome("signalled", str(step), "the victim exited")
             if not still_pressing():
                 return ChainOutcome("signalled", str(step), "the victim shrank")
@@ -164,10 +168,9 @@ class ChainRunner:
                                 str(exc))
         return ChainOutcome("checkpointed", str(step), reason, result)
 
-    def _kill(self, tree: ProcessTree, settings: ChainSettings, reason: str,
+    def _kill(self, pids: list[int], settings: ChainSettings, reason: str,
               fields: dict[str, Any]) -> None:
         """SIGTERM (and SIGCONT, so a stopped task can act on it), then SIGKILL what is left."""
-        pids = list(tree.pids)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

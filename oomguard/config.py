@@ -213,7 +213,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                                         g.post_action_delay),
             time_to_limit=read.take(table, prefix, "time_to_limit", _bool, g.time_to_limit),
             predict_from=read.take(table, prefix, "predict_from", parse_fraction, g.predict_from),
-            freeze_deadline=read.take(table, prefix, "freeze_deadline", parse_duration,
+            freeze_deadline=read.take(table, prefix, "freeze_deadline", _positive_duration,
                                       g.freeze_deadline),
             kill_grace=read.take(table, prefix, "kill_grace", parse_duration, g.kill_grace),
             store_margin=read.take(table, prefix, "store_margin", parse_size, g.store_margin),
@@ -226,6 +226,13 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, socket=socket, store_max_size=max_size,
                         store_max_age=max_age, criu=criu, guards=tuple(guards))
+
+
+def _positive_duration(value: Any) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f"must be above 0, got {value!r}")
+    return seconds
 
 
 def _regex_list(value: Any) -> tuple[str, ...]:
@@ -252,10 +259,14 @@ def _duration_or_none(value: Any) -> float | None:
 
 
 def _size_or_fraction(value: Any) -> float | int:
-    """'10%' or 0.1 -> fraction of MemTotal; '2G' or an integer -> bytes."""
+    """'10%' or 0.1 -> fraction of MemTotal; '2G' or an integer -> bytes (never 0)."""
     if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
         return parse_fraction(value)
-    return parse_size(value)
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError(f"must be above 0 (a size such as '2G' or a share such as '10%'), "
+                         f"got {value!r}")
+    return size
 
 
 def _guard_array(value: Any) -> list[dict[str, Any]]:
