@@ -18,9 +18,9 @@ from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.config import (
     DEFAULT_CONFIG_PATH,
     DaemonConfig,
-    GuardConfig,
     load_config,
     load_embedded_config,
+    parse_config,
 )
 from oomguard.control.client import ControlError
 from oomguard.errors import (
@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="decide and log, touch nothing")
     run.add_argument("--auto-restore", action="store_true",
                      help="restore checkpoints of the --cgroup once they fit again")
+    run.add_argument("--actions", help="action chain, comma-separated: e.g. "
+                     "'freeze,checkpoint,kill' or 'signal:SIGUSR1:30s,checkpoint'")
+    run.add_argument("--prefer", action="append", default=[], metavar="REGEX",
+                     help="choose matching processes first (repeatable)")
+    run.add_argument("--avoid", action="append", default=[], metavar="REGEX",
+                     help="choose matching processes last (repeatable)")
+    run.add_argument("--protect", action="append", default=[], metavar="REGEX",
+                     help="never choose matching processes (repeatable)")
+    run.add_argument("--time-to-limit", action="store_true",
+                     help="act early when growth would reach the limit before a dump ends")
     run.add_argument("--criu", help="path to criu (default: auto)")
 
     cp = sub.add_parser("checkpoint", help="checkpoint a process tree now")
@@ -168,9 +178,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = _base_config(args)
     if args.cgroup:
-        guard = GuardConfig(cgroups=tuple(args.cgroup), threshold=args.threshold,
-                            on_failure=args.on_failure, events=not args.no_events,
-                            auto_restore=args.auto_restore)
+        flags = {"cgroups": args.cgroup, "threshold": args.threshold,
+                 "on_failure": args.on_failure, "events": not args.no_events,
+                 "auto_restore": args.auto_restore, "time_to_limit": args.time_to_limit,
+                 "prefer": args.prefer, "avoid": args.avoid, "protect": args.protect}
+        if args.actions:
+            flags["actions"] = args.actions.split(",")
+        # The flags go through the config parser: the same rules, the same error messages.
+        guard = parse_config({"guard": [flags]}, "command line").guards[0]
         config = replace(config, guards=(guard,), source="command line")
     if args.poll_interval is not None:
         config = replace(config, poll_interval=args.poll_interval)

@@ -45,6 +45,7 @@ class GuardConfig:
     system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
     min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
     victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
+    psi_full_avg10: float | None = None  # system rules: also act at this PSI "full" avg10
     auto_restore: bool = False  # restore this cgroup's checkpoints once memory is free again
     restore_quiet: float = 10.0  # ...for this long without interruption
     restore_margin: int = 64 << 20  # room left under the threshold after a restore
@@ -198,6 +199,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
             psi=read.take(table, prefix, "psi", _bool, g.psi),
             system=system, min_available=min_available,
             victim_cgroups=read.take(table, prefix, "victim_cgroups", _cgroup_list, none),
+            psi_full_avg10=read.take(table, prefix, "psi_full_avg10", parse_fraction,
+                                     g.psi_full_avg10),
             auto_restore=read.take(table, prefix, "auto_restore", _bool, g.auto_restore),
             restore_quiet=read.take(table, prefix, "restore_quiet", parse_duration,
                                     g.restore_quiet),

@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -55,8 +56,9 @@ from oomguard.policy import (
 )
 from oomguard.prediction import forecast
 from oomguard.procfs import ProcReader
+from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
-from oomguard.systemrule import floor_reason, in_cgroups, next_poll
+from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
 SAVED_HIGH = ".memory-high.json"
 
@@ -460,9 +462,13 @@ class Daemon:
         floor = guard.spec.min_available
         self._next_system_poll = self.clock() + next_poll(
             memory.available, memory.total, floor, self.config.poll_interval)
-        if not below_min_available(memory.available, memory.total, floor):
-            return
-        reason = floor_reason(memory.available, floor)
+        if below_min_available(memory.available, memory.total, floor):
+            reason = floor_reason(memory.available, floor)
+        else:
+            pressed = pressure_reason(self._full_avg10(), guard.spec.psi_full_avg10)
+            if pressed is None:
+                return
+            reason = pressed
         if self.actor.busy(guard.name):
             return
         if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
@@ -479,12 +485,20 @@ class Daemon:
 
         def still_pressing() -> bool:
             now = self.meminfo()
-            return below_min_available(now.available, now.total, floor)
+            return below_min_available(now.available, now.total, floor) or pressure_reason(
+                self._full_avg10(), guard.spec.psi_full_avg10) is not None
 
         assert guard.parts is not None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
                                  self._cgroup_of, still_pressing))
         self._next_system_poll = self.clock()
+
+    def _full_avg10(self) -> float:
+        try:
+            pressure = parse_pressure(Path("/proc/pressure/memory").read_text())
+        except (OSError, ValueError):
+            return 0.0
+        return pressure.full.avg10 if pressure.full is not None else 0.0
 
     def _in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
         try:

@@ -37,3 +37,11 @@ def in_cgroups(rel_path: str, mount: str, roots: tuple[str, ...]) -> bool:
         if inner == "/" or rel_path == inner or rel_path.startswith(inner + "/"):
             return True
     return False
+
+
+def pressure_reason(full_avg10: float, threshold: float | None) -> str | None:
+    """systemd-oomd's measure: the share of the last 10 s in which every task waited on memory
+    ("full" avg10, in percent in the kernel's file) at or above `threshold` (a fraction)."""
+    if threshold is None or full_avg10 / 100 < threshold:
+        return None
+    return f"memory pressure: full avg10 {full_avg10:.1f}% >= {threshold:.0%}"

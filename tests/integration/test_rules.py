@@ -177,3 +177,43 @@ def test_time_to_limit_acts_before_the_threshold(cgroups: CgroupFactory, store: 
     assert crossed["usage"] < 0.98 * 512 * MiB
     assert done["pid"] == hog.pid
     assert cg.snapshot().oom_kills == 0
+
+
+def test_dry_run_with_preferences_from_flags_touches_nothing(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Flags build the same rule as a config: --prefer picks the smaller hog (its command line
+    matches), and --dry-run only says so; both keep running, nothing is stored."""
+    cg = cgroups.make("dry", 512 * MiB)
+    big = start_in_cgroup(cg, hog_argv(tmp_path / "big.log", target=300, rate=500,
+                                       count=100_000))
+    small = start_in_cgroup(cg, hog_argv(tmp_path / "small.log", target=160, rate=500,
+                                         count=100_000))
+    try:
+        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path), "--threshold",
+                    "70%", "--dry-run", "--prefer", "small\\.log",
+                    "--actions", "freeze,checkpoint,kill") as guard:
+            chosen = guard.wait_event("victim.chosen", timeout=60)[0]
+            assert chosen["pid"] == small.pid and chosen["dry_run"] is True
+            assert chosen["actions"] == ["freeze", "checkpoint", "kill"]
+            time.sleep(0.5)
+            assert not guard.events("victim.frozen") and not guard.events("checkpoint.done")
+        assert big.poll() is None and small.poll() is None
+        assert not Store(store).list()
+    finally:
+        for proc in (big, small):
+            kill_pid(proc.pid)
+            proc.wait()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--actions", "checkpoint,explode"], "unknown action 'explode'"),
+    (["--actions", "kill,checkpoint"], "'kill' can only be the last action"),
+    (["--protect", "("], "bad regular expression"),
+])
+def test_bad_rule_flags_exit_2(store: Path, tmp_path: Path, flags: list[str],
+                               message: str) -> None:
+    from tests.helpers import run_oomguard
+
+    result = run_oomguard(store, "run", "--cgroup", "/sys/fs/cgroup/memory/x", *flags,
+                          timeout=30)
+    assert result.returncode == 2 and message in result.stderr, result.stderr

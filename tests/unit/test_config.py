@@ -268,7 +268,8 @@ def test_shipped_commented_guards_are_valid() -> None:
                     actions=(Step("checkpoint"),),
                     protect=("^(sshd|systemd|Xorg|gnome-shell)$",)),
         GuardConfig(cgroups=(), system=True, min_available=0.10,
-                    victim_cgroups=("/sys/fs/cgroup/user.slice",), headroom=64 * MiB,
+                    victim_cgroups=("/sys/fs/cgroup/user.slice",), psi_full_avg10=0.6,
+                    headroom=64 * MiB,
                     on_failure="thaw"),
     )
 
