@@ -26,6 +26,7 @@ from oomguard.control.client import ControlError
 from oomguard.errors import (
     CheckpointFailed,
     ConfigError,
+    ConfigIssue,
     CriuError,
     OomguardError,
     ProcessGone,
@@ -173,6 +174,12 @@ def _need_root(what: str) -> None:
 
 # -- commands ------------------------------------------------------------------------------------
 
+def _flag_name(key: str) -> str:
+    """guard[0].time_to_limit -> --time-to-limit (the flag that set it)."""
+    name = key.split(".", 1)[-1]
+    return "--cgroup" if name == "cgroups" else "--" + name.replace("_", "-")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from oomguard.rundaemon import check_cgroup_paths, run_daemon
 
@@ -184,8 +191,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                  "prefer": args.prefer, "avoid": args.avoid, "protect": args.protect}
         if args.actions:
             flags["actions"] = args.actions.split(",")
-        # The flags go through the config parser: the same rules, the same error messages.
-        guard = parse_config({"guard": [flags]}, "command line").guards[0]
+        # The flags go through the config parser: the same rules, the same error messages,
+        # told by flag name.
+        try:
+            guard = parse_config({"guard": [flags]}, "command line").guards[0]
+        except ConfigError as exc:
+            raise ConfigError([ConfigIssue(i.source, _flag_name(i.key), i.reason)
+                               for i in exc.issues]) from None
         config = replace(config, guards=(guard,), source="command line")
     if args.poll_interval is not None:
         config = replace(config, poll_interval=args.poll_interval)
