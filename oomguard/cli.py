@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD")
     doc = sub.add_parser("doctor", help="check the machine")
     doc.add_argument("--criu", help="path to criu (default: auto)")
+    iu = sub.add_parser("install-units", help="install the systemd unit (and the default "
+                        "config if there is none)")
+    iu.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"))
+    iu.add_argument("--config-dir", type=Path, default=Path("/etc/oomguard"))
     cc = sub.add_parser("check-config", help="validate a config file")
     cc.add_argument("file", type=Path)
     return parser
@@ -326,6 +330,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if all(c.ok or c.warn_only for c in checks) else EXIT_FAILED
 
 
+def cmd_install_units(args: argparse.Namespace) -> int:
+    from oomguard.units_install import install_units
+
+    for path in install_units(args.unit_dir, args.config_dir):
+        print(f"installed {path}")
+    print("then: systemctl daemon-reload && systemctl enable --now oomguard")
+    return EXIT_OK
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     print(f"{args.file}: OK ({len(config.guards)} guard rule(s))")
@@ -336,5 +349,5 @@ COMMANDS: dict[str, Any] = {
     "run": cmd_run, "checkpoint": cmd_checkpoint, "list": cmd_list, "show": cmd_show,
     "status": cmd_status,
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
-    "check-config": cmd_check_config,
+    "check-config": cmd_check_config, "install-units": cmd_install_units,
 }

@@ -72,6 +72,11 @@ class DaemonConfig:
     socket: Path = Path("/run/oomguard/control.sock")
     store_max_size: int | None = None  # size budget of the store; None: no budget
     store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go
+    metrics_textfile_dir: Path | None = None  # node_exporter textfile collector directory
+    metrics_port: int = 0  # serve /metrics on this local port (0: off)
+    metrics_address: str = "127.0.0.1"
+    hooks: tuple[tuple[str, str], ...] = ()  # (event, shell command): on_checkpoint...
+    hook_timeout: float = 30.0
     criu: CriuConfig = field(default_factory=CriuConfig)
     guards: tuple[GuardConfig, ...] = ()
 
@@ -141,6 +146,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     empty: dict[str, Any] = {}
     daemon = read.take(data, "", "daemon", lambda v: _table(v, "daemon"), empty)
     criu_t = read.take(data, "", "criu", lambda v: _table(v, "criu"), dict(empty))
+    data_hooks = {"hooks": data.pop("hooks")} if "hooks" in data else {}
     no_guards: list[dict[str, Any]] = []
     guard_list = read.take(data, "", "guard", _guard_array, no_guards)
     read.leftovers(data, "")
@@ -153,7 +159,19 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     socket = read.take(daemon, "daemon.", "socket", lambda v: Path(_str(v)), base.socket)
     max_size = read.take(daemon, "daemon.", "store_max_size", _size_or_none, base.store_max_size)
     max_age = read.take(daemon, "daemon.", "store_max_age", _duration_or_none, base.store_max_age)
+    textfile = read.take(daemon, "daemon.", "metrics_textfile_dir",
+                         lambda v: Path(_str(v)) if v != "" else None, None)
+    port = read.take(daemon, "daemon.", "metrics_port", _port, 0)
+    address = read.take(daemon, "daemon.", "metrics_address", _str, base.metrics_address)
     read.leftovers(daemon, "daemon.")
+    hooks_t = read.take(data_hooks, "", "hooks", lambda v: _table(v, "hooks"), dict(empty))
+    hook_timeout = read.take(hooks_t, "hooks.", "timeout", parse_duration, base.hook_timeout)
+    hooks = []
+    for event in ("on_checkpoint", "on_restore", "on_kill"):
+        command = read.take(hooks_t, "hooks.", event, _str, "")
+        if command:
+            hooks.append((event, command))
+    read.leftovers(hooks_t, "hooks.")
     if poll <= 0:
         issues.append(ConfigIssue(source, "daemon.poll_interval", "must be above 0"))
     if rescan <= 0:
@@ -228,7 +246,15 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         raise ConfigError(issues)
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, socket=socket, store_max_size=max_size,
-                        store_max_age=max_age, criu=criu, guards=tuple(guards))
+                        store_max_age=max_age, metrics_textfile_dir=textfile, metrics_port=port,
+                        metrics_address=address, hooks=tuple(hooks), hook_timeout=hook_timeout,
+                        criu=criu, guards=tuple(guards))
+
+
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"expected a TCP port number (0: off), got {value!r}")
+    return value
 
 
 def _positive_duration(value: Any) -> float:

@@ -97,6 +97,10 @@ class Daemon:
                            clock=clock)
         self._reload = False
         self._globs: list[tuple[Any, str]] = []
+        # Called after every loop turn (systemd watchdog pings, metrics); the loop never
+        # sleeps longer than max_sleep, so a hung loop stops the pings and gets restarted.
+        self.heartbeat: Callable[[], None] | None = None
+        self.max_sleep: float | None = None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -269,6 +273,8 @@ class Daemon:
     def _timeout(self) -> float:
         now = self.clock()
         timeout = max(0.0, self._next_rescan - now)
+        if self.max_sleep is not None:
+            timeout = min(timeout, self.max_sleep)
         for guard in self.guards:
             if isinstance(guard, SystemGuard):
                 timeout = min(timeout, max(0.0, self._next_system_poll - now))
@@ -312,6 +318,8 @@ class Daemon:
         if self.clock() >= self._next_rescan:
             self._rescan()
             self._next_rescan = self.clock() + self.config.rescan_interval
+        if self.heartbeat is not None:
+            self.heartbeat()
 
     def _examine(self, guard: Guard, woke: float, source: str) -> None:
         if isinstance(guard, SystemGuard):
@@ -350,6 +358,14 @@ class Daemon:
                            kills=snap.oom_kills - guard.oom_kills,
                            explanation="the kernel OOM killer acted before oomguard could")
         guard.oom_kills = snap.oom_kills
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS=."""
+        present = [g for g in self.guards if g.present]
+        stored = self.keeper.store.list()
+        waiting = sum(1 for m in stored if m.state == "checkpointed")
+        return (f"guarding {len(present)} of {len(self.guards)} cgroup(s); "
+                f"{waiting} checkpoint(s) waiting to be restored")
 
     def status(self) -> dict[str, Any]:
         guards = []

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import structlog
+
+from oomguard.journal import syslog_prefix_renderer, under_journald
 
 
 def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> None:
@@ -17,6 +21,9 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
     use_json = fmt == "json" or (fmt == "auto" and not out.isatty())
     renderer: Any = (structlog.processors.JSONRenderer() if use_json
                      else structlog.dev.ConsoleRenderer(colors=out.isatty()))
+    if use_json and fmt == "auto" and _journald(out):
+        # "<N>" first: journald turns it into the entry's PRIORITY (sd-daemon(3)).
+        renderer = syslog_prefix_renderer()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -31,6 +38,13 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
     )
 
 
+def _journald(out: TextIO) -> bool:
+    try:
+        return under_journald(os.environ, out.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def get_logger(**bound: Any) -> Any:
     return structlog.get_logger("oomguard").bind(**bound)
 
@@ -41,11 +55,15 @@ class RecordingLogger:
 
     NOTABLE = ("checkpoint.", "restore.", "threshold.crossed", "oom.", "victim.", "store.")
 
-    def __init__(self, log: Any, keep: int = 50) -> None:
+    def __init__(self, log: Any, keep: int = 50,
+                 tap: Callable[[str, str, dict[str, Any]], None] | None = None) -> None:
         self.log = log
+        self.tap = tap
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
 
     def _record(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        if self.tap is not None:
+            self.tap(level, event, fields)
         if level in ("warning", "error") or event.startswith(self.NOTABLE):
             keep = {k: v for k, v in fields.items()
                     if isinstance(v, str | int | float | bool) and k not in ("path",)}

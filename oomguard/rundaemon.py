@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Any
 
 from oomguard import __version__
@@ -11,11 +13,42 @@ from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.freezer import SigstopFreezer
+from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
+from oomguard.metrics import Metrics, TextfileWriter
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
+from oomguard.sdnotify import Notifier
 from oomguard.store import Store
+from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import build_checkpointer, build_criu, build_service, remove_criu_cgroup
+
+
+class Heartbeat:
+    """After every loop turn: the watchdog ping, and now and then the STATUS= line, the
+    gauges and the node_exporter textfile."""
+
+    EVERY = 2.0
+
+    def __init__(self, daemon: Daemon, notifier: Notifier, metrics: Metrics,
+                 textfile: TextfileWriter | None) -> None:
+        self.daemon = daemon
+        self.notifier = notifier
+        self.metrics = metrics
+        self.textfile = textfile
+        self._next = 0.0
+
+    def __call__(self) -> None:
+        self.notifier.watchdog()
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.EVERY
+        self.notifier.status(self.daemon.summary())
+        publish_gauges(self.metrics, self.daemon.guards, self.daemon.keeper.store)
+        if self.textfile is not None:
+            with contextlib.suppress(OSError):
+                self.textfile.write(self.metrics)
 
 
 def check_cgroup_paths(config: DaemonConfig, flag_name: str | None) -> None:
@@ -33,7 +66,10 @@ def check_cgroup_paths(config: DaemonConfig, flag_name: str | None) -> None:
 
 
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
-    log = RecordingLogger(base_log)
+    metrics = Metrics()
+    hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
+    log = RecordingLogger(base_log, tap=EventTap(metrics, hooks))
+    notifier = Notifier.from_env()
     layout = read_layout()
     proc = ProcReader()
     criu = build_criu(config.criu, layout, proc)
@@ -41,6 +77,16 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     restorer = Restorer(criu, Store(config.store), SigstopFreezer(proc), proc)
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer)
     daemon.install_signal_handlers()
+    textfile = TextfileWriter(config.metrics_textfile_dir) if config.metrics_textfile_dir else None
+    metrics_server = None
+    if config.metrics_port:
+        try:
+            metrics_server = metrics.serve(config.metrics_port, config.metrics_address)
+        except OSError as exc:
+            log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
+    beat = Heartbeat(daemon, notifier, metrics, textfile)
+    daemon.heartbeat = beat
+    daemon.max_sleep = notifier.watchdog_interval()
     server = None
     try:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
@@ -60,11 +106,19 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
                     "to the config or pass --cgroup")
     try:
         daemon.arm()
+        # READY=1 only now: every guard is armed and the socket answers.
+        notifier.ready(daemon.summary())
+        beat()
         daemon.run()
     finally:
+        notifier.stopping()
         if server is not None:
             server.stop()
         daemon.close()
+        if metrics_server is not None:
+            metrics_server.close()
+        if hooks is not None:
+            hooks.join(config.hook_timeout)
         remove_criu_cgroup(layout, proc)
         log.info("guard.stopped")
     return 0

@@ -1,0 +1,80 @@
+"""What the daemon's events feed besides the log: Prometheus metrics and the user's hooks.
+
+The daemon logs one event per thing that happens; `EventTap` sees each one (through
+logsetup.RecordingLogger) and turns the ones that matter into metric updates and hook runs, so
+no part of the daemon has to know about either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.errors import CgroupGone
+from oomguard.guards import CgroupGuard, SystemGuard
+from oomguard.hooks import HookRunner
+from oomguard.metrics import Metrics
+from oomguard.psi import parse_pressure
+from oomguard.store import Store
+
+HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
+          "victim.killed": "on_kill"}
+
+
+class EventTap:
+    def __init__(self, metrics: Metrics | None = None, hooks: HookRunner | None = None) -> None:
+        self.metrics = metrics
+        self.hooks = hooks
+
+    def __call__(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self._count(event, fields)
+        if self.hooks is not None and event in HOOKED:
+            self.hooks.fire(HOOKED[event], {k: v for k, v in fields.items()
+                                            if isinstance(v, str | int | float | bool)})
+
+    def _count(self, event: str, fields: dict[str, Any]) -> None:
+        assert self.metrics is not None
+        m = self.metrics
+        if event == "checkpoint.done":
+            m.checkpoint_done(int(fields.get("image_bytes") or 0),
+                              float(fields.get("seconds") or 0.0),
+                              max(0, int(fields.get("rss") or 0)))
+        elif event == "checkpoint.failed":
+            m.checkpoint_failed()
+        elif event == "checkpoint.refused":
+            m.checkpoint_refused()
+        elif event in ("restore.done", "restore.failed"):
+            m.restore("done" if event == "restore.done" else "failed", bool(fields.get("auto")))
+        elif event == "victim.killed":
+            m.kill()
+        elif event == "victim.frozen" and "detect_to_frozen_ms" in fields:
+            m.detection(max(0.0, float(fields["detect_to_frozen_ms"]) / 1000))
+
+
+def publish_gauges(metrics: Metrics, guards: Iterable[CgroupGuard | SystemGuard],
+                   store: Store) -> None:
+    """The current picture: guards, cgroups watched with usage/limit/pressure, the store."""
+    guards = list(guards)
+    cgroup_guards = [g for g in guards if isinstance(g, CgroupGuard)]
+    metrics.set_guards(len(guards), sum(1 for g in cgroup_guards if g.present))
+    for guard in cgroup_guards:
+        if not guard.present:
+            metrics.forget_cgroup(guard.name)
+            continue
+        try:
+            snap = guard.cgroup.snapshot()
+        except CgroupGone:
+            metrics.forget_cgroup(guard.name)
+            continue
+        pressure = None
+        if isinstance(guard.cgroup, V2MemoryCgroup):
+            try:
+                text = (guard.cgroup.path / "memory.pressure").read_text()
+                pressure = parse_pressure(text).some.avg10
+            except (OSError, ValueError):
+                pressure = None
+        metrics.set_cgroup(guard.name, snap.usage_bytes, snap.limit_bytes, pressure)
+    checkpoints = store.list()
+    metrics.set_store(sum(c.image_bytes for c in checkpoints), len(checkpoints))
