@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from oomguard.errors import (
     StoreError,
 )
 from oomguard.logsetup import configure_logging, get_logger
+from oomguard.progress import dump_bytes, progress, resident_bytes
 from oomguard.store import Store
 from oomguard.units import format_size, parse_duration, parse_fraction
 
@@ -230,7 +232,8 @@ def _call(args: argparse.Namespace, method: str, **parameters: Any) -> dict[str,
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     log = get_logger()
     try:
-        meta = _call(args, "Checkpoint", pid=args.pid, reason=args.reason)["checkpoint"]
+        with progress(f"checkpoint of {args.pid}", lambda: dump_bytes(args.pid), sys.stderr):
+            meta = _call(args, "Checkpoint", pid=args.pid, reason=args.reason)["checkpoint"]
     except CheckpointFailed as exc:
         log.error("checkpoint.failed", pid=args.pid, outcome=exc.outcome, error=str(exc))
         return EXIT_FAILED
@@ -266,8 +269,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     log = get_logger()
+    shown: dict[str, Any] = {}
+    if sys.stderr.isatty():
+        with contextlib.suppress(OomguardError):
+            shown = _call(args, "Show", id=args.id)["checkpoint"]
+    pids = [] if shown.get("pidns") else list(shown.get("pids", []))
     try:
-        result = _call(args, "Restore", id=args.id, cgroup=args.cgroup, force=args.force or None)
+        with progress(f"restore of {args.id}", lambda: resident_bytes(pids), sys.stderr,
+                      total=shown.get("rss_bytes")):
+            result = _call(args, "Restore", id=args.id, cgroup=args.cgroup,
+                           force=args.force or None)
     except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from oomguard.errors import CriuError
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store import Store
 from oomguard.units import format_size
+
+PREKILL_SYSTEMD = 260  # systemd-oomd's io.systemd.oom.Prekill hook
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,52 @@ class Check:
 def parse_kernel_version(release: str) -> tuple[int, int]:
     parts = release.split(".")
     return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def running_commands(proc_root: str = "/proc") -> set[str]:
+    names = set()
+    for entry in Path(proc_root).iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                names.add((entry / "comm").read_text().strip())
+    return names
+
+
+def systemd_version() -> int | None:
+    try:
+        out = subprocess.run(["systemctl", "--version"], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    parts = out.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+def coexistence_checks(running: set[str], systemd: int | None) -> list[Check]:
+    """Other OOM guards on the machine, and how oomguard gets to act before they kill."""
+    checks = []
+    if "systemd-oomd" in running:
+        hook = (systemd or 0) >= PREKILL_SYSTEMD
+        checks.append(Check(
+            "systemd-oomd", hook,
+            "running: it kills whole cgroups on PSI/swap pressure; " + (
+                f"systemd {systemd} offers the prekill hook: set daemon.oomd_prekill_dir = "
+                "\"/run/systemd/oomd.prekill.hook\" so oomguard checkpoints a cgroup before "
+                "oomd kills it" if hook else
+                f"systemd {systemd} has no prekill hook (>= {PREKILL_SYSTEMD}): give oomguard's "
+                "thresholds room to act before oomd's pressure limits"),
+            "guard the same cgroups with lower thresholds than oomd's", warn_only=True))
+    else:
+        checks.append(Check("systemd-oomd", True, "not running", warn_only=True))
+    if "earlyoom" in running:
+        checks.append(Check(
+            "earlyoom", False,
+            "running: it SIGTERMs at MemAvailable <= 10% and SIGKILLs at 5% (defaults)",
+            "give system rules a min_available above earlyoom's -m (e.g. 15%) so oomguard "
+            "checkpoints first", warn_only=True))
+    else:
+        checks.append(Check("earlyoom", True, "not running", warn_only=True))
+    return checks
 
 
 def filesystem_type(path: Path, proc_root: str = "/proc") -> str | None:
@@ -128,6 +178,7 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc")
         checks.append(Check("criu check", ok, text, "see `criu check --all` for what is missing"))
     except CriuError as exc:
         checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
+    checks.extend(coexistence_checks(running_commands(proc_root), systemd_version()))
     fs_type = filesystem_type(store, proc_root)
     if fs_type in ("tmpfs", "ramfs"):
         checks.append(Check("store filesystem", False, f"{store} is on {fs_type}",

@@ -9,6 +9,7 @@ from typing import Any
 from oomguard import __version__
 from oomguard.cgroup.mounts import open_cgroup, read_layout
 from oomguard.config import DaemonConfig
+from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.errors import ConfigError, ConfigIssue
@@ -97,6 +98,18 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     except OSError as exc:
         log.warning("control.unavailable", socket=str(config.socket), error=str(exc),
                     explanation="the CLI falls back to direct access (root only)")
+    prekill = None
+    if config.oomd_prekill_dir is not None:
+        try:
+            prekill = ControlServer(config.oomd_prekill_dir / SOCKET_NAME, service, note=log.info,
+                                    dispatcher=dispatch_prekill, mode=0o660)
+            prekill.start()
+            log.info("oomd.prekill_registered", socket=str(prekill.path),
+                     explanation="systemd-oomd asks oomguard to checkpoint a cgroup before it "
+                     "kills it")
+        except OSError as exc:
+            log.warning("oomd.prekill_unavailable", dir=str(config.oomd_prekill_dir),
+                        error=str(exc))
     log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
              socket=str(config.socket) if server else None, criu=criu.binary,
              criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
@@ -112,8 +125,9 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         daemon.run()
     finally:
         notifier.stopping()
-        if server is not None:
-            server.stop()
+        for listener in (server, prekill):
+            if listener is not None:
+                listener.stop()
         daemon.close()
         if metrics_server is not None:
             metrics_server.close()

@@ -17,7 +17,15 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import Checkpointer, tree_of
-from oomguard.errors import OomguardError, ProcessGone, RestoreFailed, StoreError
+from oomguard.errors import (
+    CgroupGone,
+    CheckpointFailed,
+    OomguardError,
+    ProcessGone,
+    RestoreFailed,
+    StoreError,
+)
+from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
 from oomguard.store import CheckpointMeta, Store, validate_id
@@ -115,6 +123,25 @@ class Service:
         cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
         result = self.checkpointer.checkpoint(tree, cgroup, reason)
         return {**asdict(result.meta), "seconds": round(result.timings.total_s, 3)}
+
+    def prekill(self, cgroup_path: str) -> dict[str, Any]:
+        """systemd-oomd is about to kill this cgroup: checkpoint its process trees first,
+        largest first. Trees that cannot be checkpointed are left to oomd."""
+        try:
+            cgroup = open_cgroup(cgroup_path, self.layout)
+            members = self.proc.processes(cgroup.procs())
+        except (ValueError, CgroupGone) as exc:
+            raise OomguardError(f"cgroup {cgroup_path}: {exc}") from None
+        protected = frozenset(self.proc.descendants(os.getpid()))
+        done, failed = [], []
+        for tree in rank_victims(build_trees(members, protected)):
+            try:
+                result = self.checkpointer.checkpoint(tree, cgroup, f"systemd-oomd is about to "
+                                                      f"kill {cgroup_path}")
+                done.append(result.meta.id)
+            except (CheckpointFailed, ProcessGone) as exc:
+                failed.append(f"{tree.root.pid}: {exc}")
+        return {"checkpoints": done, "failed": failed}
 
     def status(self, uid: int) -> dict[str, Any]:
         status: dict[str, Any] = dict(self._status()) if self._status else {"daemon": False}

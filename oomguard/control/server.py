@@ -112,7 +112,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 self.server.note("control.rejected", uid=uid, pid=pid, error=str(exc))
                 return
             for raw in calls:
-                method, message = dispatch(self.server.service, raw, uid)
+                method, message = self.server.dispatcher(self.server.service, raw, uid)
                 self.server.note("control.call", uid=uid, pid=pid, method=method,
                                  error=message.get("error"))
                 try:
@@ -137,8 +137,11 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
     def __init__(self, path: Path, service: Service,
-                 note: Callable[..., None] | None = None) -> None:
+                 note: Callable[..., None] | None = None,
+                 dispatcher: Callable[[Service, bytes, int], tuple[str, dict[str, Any]]] = dispatch,
+                 mode: int = 0o666) -> None:
         self.service = service
+        self.dispatcher = dispatcher
         self.path = path
         self.note = note or (lambda *args, **kwargs: None)
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -150,7 +153,7 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             path.unlink()  # a stale socket of a previous run
         super().__init__(str(path), _Handler)
         # Anyone may connect; what each caller may see is decided per call from SO_PEERCRED.
-        os.chmod(path, 0o666)
+        os.chmod(path, mode)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:

@@ -4,19 +4,24 @@ bad input (exit 2, naming the key and the file), the daemon on the embedded defa
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import (
+    REPO,
     CgroupFactory,
     DaemonProcess,
     MiB,
     hog_argv,
+    kill_pid,
     last_count,
+    oomguard_argv,
     run_oomguard,
     start_in_cgroup,
     wait_until,
@@ -144,3 +149,32 @@ def test_guarded_cgroup_removed_and_recreated(cgroups: CgroupFactory, store: Pat
         assert daemon.handle.poll() is None
     finally:
         assert daemon.stop() == 0
+
+
+def test_checkpoint_and_restore_show_progress_on_a_terminal(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """On a TTY (script(1) gives the CLI one) a checkpoint shows the bytes written and a
+    restore the bytes brought back, against the checkpoint's size."""
+    if shutil.which("script") is None:
+        pytest.skip("script(1) missing")
+    cg = cgroups.make("progress", None)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=400, rate=2000, count=100_000))
+    assert wait_until(lambda: last_count(log) > 110, 20)
+    command = " ".join(oomguard_argv(store, "checkpoint", str(hog.pid)))
+    shown = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO)
+    assert shown.returncode == 0, shown.stdout
+    lines = shown.stdout.replace("\r", "\n").splitlines()
+    final = [line for line in lines if line.startswith(f"checkpoint of {hog.pid}:")][-1]
+    assert "MiB in" in final
+    hog.wait(timeout=10)
+    checkpoint_id = lines[-1].strip()
+    command = " ".join(oomguard_argv(store, "restore", checkpoint_id))
+    shown = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True,
+                           text=True, timeout=120, cwd=REPO)
+    assert shown.returncode == 0, shown.stdout
+    lines = shown.stdout.replace("\r", "\n").splitlines()
+    final = [line for line in lines if line.startswith(f"restore of {checkpoint_id}:")][-1]
+    assert " of " in final and "MiB" in final
+    kill_pid(int(lines[-1].strip()))

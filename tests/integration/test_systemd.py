@@ -4,6 +4,7 @@ real checkpoint, and a TERM during a dump that leaves nothing stopped."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from oomguard.store import Store
 from tests.helpers import (
     REPO,
-    MiB,
     CgroupFactory,
     DaemonProcess,
+    MiB,
     daemon,
     hog_argv,
     kill_pid,
@@ -169,3 +170,36 @@ def test_term_during_a_dump_leaves_nothing_stopped(cgroups: CgroupFactory, store
         proc.stop()
         for pid in cg.procs():
             kill_pid(pid)
+
+
+def test_systemd_oomd_prekill_hook_checkpoints_the_cgroup_first(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """The test plays systemd-oomd: it calls io.systemd.oom.Prekill.Notify on the socket the
+    daemon registered, and the cgroup's process is on disk before the reply comes."""
+    cg = cgroups.make("prekill", None)
+    hook_dir = short_socket_path().parent / "oomd.prekill.hook"
+    config = tmp_path / "prekill.toml"
+    config.write_text(f'[daemon]\noomd_prekill_dir = "{hook_dir}"\n')
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=64, rate=300, count=100_000))
+    try:
+        with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+            registered = guard.wait_event("oomd.prekill_registered")[0]
+            sock_path = Path(registered["socket"])
+            assert sock_path.parent == hook_dir
+            assert wait_until(lambda: log.exists() and log.read_text().count("\n") > 5, 20)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as oomd:
+                oomd.settimeout(60)
+                oomd.connect(str(sock_path))
+                oomd.sendall(json.dumps({"method": "io.systemd.oom.Prekill.Notify",
+                                         "parameters": {"cgroup": cg.rel_path}}).encode() + b"\0")
+                answer = b""
+                while not answer.endswith(b"\0"):
+                    answer += oomd.recv(65536)
+            result = json.loads(answer[:-1])["parameters"]
+            assert len(result["checkpoints"]) == 1 and result["failed"] == []
+            assert hog.wait(timeout=10) == -signal.SIGKILL
+            assert Store(store).get(result["checkpoints"][0]).pid == hog.pid
+    finally:
+        kill_pid(hog.pid)
+        shutil.rmtree(hook_dir.parent, ignore_errors=True)
