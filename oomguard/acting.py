@@ -154,7 +154,8 @@ class Actor:
                     freeze_s=round(t.freeze_s, 3), dump_s=round(t.dump_s, 3),
                     commit_s=round(t.commit_s, 3),
                     mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
-                    usage_after=_usage(cgroup), path=str(result.path), **fields)
+                    usage_after=_usage(cgroup), path=str(result.path), uid=meta.uid,
+                    command=meta.command, **fields)
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(meta.image_bytes, t.dump_s)
             elif outcome.result == "gone":

@@ -121,10 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD")
     doc = sub.add_parser("doctor", help="check the machine")
     doc.add_argument("--criu", help="path to criu (default: auto)")
+    na = sub.add_parser("notify-agent", help="show desktop notifications for this user's "
+                        "checkpoints and restores (run in the user's session)")
+    na.add_argument("--system-bus", default="SYSTEM", help="where the daemon's signals come from")
+    na.add_argument("--session-bus", default="SESSION", help="where notifications are shown")
     iu = sub.add_parser("install-units", help="install the systemd unit (and the default "
                         "config if there is none)")
     iu.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"))
     iu.add_argument("--config-dir", type=Path, default=Path("/etc/oomguard"))
+    iu.add_argument("--user-unit-dir", type=Path, default=Path("/etc/systemd/user"))
     cc = sub.add_parser("check-config", help="validate a config file")
     cc.add_argument("file", type=Path)
     return parser
@@ -341,10 +346,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if all(c.ok or c.warn_only for c in checks) else EXIT_FAILED
 
 
+def cmd_notify_agent(args: argparse.Namespace) -> int:
+    from oomguard.dbusnotify import NotificationAgent, NotificationError
+
+    log = get_logger()
+    while True:
+        try:
+            with NotificationAgent(args.system_bus, args.session_bus) as agent:
+                log.info("agent.started", uid=os.getuid())
+                agent.run()
+        except (NotificationError, OSError) as exc:
+            log.warning("agent.retry", error=str(exc), retry_in_s=5)
+            time.sleep(5)
+
+
 def cmd_install_units(args: argparse.Namespace) -> int:
     from oomguard.units_install import install_units
 
-    for path in install_units(args.unit_dir, args.config_dir):
+    for path in install_units(args.unit_dir, args.config_dir, user_unit_dir=args.user_unit_dir):
         print(f"installed {path}")
     print("then: systemctl daemon-reload && systemctl enable --now oomguard")
     return EXIT_OK
@@ -361,4 +380,5 @@ COMMANDS: dict[str, Any] = {
     "status": cmd_status,
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config, "install-units": cmd_install_units,
+    "notify-agent": cmd_notify_agent,
 }

@@ -76,6 +76,8 @@ class DaemonConfig:
     metrics_port: int = 0  # serve /metrics on this local port (0: off)
     metrics_address: str = "127.0.0.1"
     oomd_prekill_dir: Path | None = None  # serve systemd-oomd's prekill hook in this directory
+    dbus_notify: bool = True  # a system D-Bus signal per checkpoint/restore (notify-agent)
+    dbus_address: str = "SYSTEM"
     hooks: tuple[tuple[str, str], ...] = ()  # (event, shell command): on_checkpoint...
     hook_timeout: float = 30.0
     criu: CriuConfig = field(default_factory=CriuConfig)
@@ -164,6 +166,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                          lambda v: Path(_str(v)) if v != "" else None, None)
     port = read.take(daemon, "daemon.", "metrics_port", _port, 0)
     address = read.take(daemon, "daemon.", "metrics_address", _str, base.metrics_address)
+    dbus_notify = read.take(daemon, "daemon.", "dbus_notify", _bool, base.dbus_notify)
+    dbus_address = read.take(daemon, "daemon.", "dbus_address", _str, base.dbus_address)
     prekill = read.take(daemon, "daemon.", "oomd_prekill_dir",
                         lambda v: Path(_str(v)) if v != "" else None, None)
     read.leftovers(daemon, "daemon.")
@@ -250,7 +254,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, socket=socket, store_max_size=max_size,
                         store_max_age=max_age, metrics_textfile_dir=textfile, metrics_port=port,
-                        metrics_address=address, oomd_prekill_dir=prekill, hooks=tuple(hooks),
+                        metrics_address=address, oomd_prekill_dir=prekill,
+                        dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,
                         criu=criu, guards=tuple(guards))
 

@@ -132,4 +132,5 @@ class StoreKeeper:
                            error=str(exc), retry_in_s=RESTORE_BACKOFF)
             return
         self.log.warning("restore.done", id=checkpoint_id, pid=result.pid, auto=True,
-                         cgroup=guard.name, seconds=round(result.seconds, 3))
+                         cgroup=guard.name, seconds=round(result.seconds, 3),
+                         uid=result.meta.uid, command=result.meta.command)

@@ -12,6 +12,7 @@ from oomguard.config import DaemonConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
+from oomguard.dbusnotify import SignalEmitter
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.freezer import SigstopFreezer
 from oomguard.hooks import HookRunner
@@ -69,7 +70,8 @@ def check_cgroup_paths(config: DaemonConfig, flag_name: str | None) -> None:
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     metrics = Metrics()
     hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
-    log = RecordingLogger(base_log, tap=EventTap(metrics, hooks))
+    emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
+    log = RecordingLogger(base_log, tap=EventTap(metrics, hooks, emitter))
     notifier = Notifier.from_env()
     layout = read_layout()
     proc = ProcReader()
@@ -93,6 +95,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
                                 status=daemon.status)
         service.restorer = restorer
+        service.on_event = log.warning
         server = ControlServer(config.socket, service, note=log.info)
         server.start()
     except OSError as exc:
@@ -133,6 +136,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
             metrics_server.close()
         if hooks is not None:
             hooks.join(config.hook_timeout)
+        if emitter is not None:
+            emitter.close()
         remove_criu_cgroup(layout, proc)
         log.info("guard.stopped")
     return 0

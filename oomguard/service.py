@@ -48,6 +48,8 @@ class Service:
         self.proc = proc or ProcReader()
         self._status = status
         self.restore_lock = threading.Lock()
+        # Told of what was done on request (the daemon logs it: metrics, hooks, D-Bus).
+        self.on_event: Callable[..., None] | None = None
 
     # -- authorization ---------------------------------------------------------------------------
 
@@ -106,6 +108,10 @@ class Service:
         target, original = self._target_cgroup(uid, cgroup, meta)
         with self.restore_lock:
             result = self.restorer.restore(meta.id, target=target, original=original, force=force)
+        if self.on_event is not None:
+            self.on_event("restore.done", id=meta.id, pid=result.pid, auto=False,
+                          seconds=round(result.seconds, 3), uid=meta.uid, command=meta.command,
+                          cgroup=result.meta.restored_cgroup, requested_by=uid)
         return {"id": meta.id, "pid": result.pid, "seconds": round(result.seconds, 3),
                 "cgroup": result.meta.restored_cgroup}
 
@@ -122,7 +128,13 @@ class Service:
             rel = None
         cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
         result = self.checkpointer.checkpoint(tree, cgroup, reason)
-        return {**asdict(result.meta), "seconds": round(result.timings.total_s, 3)}
+        meta = result.meta
+        if self.on_event is not None:
+            self.on_event("checkpoint.done", id=meta.id, pid=meta.pid, comm=meta.comm,
+                          image_bytes=meta.image_bytes, seconds=round(result.timings.total_s, 3),
+                          rss=meta.rss_bytes, uid=meta.uid, command=meta.command,
+                          requested_by=uid)
+        return {**asdict(meta), "seconds": round(result.timings.total_s, 3)}
 
     def prekill(self, cgroup_path: str) -> dict[str, Any]:
         """systemd-oomd is about to kill this cgroup: checkpoint its process trees first,

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.dbusnotify import SignalEmitter
 from oomguard.errors import CgroupGone
 from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
@@ -23,13 +24,21 @@ HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
 
 
 class EventTap:
-    def __init__(self, metrics: Metrics | None = None, hooks: HookRunner | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None, hooks: HookRunner | None = None,
+                 emitter: SignalEmitter | None = None) -> None:
         self.metrics = metrics
         self.hooks = hooks
+        self.emitter = emitter
 
     def __call__(self, level: str, event: str, fields: dict[str, Any]) -> None:
         if self.metrics is not None:
             self._count(event, fields)
+        if self.emitter is not None and event in ("checkpoint.done", "restore.done") \
+                and "uid" in fields and "id" in fields:
+            emit = (self.emitter.emit_checkpointed if event == "checkpoint.done"
+                    else self.emitter.emit_restored)
+            emit(int(fields["uid"]), str(fields["id"]), str(fields.get("command", "")),
+                 int(fields.get("pid") or 0))
         if self.hooks is not None and event in HOOKED:
             self.hooks.fire(HOOKED[event], {k: v for k, v in fields.items()
                                             if isinstance(v, str | int | float | bool)})

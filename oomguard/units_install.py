@@ -13,8 +13,8 @@ from oomguard.config import embedded_config_text
 SHIPPED_EXEC = "/usr/local/bin/oomguard"
 
 
-def unit_text(executable: str) -> str:
-    text = resources.files("oomguard").joinpath("data/oomguard.service").read_text()
+def unit_text(executable: str, name: str = "oomguard.service") -> str:
+    text = resources.files("oomguard").joinpath(f"data/{name}").read_text()
     return text.replace(SHIPPED_EXEC, executable)
 
 
@@ -26,15 +26,24 @@ def this_executable() -> str:
     return shutil.which("oomguard") or SHIPPED_EXEC
 
 
-def install_units(unit_dir: Path, config_dir: Path, executable: str | None = None) -> list[Path]:
-    written = []
-    unit_dir.mkdir(parents=True, exist_ok=True)
-    unit = unit_dir / "oomguard.service"
+def _write_unit(directory: Path, name: str, executable: str) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    unit = directory / name
     tmp = unit.with_suffix(".tmp")
-    tmp.write_text(unit_text(executable or this_executable()))
+    tmp.write_text(unit_text(executable, name))
     tmp.chmod(0o644)
     tmp.replace(unit)
-    written.append(unit)
+    return unit
+
+
+def install_units(unit_dir: Path, config_dir: Path, executable: str | None = None,
+                  user_unit_dir: Path | None = None) -> list[Path]:
+    """The system service, the per-user notification agent (a user unit: `systemctl --user
+    enable --now oomguard-notify-agent`), and the default config if there is none."""
+    exe = executable or this_executable()
+    written = [_write_unit(unit_dir, "oomguard.service", exe)]
+    if user_unit_dir is not None:
+        written.append(_write_unit(user_unit_dir, "oomguard-notify-agent.service", exe))
     config = config_dir / "oomguard.toml"
     if not config.exists():
         config_dir.mkdir(parents=True, exist_ok=True)

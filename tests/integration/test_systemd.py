@@ -94,7 +94,8 @@ def test_shipped_unit_installs_and_verifies(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze not installed")
     result = subprocess.run(oomguard_argv(tmp_path / "store", "install-units", "--unit-dir",
                                           str(tmp_path / "units"), "--config-dir",
-                                          str(tmp_path / "etc")),
+                                          str(tmp_path / "etc"), "--user-unit-dir",
+                                          str(tmp_path / "user")),
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     unit = tmp_path / "units" / "oomguard.service"
@@ -106,6 +107,14 @@ def test_shipped_unit_installs_and_verifies(tmp_path: Path) -> None:
         (REPO / "config" / "oomguard.toml").read_text()
     verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                             text=True, timeout=60)
+    assert verify.returncode == 0 and verify.stderr == "", verify.stderr
+    agent_unit = tmp_path / "user" / "oomguard-notify-agent.service"
+    assert "notify-agent" in agent_unit.read_text()
+    runtime = tmp_path / "runtime"  # --user verification wants a user runtime directory
+    runtime.mkdir(mode=0o700)
+    verify = subprocess.run(["systemd-analyze", "--user", "verify", str(agent_unit)],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
     assert verify.returncode == 0 and verify.stderr == "", verify.stderr
 
 
