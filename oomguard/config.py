@@ -213,39 +213,9 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         g = GuardConfig(cgroups=())
         system = read.take(table, prefix, "system", _bool, False)
         min_available = read.take(table, prefix, "min_available", _size_or_fraction, 0.10)
-        spec = GuardConfig(
-            cgroups=cgroups,
-            threshold=read.take(table, prefix, "threshold", parse_fraction, g.threshold),
-            headroom=read.take(table, prefix, "headroom", parse_size, g.headroom),
-            on_failure=read.take(table, prefix, "on_failure", _on_failure, g.on_failure),
-            events=read.take(table, prefix, "events", _bool, g.events),
-            memory_high=read.take(table, prefix, "memory_high", _bool, g.memory_high),
-            freeze_cgroup=read.take(table, prefix, "freeze_cgroup", _bool, g.freeze_cgroup),
-            psi=read.take(table, prefix, "psi", _bool, g.psi),
-            system=system, min_available=min_available,
-            victim_cgroups=read.take(table, prefix, "victim_cgroups", _cgroup_list, none),
-            psi_full_avg10=read.take(table, prefix, "psi_full_avg10", parse_fraction,
-                                     g.psi_full_avg10),
-            auto_restore=read.take(table, prefix, "auto_restore", _bool, g.auto_restore),
-            restore_quiet=read.take(table, prefix, "restore_quiet", parse_duration,
-                                    g.restore_quiet),
-            restore_margin=read.take(table, prefix, "restore_margin", parse_size,
-                                     g.restore_margin),
-            actions=read.take(table, prefix, "actions", parse_chain, g.actions),
-            prefer=read.take(table, prefix, "prefer", _regex_list, g.prefer),
-            avoid=read.take(table, prefix, "avoid", _regex_list, g.avoid),
-            protect=read.take(table, prefix, "protect", _regex_list, g.protect),
-            protect_session_leaders=read.take(table, prefix, "protect_session_leaders", _bool,
-                                              g.protect_session_leaders),
-            post_action_delay=read.take(table, prefix, "post_action_delay", parse_duration,
-                                        g.post_action_delay),
-            time_to_limit=read.take(table, prefix, "time_to_limit", _bool, g.time_to_limit),
-            predict_from=read.take(table, prefix, "predict_from", parse_fraction, g.predict_from),
-            freeze_deadline=read.take(table, prefix, "freeze_deadline", _positive_duration,
-                                      g.freeze_deadline),
-            kill_grace=read.take(table, prefix, "kill_grace", parse_duration, g.kill_grace),
-            store_margin=read.take(table, prefix, "store_margin", parse_size, g.store_margin),
-        )
+        values: dict[str, Any] = {key: read.take(table, prefix, key, convert, getattr(g, key))
+                                  for key, convert in GUARD_KEYS.items()}
+        spec = GuardConfig(cgroups=cgroups, system=system, min_available=min_available, **values)
         guards.append(spec)
         read.leftovers(table, prefix)
 
@@ -311,6 +281,20 @@ def _guard_array(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise ValueError("expected [[guard]] tables")
     return value
+
+
+# Every [[guard]] key but cgroups/system/min_available (read first: they depend on each
+# other), with its converter; defaults come from GuardConfig.
+GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
+    "threshold": parse_fraction, "headroom": parse_size, "on_failure": _on_failure,
+    "events": _bool, "memory_high": _bool, "freeze_cgroup": _bool, "psi": _bool,
+    "victim_cgroups": _cgroup_list, "psi_full_avg10": parse_fraction, "auto_restore": _bool,
+    "restore_quiet": parse_duration, "restore_margin": parse_size, "actions": parse_chain,
+    "prefer": _regex_list, "avoid": _regex_list, "protect": _regex_list,
+    "protect_session_leaders": _bool, "post_action_delay": parse_duration,
+    "time_to_limit": _bool, "predict_from": parse_fraction, "freeze_deadline": _positive_duration,
+    "kill_grace": parse_duration, "store_margin": parse_size,
+}
 
 
 def load_config(path: Path | str) -> DaemonConfig:
