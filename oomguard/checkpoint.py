@@ -27,6 +27,7 @@ from oomguard.store import CheckpointMeta, Store, new_id
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
 FROZEN_LEDGER = ".frozen.json"
+DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
 
 
@@ -68,8 +69,9 @@ class Checkpointer:
         self.on_failure = on_failure
         self.hook_dir = hook_dir
         self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
-        # One checkpoint at a time: the daemon's own and those asked for on the control socket.
-        self.lock = threading.Lock()
+        # Victims are stopped at once, whatever else is going on; their dumps then share the
+        # disk two at a time (the daemon's own and those asked for on the control socket).
+        self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -115,13 +117,14 @@ class Checkpointer:
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
-            images, lock_fd = self.store.begin(meta)
-            began = True
-            hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-            self.criu.dump(tree.root.pid, images, hook, lock_fd)
-            # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
-            self._wait_dead(pids)
-            dumped_at = self.clock()
+            with self.dump_slots:
+                images, lock_fd = self.store.begin(meta)
+                began = True
+                hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
+                self.criu.dump(tree.root.pid, images, hook, lock_fd)
+                # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
+                self._wait_dead(pids)
+                dumped_at = self.clock()
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta)
             done = self.clock()

@@ -42,6 +42,7 @@ class GuardConfig:
     memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
     freeze_cgroup: bool = True  # v2: cgroup.freeze the whole cgroup first (growth stops at once)
     psi: bool = True  # v2 / system: a PSI trigger on the pressure file wakes the daemon
+    oom_kill_disable: bool = False  # v1: tasks at the limit wait for oomguard, never OOM-killed
     system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
     min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
     victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
@@ -288,6 +289,7 @@ def _guard_array(value: Any) -> list[dict[str, Any]]:
 GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "threshold": parse_fraction, "headroom": parse_size, "on_failure": _on_failure,
     "events": _bool, "memory_high": _bool, "freeze_cgroup": _bool, "psi": _bool,
+    "oom_kill_disable": _bool,
     "victim_cgroups": _cgroup_list, "psi_full_avg10": parse_fraction, "auto_restore": _bool,
     "restore_quiet": parse_duration, "restore_margin": parse_size, "actions": parse_chain,
     "prefer": _regex_list, "avoid": _regex_list, "protect": _regex_list,

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -122,7 +123,7 @@ class Criu:
         path = directory / "criu-post-dump"
         text = hook_script_text(sys.executable)
         if not path.exists() or path.read_text() != text:
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_text(text)
             tmp.chmod(0o700)
             tmp.replace(path)

@@ -39,8 +39,10 @@ from oomguard.guards import (
     arm_v1,
     arm_v2,
     consume,
+    disable_oom_kill,
     psi_trigger_for,
     put_back_high,
+    put_back_oom_kill,
     set_high_at_threshold,
 )
 from oomguard.keeper import StoreKeeper
@@ -172,6 +174,7 @@ class Daemon:
             try:
                 if guard.spec.events and isinstance(guard.cgroup, V1MemoryCgroup):
                     arm_v1(guard, snap.limit_bytes)
+                    disable_oom_kill(guard, guard.cgroup, self.saved_high)
                 elif guard.spec.events and isinstance(guard.cgroup, V2MemoryCgroup):
                     set_high_at_threshold(guard, guard.cgroup, snap.limit_bytes, self.saved_high)
                     arm_v2(guard, snap.limit_bytes, self.psi_trigger)
@@ -241,6 +244,7 @@ class Daemon:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
                 put_back_high(guard, self.saved_high)
+                put_back_oom_kill(guard, self.saved_high)
         self.guards = []
         self._globs = []
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
@@ -260,6 +264,7 @@ class Daemon:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
                 put_back_high(guard, self.saved_high)
+                put_back_oom_kill(guard, self.saved_high)
         self.epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -341,6 +346,8 @@ class Daemon:
             if not guard.present or snap.limit_bytes != guard.armed_limit:
                 self._arm_cgroup(guard)
             self._note_oom_kills(guard, snap)
+            if snap.under_oom:  # a task parked at the limit (oom_kill_disable) must not wait on
+                self._examine_cgroup(guard, self.clock(), "rescan")
             if guard.spec.auto_restore and guard.present:
                 self.keeper.consider_restore(guard, snap)
         self.keeper.tick()
@@ -350,6 +357,7 @@ class Daemon:
             self.log.warning("guard.cgroup_gone", cgroup=guard.name)
             self._disarm(guard)
             put_back_high(guard, self.saved_high)  # the cgroup is gone: only forgets
+            put_back_oom_kill(guard, self.saved_high)
             guard.present = False
 
     def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:

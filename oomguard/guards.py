@@ -39,6 +39,8 @@ class CgroupGuard:
     high_original: int | None = None
     high_set: bool = False  # `high` events come at (or before) the threshold
     high_changed: bool = False  # ...because oomguard lowered memory.high (to be put back)
+    oom_disable_changed: bool = False  # v1: oomguard set oom_kill_disable (to be put back)
+    oom_disable_original: bool = False
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
@@ -162,3 +164,24 @@ def put_back_high(guard: CgroupGuard, saved: SavedLimits) -> None:
         saved.forget(guard.name)
     guard.high_set = False
     guard.high_changed = False
+
+
+def disable_oom_kill(guard: CgroupGuard, cgroup: V1MemoryCgroup, saved: SavedLimits) -> None:
+    """v1 `oom_kill_disable = true`: a task that reaches the limit before oomguard has stopped
+    it waits instead of being killed; its OOM event wakes the daemon, which stops it, lifts the
+    limit a little and dumps it. Put back when the guard stops (and after a crash, at start)."""
+    if not guard.spec.oom_kill_disable:
+        return
+    key = guard.name + "#oom_kill_disable"
+    original = saved.remember(key, int(cgroup.oom_kill_disabled()))
+    cgroup.set_oom_kill_disable(True)
+    guard.oom_disable_original = bool(original)
+    guard.oom_disable_changed = True
+
+
+def put_back_oom_kill(guard: CgroupGuard, saved: SavedLimits) -> None:
+    if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
+        with contextlib.suppress(OSError, CgroupGone):
+            guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
+        saved.forget(guard.name + "#oom_kill_disable")
+    guard.oom_disable_changed = False

@@ -29,12 +29,14 @@ class FrozenEntry:
 
 
 def _write_json_durably(path: Path, data: object) -> None:
+    """Atomic (rename) but not fsync'd: what it guards against is a dead daemon, and the next
+    one reads the page cache; a machine that goes down takes the stopped processes with it.
+    No fsync keeps it off the path between a threshold crossing and SIGSTOP."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         os.write(fd, json.dumps(data).encode())
-        os.fsync(fd)
     finally:
         os.close(fd)
     tmp.replace(path)

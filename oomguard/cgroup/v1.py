@@ -96,6 +96,17 @@ class V1MemoryCgroup:
         except FileNotFoundError as exc:
             raise CgroupGone(f"cgroup {self.path} is gone") from exc
 
+    def oom_kill_disabled(self) -> bool:
+        return bool(self.oom_control().get("oom_kill_disable", 0))
+
+    def set_oom_kill_disable(self, disabled: bool) -> None:
+        """memory.oom_control: with 1, a task at the limit waits (in the kernel) instead of
+        being OOM-killed, and the cgroup's OOM eventfd fires."""
+        try:
+            (self.path / "memory.oom_control").write_text("1" if disabled else "0")
+        except FileNotFoundError as exc:
+            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+
     def raise_limit(self, new_limit: int) -> Callable[[], None]:
         """Lift the limit to `new_limit`; returns the undo."""
         old = self.limit()
