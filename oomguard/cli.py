@@ -36,7 +36,6 @@ from oomguard.errors import (
 )
 from oomguard.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
-from oomguard.store import Store
 from oomguard.units import format_size, parse_duration, parse_fraction
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -171,10 +170,6 @@ def _base_config(args: argparse.Namespace) -> DaemonConfig:
     if criu:
         config = replace(config, criu=replace(config.criu, binary=criu))
     return config
-
-
-def _store(args: argparse.Namespace) -> Store:
-    return Store(args.store or Path("/var/lib/oomguard"))
 
 
 def _need_root(what: str) -> None:

@@ -60,6 +60,7 @@ from oomguard.prediction import forecast
 from oomguard.procfs import ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
+from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
 SAVED_HIGH = ".memory-high.json"
@@ -367,10 +368,10 @@ class Daemon:
                            explanation="the kernel OOM killer acted before oomguard could")
         guard.oom_kills = snap.oom_kills
 
-    def summary(self) -> str:
+    def summary(self, stored: list[CheckpointMeta] | None = None) -> str:
         """One line for systemd's STATUS=."""
         present = [g for g in self.guards if g.present]
-        stored = self.keeper.store.list()
+        stored = self.keeper.store.list() if stored is None else stored
         waiting = sum(1 for m in stored if m.state == "checkpointed")
         return (f"guarding {len(present)} of {len(self.guards)} cgroup(s); "
                 f"{waiting} checkpoint(s) waiting to be restored")

@@ -14,16 +14,19 @@ from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.dbusnotify import SignalEmitter
 from oomguard.errors import ConfigError, ConfigIssue
-from oomguard.freezer import SigstopFreezer
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
 from oomguard.procfs import ProcReader
-from oomguard.restore import Restorer
 from oomguard.sdnotify import Notifier
-from oomguard.store import Store
 from oomguard.telemetry import EventTap, publish_gauges
-from oomguard.wiring import build_checkpointer, build_criu, build_service, remove_criu_cgroup
+from oomguard.wiring import (
+    build_checkpointer,
+    build_criu,
+    build_restorer,
+    build_service,
+    remove_criu_cgroup,
+)
 
 
 class Heartbeat:
@@ -46,8 +49,9 @@ class Heartbeat:
         if now < self._next:
             return
         self._next = now + self.EVERY
-        self.notifier.status(self.daemon.summary())
-        publish_gauges(self.metrics, self.daemon.guards, self.daemon.keeper.store)
+        checkpoints = self.daemon.keeper.store.list()  # read once for both
+        self.notifier.status(self.daemon.summary(checkpoints))
+        publish_gauges(self.metrics, self.daemon.guards, checkpoints)
         if self.textfile is not None:
             with contextlib.suppress(OSError):
                 self.textfile.write(self.metrics)
@@ -77,7 +81,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     proc = ProcReader()
     criu = build_criu(config.criu, layout, proc)
     checkpointer = build_checkpointer(config, criu, proc)
-    restorer = Restorer(criu, Store(config.store), SigstopFreezer(proc), proc)
+    restorer = build_restorer(config, criu, proc)
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer)
     daemon.install_signal_handlers()
     textfile = TextfileWriter(config.metrics_textfile_dir) if config.metrics_textfile_dir else None
@@ -93,8 +97,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     server = None
     try:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
-                                status=daemon.status)
-        service.restorer = restorer
+                                restorer=restorer, status=daemon.status)
         service.on_event = log.warning
         server = ControlServer(config.socket, service, note=log.info)
         server.start()

@@ -17,7 +17,7 @@ from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
 from oomguard.metrics import Metrics
 from oomguard.psi import parse_pressure
-from oomguard.store import Store
+from oomguard.store import CheckpointMeta
 
 HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
           "victim.killed": "on_kill"}
@@ -63,7 +63,7 @@ class EventTap:
 
 
 def publish_gauges(metrics: Metrics, guards: Iterable[CgroupGuard | SystemGuard],
-                   store: Store) -> None:
+                   checkpoints: list[CheckpointMeta]) -> None:
     """The current picture: guards, cgroups watched with usage/limit/pressure, the store."""
     guards = list(guards)
     cgroup_guards = [g for g in guards if isinstance(g, CgroupGuard)]
@@ -85,5 +85,4 @@ def publish_gauges(metrics: Metrics, guards: Iterable[CgroupGuard | SystemGuard]
             except (OSError, ValueError):
                 pressure = None
         metrics.set_cgroup(guard.name, snap.usage_bytes, snap.limit_bytes, pressure)
-    checkpoints = store.list()
     metrics.set_store(sum(c.image_bytes for c in checkpoints), len(checkpoints))

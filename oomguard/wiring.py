@@ -93,9 +93,13 @@ def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
 
 def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
                   with_criu: bool = True, checkpointer: Checkpointer | None = None,
+                  restorer: Restorer | None = None,
                   status: Callable[[], dict[str, Any]] | None = None) -> Service:
-    """The verbs of the control socket. Without CRIU (list/show/forget) nothing is probed."""
-    store = Store(config.store)
-    criu = build_criu(config.criu, layout, proc) if with_criu else Criu(binary="criu", version=())
-    return Service(store, Restorer(criu, store, SigstopFreezer(proc), proc),
-                   checkpointer or build_checkpointer(config, criu, proc), layout, proc, status)
+    """The verbs of the control socket. CRIU is located only when a checkpointer or restorer
+    has to be built for it (not for list/show/forget, nor when the daemon passes its own)."""
+    if checkpointer is None or restorer is None:
+        criu = (build_criu(config.criu, layout, proc) if with_criu
+                else Criu(binary="criu", version=()))
+        checkpointer = checkpointer or build_checkpointer(config, criu, proc)
+        restorer = restorer or build_restorer(config, criu, proc)
+    return Service(Store(config.store), restorer, checkpointer, layout, proc, status)
