@@ -187,7 +187,9 @@ def _flag_name(key: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from oomguard.rundaemon import check_cgroup_paths, run_daemon
+    from oomguard.cgroup.mounts import read_layout
+    from oomguard.config import check_cgroup_paths
+    from oomguard.rundaemon import run_daemon
 
     config = _base_config(args)
     if args.cgroup:
@@ -212,7 +214,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.socket is not None:
         config = replace(config, socket=args.socket)
     _need_root("oomguard run")
-    check_cgroup_paths(config, "--cgroup" if args.cgroup else None)
+    check_cgroup_paths(config, read_layout(), "--cgroup" if args.cgroup else None)
     return run_daemon(config, get_logger())
 
 

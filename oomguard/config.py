@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from oomguard.actions import Step, parse_chain
+from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.preferences import compile_patterns
@@ -297,6 +298,21 @@ GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "time_to_limit": _bool, "predict_from": parse_fraction, "freeze_deadline": _positive_duration,
     "kill_grace": parse_duration, "store_margin": parse_size,
 }
+
+
+def check_cgroup_paths(config: DaemonConfig, layout: CgroupLayout,
+                       flag_name: str | None = None) -> None:
+    """Every guard's cgroup lies in the memory hierarchy (ConfigError with file and key)."""
+    issues = []
+    for index, guard in enumerate(config.guards):
+        for path in guard.cgroups:
+            try:
+                open_cgroup(path, layout)
+            except ValueError as exc:
+                where = flag_name or f"guard[{index}].cgroups"
+                issues.append(ConfigIssue(config.source, where, str(exc)))
+    if issues:
+        raise ConfigError(issues)
 
 
 def load_config(path: Path | str) -> DaemonConfig:

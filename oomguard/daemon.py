@@ -28,7 +28,7 @@ from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig, load_config
+from oomguard.config import DaemonConfig, check_cgroup_paths, load_config
 from oomguard.errors import CgroupGone, ConfigError, ProcessGone
 from oomguard.guards import (
     EPOLL_MASK,
@@ -225,14 +225,9 @@ class Daemon:
             return
         try:
             new = load_config(source)
-            for spec in new.guards:
-                for path in spec.cgroups:
-                    try:
-                        open_cgroup(path, self.layout)
-                    except ValueError as exc:
-                        raise ConfigError([]) from exc
+            check_cgroup_paths(new, self.layout)
         except ConfigError as exc:
-            issues = [str(i) for i in exc.issues] or [str(exc.__cause__)]
+            issues = [str(i) for i in exc.issues]
             self.log.error("config.rejected", source=source, issues=issues,
                            explanation="the running rules stay in force")
             return

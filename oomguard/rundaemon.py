@@ -7,13 +7,12 @@ import time
 from typing import Any
 
 from oomguard import __version__
-from oomguard.cgroup.mounts import open_cgroup, read_layout
+from oomguard.cgroup.mounts import read_layout
 from oomguard.config import DaemonConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.dbusnotify import SignalEmitter
-from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
@@ -55,20 +54,6 @@ class Heartbeat:
         if self.textfile is not None:
             with contextlib.suppress(OSError):
                 self.textfile.write(self.metrics)
-
-
-def check_cgroup_paths(config: DaemonConfig, flag_name: str | None) -> None:
-    layout = read_layout()
-    issues = []
-    for index, guard in enumerate(config.guards):
-        for path in guard.cgroups:
-            try:
-                open_cgroup(path, layout)
-            except ValueError as exc:
-                where = flag_name or f"guard[{index}].cgroups"
-                issues.append(ConfigIssue(config.source, where, str(exc)))
-    if issues:
-        raise ConfigError(issues)
 
 
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
