@@ -11,6 +11,7 @@ import os
 import pwd
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,10 @@ class Checkpointer:
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
+        # Cgroups whose limit a dump has lifted for headroom right now: the daemon must not
+        # take the lifted limit for the cgroup's own and re-arm its thresholds on it.
+        self._lifted: Counter[Path] = Counter()
+        self._lifted_lock = threading.Lock()
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -86,6 +91,16 @@ class Checkpointer:
         the victim before it runs another instruction). Raises ProcessGone if the tree vanished
         before it could be stopped."""
         start = self.clock()
+        outside = [p.pid for p in tree.members if p.session == 0]
+        if outside:
+            # /proc shows session 0 when the session leader lives in an outer PID namespace
+            # (a job started inside a container or sandbox without setsid): CRIU refuses such
+            # a task, so say why now rather than after freezing it.
+            raise CheckpointFailed(
+                f"checkpoint of {tree.root.pid} refused before stopping it: the session leader "
+                f"of pid(s) {', '.join(map(str, outside))} is outside oomguard's PID namespace, "
+                "which CRIU cannot dump (start the job with setsid, or run oomguard in the "
+                "job's PID namespace)", OUTCOME_UNTOUCHED)
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -111,7 +126,7 @@ class Checkpointer:
                 raised_limit = headroom_needed(
                     snap, self.headroom if headroom is None else headroom)
                 if raised_limit is not None:
-                    undo_limit = cgroup.raise_limit(raised_limit)
+                    undo_limit = self._lift(cgroup, raised_limit)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
             frozen_at = self.clock()
             if on_frozen is not None:
@@ -144,6 +159,33 @@ class Checkpointer:
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def limit_lifted(self, path: Path) -> bool:
+        """Whether a dump has lifted this cgroup's limit for headroom at the moment."""
+        with self._lifted_lock:
+            return self._lifted[path] > 0
+
+    def _lift(self, cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
+        with self._lifted_lock:
+            self._lifted[cgroup.path] += 1
+        try:
+            undo = cgroup.raise_limit(new_limit)
+        except BaseException:
+            self._drop_lift(cgroup.path)
+            raise
+
+        def put_back() -> None:
+            try:
+                undo()
+            finally:
+                self._drop_lift(cgroup.path)
+        return put_back
+
+    def _drop_lift(self, path: Path) -> None:
+        with self._lifted_lock:
+            self._lifted[path] -= 1
+            if self._lifted[path] <= 0:
+                del self._lifted[path]
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout

@@ -243,7 +243,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         log.error("checkpoint.failed", pid=args.pid, error=str(exc))
         return EXIT_FAILED
     log.info("checkpoint.done", id=meta["id"], pid=meta["pid"], image_bytes=meta["image_bytes"],
-             seconds=meta.get("seconds"))
+             seconds=meta.get("seconds"), freeze_s=meta.get("freeze_s"),
+             dump_s=meta.get("dump_s"), commit_s=meta.get("commit_s"))
     print(meta["id"])
     return EXIT_OK
 
@@ -285,7 +286,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
     log.info("restore.done", id=args.id, pid=result["pid"], seconds=result["seconds"],
-             cgroup=result.get("cgroup"))
+             verify_s=result.get("verify_s"), cgroup=result.get("cgroup"))
     print(result["pid"])
     return EXIT_OK
 

@@ -104,13 +104,25 @@ class Daemon:
         # sleeps longer than max_sleep, so a hung loop stops the pings and gets restarted.
         self.heartbeat: Callable[[], None] | None = None
         self.max_sleep: float | None = None
+        self._examine_on_arm = True  # False while arm() builds the guards at start
 
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
-        self.keeper.recover()
+        self.keeper.recover_store()
         self.keeper.prune()
-        self._build_guards()
+        # Arm every guard before thawing what a dead run left stopped, and only then look at
+        # the cgroups: a thawed victim over its threshold grows again at once, and must find
+        # the guard in place rather than the OOM killer.
+        self._examine_on_arm = False
+        try:
+            self._build_guards()
+        finally:
+            self._examine_on_arm = True
+        self.keeper.thaw_leftovers()
+        for guard in self.guards:
+            if isinstance(guard, CgroupGuard) and guard.present and guard.armed_limit is not None:
+                self._examine_cgroup(guard, self.clock(), source="arm")
         self._next_rescan = self.clock() + self.config.rescan_interval
 
     def _build_guards(self) -> None:
@@ -193,7 +205,8 @@ class Daemon:
                       detection=guard.detection, limit=snap.limit_bytes,
                       threshold=guard.spec.threshold, usage=snap.usage_bytes)
         # Already over the threshold when armed: no crossing will come, look now.
-        self._examine_cgroup(guard, self.clock(), source="arm")
+        if self._examine_on_arm:
+            self._examine_cgroup(guard, self.clock(), source="arm")
 
     def _disarm(self, guard: Guard) -> None:
         for fd in guard.fds:
@@ -339,7 +352,8 @@ class Daemon:
             except CgroupGone:
                 self._cgroup_gone(guard)
                 continue
-            if not guard.present or snap.limit_bytes != guard.armed_limit:
+            lifted = self.checkpointer.limit_lifted(guard.cgroup.path)  # headroom, not theirs
+            if not guard.present or (snap.limit_bytes != guard.armed_limit and not lifted):
                 self._arm_cgroup(guard)
             self._note_oom_kills(guard, snap)
             if snap.under_oom:  # a task parked at the limit (oom_kill_disable) must not wait on
@@ -435,7 +449,7 @@ class Daemon:
             except CgroupGone:
                 return False
             if floor:
-                return now.anon_bytes >= floor
+                return now.unreclaimable_bytes >= floor
             return evaluate(now, threshold).verdict is Verdict.ACT
 
         def candidates() -> list[ProcessTree]:

@@ -70,12 +70,18 @@ class SystemGuard:
 Guard = CgroupGuard | SystemGuard
 
 
+MARK_STEPS = (0, 1, 2, 4, 8)  # sixteenths of the way from the threshold to the limit
+
+
 def threshold_marks(limit: int, threshold: float) -> list[int]:
-    """Usage levels to be told about: the threshold, and halfway from it to the limit (a second
-    chance when the first crossing was page cache that later turned into resident memory)."""
-    first = int(limit * threshold)
-    second = int(limit * (threshold + (1 - threshold) / 2))
-    return sorted({first, second})
+    """Usage levels to be told about: the threshold, then 1/16, 1/8, 1/4 and 1/2 of the way
+    from it to the limit. usage_in_bytes counts page cache and kernel memory as well, so the
+    first crossing is often a little early for resident memory: the close marks that follow
+    wake the daemon again as soon as resident memory catches up (a 100 ms poll would let a
+    fast hog reach the limit first)."""
+    first = limit * threshold
+    step = (limit - first) / 16
+    return sorted({min(limit, int(first + k * step)) for k in MARK_STEPS})
 
 
 def psi_trigger_for(proc_root: str = "/proc") -> str:

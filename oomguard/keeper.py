@@ -44,13 +44,17 @@ class StoreKeeper:
     def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
         self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
 
-    def recover(self) -> None:
-        """At start: partial dumps first (a CRIU still at work keeps its tasks), then thaw; and
-        learn this machine's dump throughput from the checkpoints already in the store."""
+    def recover_store(self) -> None:
+        """At start, first: partial dumps (a CRIU still at work keeps its tasks); and learn this
+        machine's dump throughput from the checkpoints already in the store."""
         self._recover_store()
-        self._thaw_leftovers()
         for meta in self.store.list():
             self.note_dump(meta.image_bytes, meta.dump_seconds)
+
+    def thaw_leftovers(self) -> None:
+        """At start, once the guards are armed: thaw what a dead run left stopped (a victim
+        still over its threshold is then caught again at once, not left to the OOM killer)."""
+        self._thaw_leftovers()
 
     def tick(self) -> None:
         """On every rescan: what could not be settled at start, and retention now and then."""

@@ -23,10 +23,11 @@ class Decision:
 
 
 def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
-    """Act when resident (anonymous) memory reaches `threshold` of the limit.
+    """Act when resident memory reaches `threshold` of the limit.
 
     usage_in_bytes / memory.current include page cache, which the kernel reclaims before it
-    OOM-kills anything, so a crossing seen on usage is confirmed against anon memory.
+    OOM-kills anything, so a crossing seen on usage is confirmed against usage less page cache
+    (anonymous memory plus the kernel memory charged with it, which no reclaim frees).
     """
     limit = snapshot.limit_bytes
     if limit is None:
@@ -34,10 +35,11 @@ def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
     if snapshot.under_oom:
         return Decision(Verdict.ACT, "cgroup is under OOM")
     mark = threshold * limit
-    if snapshot.anon_bytes >= mark:
+    resident = snapshot.unreclaimable_bytes
+    if resident >= mark:
         return Decision(
             Verdict.ACT,
-            f"resident memory {snapshot.anon_bytes} >= {threshold:.0%} of limit {limit}",
+            f"resident memory {resident} >= {threshold:.0%} of limit {limit}",
         )
     if snapshot.usage_bytes >= mark:
         return Decision(Verdict.WATCH, "usage above threshold, mostly page cache")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from typing import Any
 
@@ -56,7 +57,20 @@ class Heartbeat:
                 self.textfile.write(self.metrics)
 
 
+def raise_open_files_limit() -> int:
+    """Each guarded v1 cgroup holds six eventfds (five usage marks and the OOM notification):
+    a thousand cgroups need more than the soft limit systemd gives services (1024). Raise it
+    to the hard limit; returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+    return soft
+
+
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
+    open_files = raise_open_files_limit()
     metrics = Metrics()
     hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
@@ -104,7 +118,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
              socket=str(config.socket) if server else None, criu=criu.binary,
              criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
-             guards=len(config.guards), dry_run=config.dry_run)
+             guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files)
     if not config.guards:
         log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
                     "to the config or pass --cgroup")

@@ -110,10 +110,11 @@ class Service:
             result = self.restorer.restore(meta.id, target=target, original=original, force=force)
         if self.on_event is not None:
             self.on_event("restore.done", id=meta.id, pid=result.pid, auto=False,
-                          seconds=round(result.seconds, 3), uid=meta.uid, command=meta.command,
+                          seconds=round(result.seconds, 3), verify_s=round(result.verify_s, 3),
+                          uid=meta.uid, command=meta.command,
                           cgroup=result.meta.restored_cgroup, requested_by=uid)
         return {"id": meta.id, "pid": result.pid, "seconds": round(result.seconds, 3),
-                "cgroup": result.meta.restored_cgroup}
+                "verify_s": round(result.verify_s, 3), "cgroup": result.meta.restored_cgroup}
 
     def checkpoint(self, uid: int, pid: int, reason: str = "on demand") -> dict[str, Any]:
         try:
@@ -129,12 +130,14 @@ class Service:
         cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
         result = self.checkpointer.checkpoint(tree, cgroup, reason)
         meta = result.meta
+        t = result.timings
+        timings = {"seconds": round(t.total_s, 3), "freeze_s": round(t.freeze_s, 4),
+                   "dump_s": round(t.dump_s, 4), "commit_s": round(t.commit_s, 4)}
         if self.on_event is not None:
             self.on_event("checkpoint.done", id=meta.id, pid=meta.pid, comm=meta.comm,
-                          image_bytes=meta.image_bytes, seconds=round(result.timings.total_s, 3),
-                          rss=meta.rss_bytes, uid=meta.uid, command=meta.command,
-                          requested_by=uid)
-        return {**asdict(meta), "seconds": round(result.timings.total_s, 3)}
+                          image_bytes=meta.image_bytes, rss=meta.rss_bytes, uid=meta.uid,
+                          command=meta.command, requested_by=uid, **timings)
+        return {**asdict(meta), **timings}
 
     def prekill(self, cgroup_path: str) -> dict[str, Any]:
         """systemd-oomd is about to kill this cgroup: checkpoint its process trees first,

@@ -126,7 +126,9 @@ class CgroupFactory:
 def start_in_cgroup(cgroup: MemoryCgroup | None, argv: list[str], *,
                     log: Path | None = None, cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start argv inside `cgroup` (the shell moves itself in, then execs), stdio off pipes:
-    a pipe to a reader outside the tree would not survive a checkpoint."""
+    a pipe to a reader outside the tree would not survive a checkpoint. Each job is its own
+    session leader (setsid), as one started by systemd, Slurm or a container runtime is: the
+    test runner's session may belong to an outer PID namespace, which CRIU cannot dump."""
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
     if cgroup is None:
         full = argv
@@ -134,7 +136,8 @@ def start_in_cgroup(cgroup: MemoryCgroup | None, argv: list[str], *,
         full = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),
                 *argv]
     try:
-        return subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=cwd)
+        return subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=out, stderr=out, cwd=cwd,
+                                start_new_session=True)
     finally:
         if log:
             out.close()  # type: ignore[union-attr]

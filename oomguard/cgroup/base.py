@@ -28,6 +28,12 @@ class MemorySnapshot:
         return self.usage_bytes / self.limit_bytes
 
     @property
+    def unreclaimable_bytes(self) -> int:
+        """What the kernel cannot free by dropping page cache: anonymous memory plus the
+        cgroup's kernel memory (page tables, stacks, slab), all in usage but not in `anon`."""
+        return max(self.anon_bytes, self.usage_bytes - self.file_bytes)
+
+    @property
     def anon_fraction(self) -> float | None:
         if not self.limit_bytes:
             return None

@@ -28,7 +28,7 @@ method Status() -> (status: object)
 method List() -> (checkpoints: []object)
 method Show(id: string) -> (checkpoint: object)
 method Restore(id: string, cgroup: ?string, force: ?bool)
-  -> (id: string, pid: int, seconds: float, cgroup: ?string)
+  -> (id: string, pid: int, seconds: float, verify_s: float, cgroup: ?string)
 method Forget(id: string) -> (id: string)
 method Checkpoint(pid: int, reason: ?string) -> (checkpoint: object)
 

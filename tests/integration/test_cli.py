@@ -178,3 +178,37 @@ def test_checkpoint_and_restore_show_progress_on_a_terminal(
     final = [line for line in lines if line.startswith(f"restore of {checkpoint_id}:")][-1]
     assert " of " in final and "MiB" in final
     kill_pid(int(lines[-1].strip()))
+
+
+def test_job_whose_session_leader_is_outside_the_pid_namespace_is_refused_untouched(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A job started in a PID namespace without setsid (a sandbox, a CI runner): its session
+    leader is outside, /proc shows session 0 and CRIU cannot dump it. The checkpoint is refused
+    before the job is stopped, with the reason, and the job keeps running."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) missing")
+    cg = cgroups.make("outside", None)
+    log = tmp_path / "hog.log"
+    script = ('"$@" & hog=$!\n'
+              'while [ ! -s "$LOG" ]; do sleep 0.05; done\n'
+              '$OOMGUARD checkpoint $hog > "$OUT" 2>&1; echo $? > "$RC"\n'
+              'tail -n 1 "$LOG" > "$BEFORE"; sleep 1; tail -n 1 "$LOG" > "$AFTER"\n'
+              'kill $hog; wait $hog; exit 0\n')
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LOG": str(log),
+           "OOMGUARD": " ".join(oomguard_argv(store)), "OUT": str(tmp_path / "out"),
+           "RC": str(tmp_path / "rc"), "BEFORE": str(tmp_path / "before"),
+           "AFTER": str(tmp_path / "after")}
+    # No setsid: the namespace's processes keep the test's session, whose leader is outside.
+    argv = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "/bin/sh", "-c", script,
+            "sh", *hog_argv(log, target=32, rate=100, count=100_000)]
+    full = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg.path / "cgroup.procs"), *argv]
+    done = subprocess.run(full, env=env, cwd=REPO, timeout=120, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    output = (tmp_path / "out").read_text()
+    assert (tmp_path / "rc").read_text().strip() == "1", output
+    assert "outside oomguard's PID namespace" in output and '"outcome": "untouched"' in output
+    before = int((tmp_path / "before").read_text().split()[0])
+    after = int((tmp_path / "after").read_text().split()[0])
+    assert after > before  # it was never stopped and went on counting
+    assert run_oomguard(store, "list").stdout.strip().count("\n") == 0  # only the heading

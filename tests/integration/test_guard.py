@@ -174,3 +174,25 @@ def test_page_cache_alone_is_not_acted_on(cgroups: CgroupFactory, store: Path,
         assert not guard.events("threshold.crossed")
         assert not guard.events("checkpoint.done")
     assert small.snapshot().oom_kills == 0
+
+
+def test_one_hog_after_another_with_rescans_during_the_dumps(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A dump lifts the limit for headroom; rescans (every 100 ms here) that read the lifted
+    limit must not re-arm the thresholds on it, or the next hog meets no threshold below the
+    real limit and the kernel kills it (found by bench/saverate.py)."""
+    cg = cgroups.make("serial", 256 * MiB)
+    config = tmp_path / "serial.toml"
+    config.write_text(f'[daemon]\nrescan_interval = "100ms"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n'
+                      'threshold = "85%"\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.armed")
+        for index in range(3):
+            hog = start_in_cgroup(cg, hog_argv(tmp_path / f"hog{index}.log", target=400,
+                                               rate=1000, count=100_000))
+            done = guard.wait_event("checkpoint.done", timeout=60, count=index + 1)[index]
+            assert done["pid"] == hog.pid
+            hog.wait(timeout=10)
+        armed = guard.events("guard.armed")
+    assert cg.snapshot().oom_kills == 0
+    assert {event["limit"] for event in armed} == {256 * MiB}, armed

@@ -36,7 +36,8 @@ def _hog_with_outside_peer(cgroup: object, log: Path) -> tuple[subprocess.Popen[
            sys.executable, str(HOG), "--log", str(log), "--target", "400", "--rate", "300",
            "--count", "100000"]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+                            stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                            start_new_session=True)
     theirs.close()
     return proc, ours
 

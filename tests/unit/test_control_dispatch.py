@@ -248,12 +248,13 @@ def test_restore_own_reaches_restorer(service: Service) -> None:
 
     def restore(checkpoint_id: str, *, target: Any, original: Any, force: bool) -> Any:
         seen.append((checkpoint_id, target, original, force))
-        return SimpleNamespace(pid=4321, seconds=0.12345,
+        return SimpleNamespace(pid=4321, seconds=0.12345, verify_s=0.0456,
                                meta=SimpleNamespace(restored_cgroup="/jobs/a"))
 
     service.restorer = SimpleNamespace(restore=restore)  # type: ignore[assignment]
     assert call(service, ALICE, "io.oomguard.Restore", id="alice-2", force=True) == {
-        "parameters": {"id": "alice-2", "pid": 4321, "seconds": 0.123, "cgroup": "/jobs/a"}}
+        "parameters": {"id": "alice-2", "pid": 4321, "seconds": 0.123, "verify_s": 0.046,
+                       "cgroup": "/jobs/a"}}
     assert seen == [("alice-2", None, None, True)]
 
 
@@ -306,12 +307,14 @@ def test_checkpoint_allowed_reaches_checkpointer(service: Service, uid: int, pid
 
     def checkpoint(tree: Any, cgroup: Any, why: str) -> Any:
         seen.append((tree.pids, cgroup, why))
-        return SimpleNamespace(meta=meta, timings=SimpleNamespace(total_s=2.71828))
+        return SimpleNamespace(meta=meta, timings=SimpleNamespace(
+            total_s=2.71828, freeze_s=0.00312, dump_s=2.5, commit_s=0.21828))
 
     service.checkpointer = SimpleNamespace(checkpoint=checkpoint)  # type: ignore[assignment]
     params: dict[str, Any] = {"pid": pid} if reason is None else {"pid": pid, "reason": reason}
     message = call(service, uid, "io.oomguard.Checkpoint", **params)
-    assert message == {"parameters": {"checkpoint": {**asdict(meta), "seconds": 2.718}}}
+    assert message == {"parameters": {"checkpoint": {
+        **asdict(meta), "seconds": 2.718, "freeze_s": 0.0031, "dump_s": 2.5, "commit_s": 0.2183}}}
     assert seen == [(want_pids, None, want_reason)]  # no memory controller: no cgroup
 
 

@@ -40,15 +40,17 @@ def snap(usage_mib: float, limit_mib: float | None, anon_mib: float, *, file_mib
         (snap(900, 1000, 860), 0.85, Verdict.ACT, "resident memory"),
         (snap(1000, 1000, 1000), 0.85, Verdict.ACT, "resident memory"),
         (snap(1000, 1000, 100, file_mib=900), 0.85, Verdict.WATCH, "page cache"),
-        (snap(850, 1000, 849), 0.85, Verdict.WATCH, "page cache"),
+        (snap(850, 1000, 840, file_mib=10), 0.85, Verdict.WATCH, "page cache"),
+        # the rest of usage is kernel memory (page tables, slab): no reclaim frees it
+        (snap(852, 1000, 846, file_mib=1), 0.85, Verdict.ACT, "resident memory 892338176"),
         (snap(500, 1000, 500), 0.85, Verdict.IDLE, "below threshold"),
         (snap(0, 1000, 0), 0.85, Verdict.IDLE, "below threshold"),
-        (snap(1000, 1000, 999), 1.0, Verdict.WATCH, "page cache"),
+        (snap(1000, 1000, 999, file_mib=1), 1.0, Verdict.WATCH, "page cache"),
         (snap(1000, 1000, 1000), 1.0, Verdict.ACT, "resident memory"),
     ],
     ids=["no-limit", "no-limit-under-oom", "under-oom", "anon-above", "anon-at-limit",
-         "page-cache", "usage-at-mark-anon-below", "below", "empty", "threshold-100-below",
-         "threshold-100-at"],
+         "page-cache", "usage-at-mark-anon-below", "kernel-memory-counts", "below", "empty",
+         "threshold-100-below", "threshold-100-at"],
 )
 def test_evaluate(snapshot: MemorySnapshot, threshold: float, verdict: Verdict, reason: str) -> None:
     decision = evaluate(snapshot, threshold)
@@ -57,16 +59,17 @@ def test_evaluate(snapshot: MemorySnapshot, threshold: float, verdict: Verdict, 
 
 
 @pytest.mark.parametrize(
-    ("anon", "usage", "verdict"),
+    ("anon", "usage", "file", "verdict"),
     [
-        (499, 499, Verdict.IDLE),
-        (500, 500, Verdict.ACT),  # exactly at the mark acts (>=)
-        (499, 500, Verdict.WATCH),  # usage exactly at the mark watches
-        (501, 501, Verdict.ACT),
+        (499, 499, 0, Verdict.IDLE),
+        (500, 500, 0, Verdict.ACT),  # exactly at the mark acts (>=)
+        (499, 500, 1, Verdict.WATCH),  # usage exactly at the mark, one byte of it cache
+        (499, 500, 0, Verdict.ACT),  # ...one byte of it kernel memory
+        (501, 501, 0, Verdict.ACT),
     ],
 )
-def test_evaluate_exact_boundary(anon: int, usage: int, verdict: Verdict) -> None:
-    s = MemorySnapshot(usage_bytes=usage, limit_bytes=1000, anon_bytes=anon, file_bytes=0,
+def test_evaluate_exact_boundary(anon: int, usage: int, file: int, verdict: Verdict) -> None:
+    s = MemorySnapshot(usage_bytes=usage, limit_bytes=1000, anon_bytes=anon, file_bytes=file,
                        oom_kills=0, under_oom=False)
     assert evaluate(s, 0.5).verdict is verdict
 

@@ -25,7 +25,12 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=1_000_000, help="steps before done")
     parser.add_argument("--tick", type=float, default=0.05, help="seconds per step once grown")
     parser.add_argument("--children", type=int, default=0, help="forked children that also count")
+    parser.add_argument("--stamps", help="benchmarks: JSON lines of wall-clock times (start, "
+                        "cross: the cgroup's usage reached --cross-at, grown: at --target)")
+    parser.add_argument("--usage-file", help="the cgroup's usage file, read after every chunk")
+    parser.add_argument("--cross-at", type=int, default=0, help="bytes of usage for 'cross'")
     args = parser.parse_args()
+    stamps = Stamps(args.stamps, args.usage_file, args.cross_at)
 
     kids = []
     for index in range(args.children):
@@ -43,6 +48,7 @@ def main() -> int:
         count += 1
         if len(chunks) * args.chunk < args.target:
             chunks.append(bytes([len(chunks) % 251]) * chunk_bytes)
+            stamps.after_chunk(len(chunks) * chunk_bytes, len(chunks) * args.chunk >= args.target)
             due = start + len(chunks) * args.chunk / args.rate
             delay = due - time.monotonic()
             if delay > 0:
@@ -57,6 +63,36 @@ def main() -> int:
         os.kill(pid, signal.SIGTERM)
         os.waitpid(pid, 0)
     return 0 if intact else 1
+
+
+class Stamps:
+    """Wall-clock marks for the benchmarks (time.time(): comparable with the daemon's event
+    timestamps). Costs nothing when --stamps is not given."""
+
+    def __init__(self, path: str | None, usage_file: str | None, cross_at: int) -> None:
+        self.out = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+        self.usage_file = usage_file if cross_at > 0 else None
+        self.cross_at = cross_at
+        self.grown = False
+        self.mark("start")
+
+    def mark(self, event: str, **fields: int) -> None:
+        if self.out is not None:
+            extra = "".join(f', "{key}": {value}' for key, value in fields.items())
+            self.out.write(f'{{"event": "{event}", "t": {time.time():.6f}{extra}}}\n')
+
+    def after_chunk(self, allocated: int, grown: bool) -> None:
+        if self.out is None:
+            return
+        if self.usage_file is not None:
+            with open(self.usage_file) as handle:
+                usage = int(handle.read())
+            if usage >= self.cross_at:
+                self.mark("cross", usage=usage, allocated=allocated)
+                self.usage_file = None
+        if grown and not self.grown:
+            self.grown = True
+            self.mark("grown", allocated=allocated)
 
 
 def child(path: str, tick: float) -> int:

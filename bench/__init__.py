@@ -1,0 +1,1 @@
+"""Benchmarks of oomguard (scripts/bench, `python -m bench`): measured against same-run baselines."""

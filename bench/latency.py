@@ -1,0 +1,113 @@
+"""Detection latency: from the moment a hog's cgroup crosses the threshold (the hog reads its
+cgroup's usage after every chunk and stamps the wall-clock time) to the moment the daemon has
+the victim stopped (its `victim.frozen` event), per allocation rate.
+
+Two guards on the same hogs in the same run: oomguard on kernel notifications (the default),
+and the baseline, oomguard polling usage every 100 ms (`events = false`): the same actuator,
+only the detection differs. The victim is then checkpointed as usual."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from bench.harness import Daemon, EventLog, event_time, guard_config, start_hog, summary
+from tests.helpers import CgroupFactory, MiB, wait_until
+
+LIMIT = 256 * MiB
+THRESHOLD = 0.5  # 128 MiB: the hog (target 200 MiB) crosses it and is stopped well before the limit
+TARGET_MIB = 200
+MB = 1_000_000
+
+
+def mib_per_s(mb_per_s: float) -> float:
+    return mb_per_s * MB / MiB
+
+
+def measure(events: EventLog, cgroup: Path, work: Path, name: str, rate_mb: float,
+            timeout: float = 60) -> dict[str, Any]:
+    """One hog at `rate_mb` MB/s: threshold crossing to stopped, in ms."""
+    events.poll()
+    mark = len(events.seen)
+    hog = start_hog(cgroup, work, name, target_mib=TARGET_MIB, rate=mib_per_s(rate_mb),
+                    cross_at=int(LIMIT * THRESHOLD))
+    try:
+        frozen = events.wait("victim.frozen", timeout, {"pid": hog.proc.pid}, after=mark)
+        done = events.wait("checkpoint.done", timeout, {"pid": hog.proc.pid}, after=mark)
+        shutil.rmtree(done["path"], ignore_errors=True)  # not needed: keep the disk free
+    finally:
+        hog.kill()
+    marks = hog.marks()
+    cross = marks["cross"]
+    allocated = cross.get("allocated", 0)
+    seconds = cross["t"] - marks["start"]["t"]
+    return {
+        "latency_ms": (event_time(frozen) - cross["t"]) * 1000,
+        "detect_to_frozen_ms": frozen.get("detect_to_frozen_ms"),
+        "achieved_mb_per_s": allocated / MB / seconds if seconds > 0 else None,
+    }
+
+
+def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float], runs: int,
+              poll: bool, extra_cgroups: int = 0) -> dict[str, Any]:
+    """One daemon guarding the hog's cgroup (and `extra_cgroups` idle ones), `runs` hogs per
+    rate in turn."""
+    hot = factory.make(f"{label}-hot", LIMIT)
+    idle = [factory.make(f"{label}-{i:04d}", LIMIT) for i in range(extra_cgroups)]
+    store = work / f"store-{label}"
+    settings: dict[str, str | bool] = {"threshold": f"{THRESHOLD:.0%}"}
+    if poll:
+        settings["events"] = False
+    config = guard_config(work / f"{label}.toml", store,
+                          [str(hot.path), *(str(c.path) for c in idle)], **settings)
+    if poll:
+        text = config.read_text().replace("[daemon]\n", '[daemon]\npoll_interval = "100ms"\n')
+        config.write_text(text)
+    daemon = Daemon(store, config, work / f"{label}.log")
+    events = daemon.start()
+    results: dict[str, Any] = {}
+    try:
+        wait_for_armed(events, 1 + extra_cgroups)
+        for rate in rates:
+            samples = [measure(events, hot.path, work, f"{label}-{rate:g}-{i}", rate)
+                       for i in range(runs)]
+            latencies = [s["latency_ms"] for s in samples]
+            achieved = [s["achieved_mb_per_s"] for s in samples if s["achieved_mb_per_s"]]
+            results[f"{rate:g}"] = {
+                "rate_mb_per_s": rate,
+                "achieved_mb_per_s": summary(achieved)["median"] if achieved else None,
+                "latency_ms": summary(latencies),
+                "detect_to_frozen_ms": summary([float(s["detect_to_frozen_ms"] or 0)
+                                                for s in samples]),
+                "samples_ms": [round(v, 2) for v in latencies],
+            }
+    finally:
+        daemon.stop()
+        shutil.rmtree(store, ignore_errors=True)
+    return results
+
+
+def wait_for_armed(events: EventLog, count: int, timeout: float = 300) -> None:
+    def armed() -> bool:
+        events.poll()
+        return sum(1 for e in events.seen if e.get("event") == "guard.armed") >= count
+
+    if not wait_until(armed, timeout, interval=0.1):
+        raise TimeoutError(f"fewer than {count} guards armed within {timeout}s")
+
+
+def detection_latency(factory: CgroupFactory, work: Path, rates: list[float],
+                      runs: int) -> dict[str, Any]:
+    return {
+        "events": run_guard(factory, work, "events", rates, runs, poll=False),
+        "poll_100ms": run_guard(factory, work, "poll", rates, runs, poll=True),
+    }
+
+
+def scale_latency(factory: CgroupFactory, work: Path, rate: float, runs: int,
+                  cgroups: int) -> dict[str, Any]:
+    """Detection latency with `cgroups` guarded cgroups, one of them under pressure."""
+    found: dict[str, Any] = run_guard(factory, work, f"scale{cgroups}", [rate], runs,
+                                      poll=False, extra_cgroups=cgroups - 1)[f"{rate:g}"]
+    return found

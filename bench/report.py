@@ -1,0 +1,227 @@
+"""The benchmark results as a markdown report with PNG plots (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def _f(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(float(r[key]) for r in rows)
+
+
+def _by_size(rows: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        grouped.setdefault(int(row["mib"]), []).append(row)
+    return grouped
+
+
+def ratios(results: dict[str, Any]) -> list[str]:
+    """The headline figures, each a ratio against its same-run baseline."""
+    lines = []
+    latency = results.get("latency")
+    if latency:
+        for rate, events in latency["events"].items():
+            poll = latency["poll_100ms"][rate]
+            lines.append(
+                f"- Detection at {rate} MB/s: median {_f(events['latency_ms']['median'])} ms "
+                f"(p95 {_f(events['latency_ms']['p95'])}) on kernel events vs "
+                f"{_f(poll['latency_ms']['median'])} ms (p95 {_f(poll['latency_ms']['p95'])}) "
+                f"polling every 100 ms: "
+                f"{poll['latency_ms']['median'] / max(events['latency_ms']['median'], 1e-3):.1f}x "
+                "faster.")
+    save = results.get("saverate")
+    if save:
+        for rate, row in save["oomguard_default"].items():
+            base = save["no_guard"][rate]
+            okd = save.get("oomguard_oom_kill_disable", {}).get(rate)
+            extra = (f"; with oom_kill_disable {okd['checkpointed']}/{okd['hogs']}"
+                     if okd else "")
+            lines.append(f"- Save rate at {rate} MB/s: {row['checkpointed']}/{row['hogs']} "
+                         f"checkpointed, {row['killed']} killed by the kernel (no guard: "
+                         f"{base['killed']}/{base['hogs']} killed){extra}.")
+    tp = results.get("throughput")
+    if tp:
+        for mib, rows in _by_size(tp).items():
+            dump, disk = _median(rows, "dump_mb_per_s"), _median(rows, "disk_write_fdatasync_mb_per_s")
+            rest, read = _median(rows, "restore_mb_per_s"), _median(rows, "disk_cold_read_mb_per_s")
+            lines.append(f"- {mib} MiB: dump {dump:.0f} MB/s = {dump / disk:.2f} x the disk's "
+                         f"write+fdatasync ({disk:.0f} MB/s); restore {rest:.0f} MB/s = "
+                         f"{rest / read:.2f} x its cold read ({read:.0f} MB/s).")
+    idle = results.get("idle")
+    if idle:
+        peer = next((v for k, v in idle.items() if k.startswith("earlyoom")), None)
+        for label, row in idle.items():
+            if label.startswith("earlyoom"):
+                continue
+            versus = (f" = {row['cpu_s'] / peer['cpu_s']:.1f} x earlyoom's {peer['cpu_s']:.3f} s"
+                      f" and {row['rss_mib'] / peer['rss_mib']:.0f} x its RSS "
+                      f"({peer['rss_mib']:.1f} MiB)" if peer and peer["cpu_s"] > 0 else "")
+            lines.append(f"- Idle, {label}: {row['cpu_s']:.3f} CPU s per {row['seconds']:.0f} s, "
+                         f"{row['rss_mib']:.1f} MiB RSS{versus}.")
+    scale = results.get("scale")
+    if scale and latency and "500" in latency["events"]:
+        one = latency["events"]["500"]["latency_ms"]["median"]
+        lines.append(f"- Scale: with 1000 guarded cgroups detection at 500 MB/s takes "
+                     f"{scale['latency_ms']['median']:.1f} ms median vs {one:.1f} ms with one "
+                     f"({scale['latency_ms']['median'] / max(one, 1e-3):.2f} x).")
+    return lines
+
+
+def _plots(results: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    latency = results.get("latency")
+    if latency:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in (("events", "oomguard (kernel events)"),
+                           ("poll_100ms", "baseline: polling every 100 ms")):
+            rates = [float(r) for r in latency[key]]
+            med = [v["latency_ms"]["median"] for v in latency[key].values()]
+            p95 = [v["latency_ms"]["p95"] for v in latency[key].values()]
+            line = ax.plot(rates, med, marker="o", label=f"{label}, median")[0]
+            ax.plot(rates, p95, marker="x", linestyle="--", color=line.get_color(),
+                    label=f"{label}, p95")
+        ax.set_xscale("log")
+        ax.set_xlabel("allocation rate (MB/s)")
+        ax.set_ylabel("threshold crossed → victim stopped (ms)")
+        ax.set_title("Detection latency")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "latency.png", dpi=110)
+        plt.close(fig)
+        made.append("latency.png")
+    tp = results.get("throughput")
+    if tp:
+        sizes = sorted(_by_size(tp))
+        grouped = _by_size(tp)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key, label in (("dump_mb_per_s", "dump (oomguard + CRIU)"),
+                           ("disk_write_fdatasync_mb_per_s", "disk: write + fdatasync"),
+                           ("restore_mb_per_s", "restore (CRIU)"),
+                           ("disk_cold_read_mb_per_s", "disk: cold read")):
+            ax.plot(sizes, [_median(grouped[s], key) for s in sizes], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{s} MiB" for s in sizes])
+        ax.set_ylabel("MB/s (median)")
+        ax.set_title("Checkpoint and restore throughput vs the disk")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "throughput.png", dpi=110)
+        plt.close(fig)
+        made.append("throughput.png")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        phases = list(tp[0]["phases_s"])
+        bottom = [0.0] * len(sizes)
+        for phase in phases:
+            values = [statistics.median(r["phases_s"][phase] for r in grouped[s]) for s in sizes]
+            ax.bar([f"{s} MiB" for s in sizes], values, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_ylabel("seconds (median)")
+        ax.set_title("Where a checkpoint's time goes")
+        ax.legend(fontsize=6, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(out / "breakdown.png", dpi=110)
+        plt.close(fig)
+        made.append("breakdown.png")
+    return made
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    lines = ["# oomguard benchmarks", "",
+             "Written by `scripts/bench` (`python -m bench`); the raw figures are in "
+             "results.json. Every ratio is against a baseline measured in the same run.", "",
+             "## Machine", ""]
+    lines += _table(["what", "value"], [[k, str(v)] for k, v in results["machine"].items()])
+    lines += ["## Headline ratios", "", *ratios(results), ""]
+    plots = _plots(results, out)
+    latency = results.get("latency")
+    if latency:
+        lines += ["## 1. Detection latency", "",
+                  "Threshold crossing (the hog's own reading of its cgroup's usage, 128 MiB of a "
+                  "256 MiB limit) to victim stopped (the daemon's `victim.frozen` event).", ""]
+        rows = []
+        for key, label in (("events", "oomguard"), ("poll_100ms", "polling 100 ms")):
+            for rate, v in latency[key].items():
+                rows.append([label, rate, _f(v["achieved_mb_per_s"], 0),
+                             _f(v["latency_ms"]["median"]), _f(v["latency_ms"]["p95"]),
+                             _f(v["latency_ms"]["max"]), _f(v["detect_to_frozen_ms"]["median"], 2),
+                             str(v["latency_ms"]["n"])])
+        lines += _table(["guard", "rate MB/s", "achieved MB/s", "median ms", "p95 ms", "max ms",
+                         "detect→stopped ms", "runs"], rows)
+        lines += ["![latency](latency.png)", ""] if "latency.png" in plots else []
+    save = results.get("saverate")
+    if save:
+        lines += ["## 2. Save rate", "",
+                  "Hogs growing to 400 MiB in a 256 MiB cgroup (threshold 85%), one at a time.",
+                  ""]
+        rows = []
+        for guard, per_rate in save.items():
+            for rate, v in per_rate.items():
+                rows.append([guard, rate, str(v["hogs"]), str(v["checkpointed"]),
+                             str(v["killed"]), str(v["other"])])
+        lines += _table(["guard", "rate MB/s", "hogs", "checkpointed", "killed by kernel",
+                         "other"], rows)
+    tp = results.get("throughput")
+    if tp:
+        lines += ["## 3. Checkpoint and restore throughput", ""]
+        rows = []
+        for row in tp:
+            rows.append([str(row["mib"]), str(row["processes"]),
+                         _f(row["image_bytes"] / 1e6, 0), _f(row["allocation_mb_per_s"], 0),
+                         _f(row["dump_s"], 2), _f(row["dump_mb_per_s"], 0),
+                         _f(row["disk_write_fdatasync_mb_per_s"], 0),
+                         _f(row["dump_mb_per_s"] / row["disk_write_fdatasync_mb_per_s"], 2),
+                         _f(row["restore_s"], 2), _f(row.get("restore_verify_s"), 2),
+                         _f(row["restore_mb_per_s"], 0), _f(row["disk_cold_read_mb_per_s"], 0),
+                         _f(row["restore_mb_per_s"] / row["disk_cold_read_mb_per_s"], 2),
+                         "yes" if row["resumed"] else "NO"])
+        lines += _table(["MiB", "procs", "image MB", "alloc MB/s", "dump s", "dump MB/s",
+                         "disk write MB/s", "dump/disk", "restore s", "verify s",
+                         "restore MB/s", "disk read MB/s", "restore/disk", "resumed"], rows)
+        lines += ["Where the time goes (median seconds per phase):", ""]
+        grouped = _by_size(tp)
+        phases = list(tp[0]["phases_s"])
+        lines += _table(["phase", *[f"{s} MiB" for s in sorted(grouped)]],
+                        [[p, *[_f(statistics.median(r["phases_s"][p] for r in grouped[s]), 3)
+                               for s in sorted(grouped)]] for p in phases])
+        lines += [f"![{p}]({p})" for p in ("throughput.png", "breakdown.png") if p in plots]
+        lines += [""]
+    idle = results.get("idle")
+    if idle:
+        lines += ["## 4. Idle cost", "", "The same window for all, side by side.", ""]
+        lines += _table(["process", "seconds", "CPU s", "CPU s (ticks)", "RSS MiB",
+                         "peak RSS MiB", "threads", "start-up s", "start-up CPU s"],
+                        [[k, _f(v["seconds"]), _f(v["cpu_s"], 3), _f(v["cpu_s_ticks"], 2),
+                          _f(v["rss_mib"]), _f(v["peak_rss_mib"]), str(v["threads"]),
+                          _f(v.get("startup_s"), 2), _f(v.get("startup_cpu_s"), 2)]
+                         for k, v in idle.items()])
+    scale = results.get("scale")
+    if scale:
+        lines += ["## 5. Scale", "", "Detection latency at 500 MB/s in one of 1000 guarded "
+                  "cgroups.", ""]
+        lines += _table(["median ms", "p95 ms", "max ms", "runs"],
+                        [[_f(scale["latency_ms"]["median"]), _f(scale["latency_ms"]["p95"]),
+                          _f(scale["latency_ms"]["max"]), str(scale["latency_ms"]["n"])]])
+    lines += [f"Run time per part (s): {results.get('seconds')}", ""]
+    (out / "results.md").write_text("\n".join(lines))

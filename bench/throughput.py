@@ -1,0 +1,205 @@
+"""Checkpoint and restore throughput for 256 MiB, 1 GiB and 2 GiB of memory (2 GiB: two
+1 GiB hogs under one parent, dumped as one tree), against what the disk does in the same run:
+a sequential write + fdatasync of the same size to the same filesystem (dump), a cold
+sequential read of it (restore). Where a dump's time goes comes from oomguard's own timings,
+CRIU's dump.log (its timestamps, and the line the post-dump hook prints) and CRIU's
+stats-dump image (memdump/memwrite)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import disk_read, disk_write
+from tests.helpers import HOG, REPO, CgroupFactory, MiB, kill_pid, oomguard_argv, wait_until
+
+MB = 1_000_000
+LOG_LINE = re.compile(r"^\((\d+\.\d+)\) (.*)$")
+HOOK_LINE = re.compile(r"oomguard criu hook: (\d+) bytes, fdatasync ([\d.]+) s, "
+                       r"page cache dropped ([\d.]+) s")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _fields(data: bytes) -> dict[int, Any]:
+    """A protobuf message's varint and length-delimited fields (what stats-dump holds)."""
+    found: dict[int, Any] = {}
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            found[number], pos = _varint(data, pos)
+        elif kind == 2:
+            length, pos = _varint(data, pos)
+            found[number] = data[pos:pos + length]
+            pos += length
+        else:
+            raise ValueError(f"unexpected protobuf wire type {kind}")
+    return found
+
+
+def criu_stats(images: Path) -> dict[str, float]:
+    """memdump/memwrite seconds and pages written, from CRIU's stats-dump (8 bytes of magic,
+    a 4-byte size, then a stats_entry whose field 1 is the dump_stats_entry)."""
+    data = (images / "stats-dump").read_bytes()
+    size = int.from_bytes(data[8:12], "little")
+    dump = _fields(_fields(data[12:12 + size])[1])
+    return {"freezing_s": dump[1] / 1e6, "frozen_s": dump[2] / 1e6,
+            "memdump_s": dump[3] / 1e6, "memwrite_s": dump[4] / 1e6,
+            "pages_written": dump.get(7, 0)}
+
+
+def dump_log_marks(images: Path) -> dict[str, float]:
+    marks: dict[str, float] = {}
+    wanted = {"seized": "Seized task", "post_dump": "Running post-dump scripts",
+              "unfreeze": "Unfreezing tasks", "end": "Dumping finished successfully"}
+    for line in (images / "dump.log").read_text(errors="replace").splitlines():
+        hook = HOOK_LINE.search(line)
+        if hook:
+            marks["hook_sync_s"] = float(hook.group(2))
+            marks["hook_drop_s"] = float(hook.group(3))
+            continue
+        match = LOG_LINE.match(line)
+        if not match:
+            continue
+        for key, text in wanted.items():
+            if key not in marks and match.group(2).startswith(text):
+                marks[key] = float(match.group(1))
+    return marks
+
+
+def breakdown(cli: dict[str, Any], images: Path) -> dict[str, float]:
+    """Seconds per phase of one checkpoint; the phases add up to its total."""
+    log = dump_log_marks(images)
+    stats = criu_stats(images)
+    sync = log.get("hook_sync_s", 0.0)
+    drop = log.get("hook_drop_s", 0.0)
+    phases = {
+        "freeze (SIGSTOP, all stopped)": cli["freeze_s"],
+        "CRIU start, seize": log["seized"],
+        "memory: pages drained": stats["memdump_s"] - stats["memwrite_s"],
+        "memory: pages written": stats["memwrite_s"],
+        "CRIU other (files, fds, images)": log["post_dump"] - log["seized"] - stats["memdump_s"],
+        "fdatasync": sync,
+        "page cache dropped": drop,
+        "hook start, kill, CRIU exit": log["end"] - log["post_dump"] - sync - drop,
+        "wait for exit": cli["dump_s"] - log["end"],
+        "commit (SHA256SUMS, meta)": cli["commit_s"],
+    }
+    return {key: round(max(value, 0.0), 4) for key, value in phases.items()}
+
+
+def start_tree(cgroup: Path, work: Path, name: str, mib: int, processes: int,
+               ) -> tuple[subprocess.Popen[bytes], list[Path]]:
+    """`processes` hogs of `mib // processes` MiB each, as fast as they allocate, under one
+    shell (the tree root)."""
+    per = mib // processes
+    logs = [work / f"{name}-{i}.log" for i in range(processes)]
+    stamps = [work / f"{name}-{i}.stamps" for i in range(processes)]
+    for path in logs + stamps:
+        path.unlink(missing_ok=True)
+    hogs = " ".join(
+        f"{sys.executable} {HOG} --log {log} --target {per} --rate 1000000 --chunk 8 "
+        f"--count 10000000 --tick 0.05 --stamps {stamp} &"
+        for log, stamp in zip(logs, stamps, strict=True))
+    script = f'echo $$ > "$0"; {hogs} wait'
+    proc = subprocess.Popen(["/bin/sh", "-c", script, str(cgroup / "cgroup.procs")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    return proc, stamps
+
+
+def _grown(stamps: list[Path]) -> list[dict[str, Any]] | None:
+    found = []
+    for path in stamps:
+        marks = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                mark = json.loads(line)
+                marks[mark["event"]] = mark
+        if "grown" not in marks:
+            return None
+        found.append(marks)
+    return found
+
+
+def _cli(store: Path, *args: str) -> dict[str, Any]:
+    result = subprocess.run(oomguard_argv(store, *args), capture_output=True, text=True,
+                            timeout=600, cwd=REPO, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise RuntimeError(f"oomguard {' '.join(args)} failed: {result.stderr[-2000:]}")
+    for line in result.stderr.splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event.get("event") in ("checkpoint.done", "restore.done"):
+                return dict(event)
+    raise RuntimeError(f"no result event from oomguard {' '.join(args)}: {result.stderr}")
+
+
+def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
+             index: int) -> dict[str, Any]:
+    name = f"tp{mib}-{index}"
+    cgroup = factory.make(name, None)
+    target = factory.make(f"{name}r", None)
+    store = work / f"store-{name}"
+    size = mib * MiB
+    write_s = disk_write(work, size)
+    read_s = disk_read(work)
+    proc, stamps = start_tree(cgroup.path, work, name, mib, processes)
+    marks = wait_until(lambda: _grown(stamps), 120, interval=0.05)
+    if not marks:
+        proc.kill()
+        raise RuntimeError(f"{name}: the hogs did not grow")
+    alloc = [m["grown"]["allocated"] / MB / (m["grown"]["t"] - m["start"]["t"]) for m in marks]
+    try:
+        done = _cli(store, "checkpoint", str(proc.pid), "--reason", "benchmark")
+        proc.wait(timeout=30)
+        images = store / done["id"] / "images"
+        phases = breakdown(done, images)
+        started = time.monotonic()
+        restored = _cli(store, "restore", done["id"], "--cgroup", str(target.path))
+        restore_wall = time.monotonic() - started
+        logs = [Path(str(s).replace(".stamps", ".log")) for s in stamps]
+        counts = [p.stat().st_size for p in logs]
+        resumed = wait_until(lambda: all(p.stat().st_size > c for p, c in zip(logs, counts,
+                                                                               strict=True)),
+                             30)
+    finally:
+        for pid in target.procs() + cgroup.procs():
+            kill_pid(pid)
+        shutil.rmtree(store, ignore_errors=True)
+    image = done["image_bytes"]
+    return {
+        "mib": mib, "processes": processes, "image_bytes": image,
+        "allocation_mb_per_s": min(alloc),
+        "checkpoint_s": done["seconds"], "dump_s": done["dump_s"],
+        "dump_mb_per_s": image / MB / done["dump_s"],
+        "disk_write_fdatasync_mb_per_s": size / MB / write_s,
+        "restore_s": restored["seconds"], "restore_verify_s": restored.get("verify_s"),
+        "restore_wall_s": restore_wall,
+        "restore_mb_per_s": image / MB / restored["seconds"],
+        "disk_cold_read_mb_per_s": size / MB / read_s,
+        "resumed": bool(resumed), "phases_s": phases,
+    }
+
+
+def throughput(factory: CgroupFactory, work: Path, sizes: list[tuple[int, int]],
+               repeats: int) -> list[dict[str, Any]]:
+    return [one_size(factory, work, mib, processes, index)
+            for mib, processes in sizes for index in range(repeats)]
