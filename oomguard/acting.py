@@ -42,7 +42,7 @@ def rule_parts(spec: GuardConfig) -> RuleParts:
                              else (Step(CHECKPOINT),))
     prefs = Preferences(prefer=compile_patterns(spec.prefer), avoid=compile_patterns(spec.avoid),
                         protect=compile_patterns(spec.protect),
-                        protect_session_leaders=spec.protect_session_leaders)
+                        protect_session_leaders=spec.protect_session_leaders, gpu=spec.gpu)
     settings = ChainSettings(freeze_deadline=spec.freeze_deadline, kill_grace=spec.kill_grace,
                              store_margin=spec.store_margin, headroom=spec.headroom)
     return RuleParts(chain, prefs, settings)

@@ -3,6 +3,7 @@
     actions = ["checkpoint", "kill"]              # the default: checkpoint, else kill
     actions = ["freeze", "checkpoint", "kill"]    # stop growth at once, then decide
     actions = ["signal:SIGUSR1:30s", "checkpoint"] # cooperative: let the trainer save itself
+    actions = ["vram", "checkpoint"]              # GPU pressure: free the GPU, keep it running
 
 Parsing is pure; the executor lives in oomguard/chain.py.
 """
@@ -15,12 +16,13 @@ from dataclasses import dataclass
 from oomguard.units import parse_duration
 
 FREEZE, CHECKPOINT, SIGNAL, KILL = "freeze", "checkpoint", "signal", "kill"
+VRAM = "vram"  # cuda-checkpoint alone: CUDA state into host memory, the process stays alive
 DEFAULT_CHAIN = (CHECKPOINT,)
 
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # freeze | checkpoint | signal | kill
+    kind: str  # freeze | checkpoint | signal | vram | kill
     signal: int = 0  # for signal steps
     grace: float = 0.0  # for signal steps: how long to wait for the process to exit or shrink
 
@@ -35,7 +37,7 @@ def parse_step(text: str) -> Step:
         raise ValueError(f"expected an action such as 'checkpoint', got {text!r}")
     parts = text.strip().split(":")
     kind = parts[0].lower()
-    if kind in (FREEZE, CHECKPOINT, KILL):
+    if kind in (FREEZE, CHECKPOINT, KILL, VRAM):
         if len(parts) != 1:
             raise ValueError(f"{kind!r} takes no arguments, got {text!r}")
         return Step(kind)
@@ -56,7 +58,7 @@ def parse_step(text: str) -> Step:
             raise ValueError(f"the grace period must be above 0, got {parts[2]!r}")
         return Step(SIGNAL, number, grace)
     raise ValueError(f"unknown action {parts[0]!r}: expected freeze, checkpoint, "
-                     "signal:SIG:GRACE or kill")
+                     "signal:SIG:GRACE, vram or kill")
 
 
 def parse_chain(value: object) -> tuple[Step, ...]:

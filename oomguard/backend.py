@@ -67,6 +67,8 @@ class LocalBackend:
             return {"checkpoint": service.checkpoint(uid, p["pid"], p.get("reason") or "on demand")}
         if method == "Status":
             return {"status": service.status(uid)}
+        if method == "GpuResume":
+            return service.gpu_resume(uid, p["pid"])
         raise OomguardError(f"unknown verb {method}")
 
     def close(self) -> None:

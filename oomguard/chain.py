@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, Step
+from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.checkpoint import Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
 from oomguard.freezer import Freezer
+from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcReader
 
@@ -37,7 +38,7 @@ class ChainSettings:
 
 @dataclass(frozen=True)
 class ChainOutcome:
-    result: str  # checkpointed | signalled | killed | thawed | stood-down | gone
+    result: str  # checkpointed | signalled | vram-freed | killed | thawed | stood-down | gone
     step: str
     detail: str
     checkpoint: CheckpointResult | None = None
@@ -45,7 +46,8 @@ class ChainOutcome:
     @property
     def settled(self) -> bool:
         """The pressure was dealt with (no need to try another victim)."""
-        return self.result in ("checkpointed", "signalled", "killed", "stood-down")
+        return self.result in ("checkpointed", "signalled", "vram-freed", "killed",
+                               "stood-down")
 
 
 def free_space(path: Path) -> int:
@@ -102,6 +104,13 @@ class ChainRunner:
                     frozen = []
                     if outcome is not None:
                         return outcome
+                elif step.kind == VRAM:
+                    if frozen:  # cuda-checkpoint needs the process running
+                        self.freezer.thaw(frozen)
+                        frozen = []
+                    outcome = self._vram(step, tree, fields)
+                    if outcome is not None:
+                        return outcome
                 elif step.kind == CHECKPOINT:
                     outcome = self._checkpoint(step, tree, cgroup, reason, settings, fields,
                                                on_frozen, after_signal)
@@ -146,6 +155,32 @@ class ChainRunner:
                 return ChainOutcome("signalled", str(step), "the victim shrank")
             self.sleep(0.1)
         return None
+
+    def _vram(self, step: Step, tree: ProcessTree, fields: dict[str, Any]) -> ChainOutcome | None:
+        """GPU memory freed, the process kept alive: its CUDA state moved into its host memory
+        by cuda-checkpoint (`oomguard gpu-resume PID` moves it back). None: go on to the next
+        step (no GPU memory in the tree, no cuda-checkpoint, or it failed and was undone)."""
+        gpu = self.checkpointer.gpu
+        if gpu is None or not gpu.drives_cuda:
+            why = gpu.why if gpu is not None else "GPU support is off"
+            self.log.warning("gpu.vram_skipped", reason=f"no cuda-checkpoint: {why}", **fields)
+            return None
+        vram = gpu.vram_by_pid()
+        pids = gpu.gpu_pids(tree.pids, vram)
+        if not pids:
+            self.log.info("gpu.vram_skipped", reason="the tree holds no GPU memory", **fields)
+            return None
+        try:
+            gpu.suspend(pids)
+        except CudaCheckpointError as exc:
+            self.log.error("gpu.vram_failed", error=str(exc), outcome="running on the GPU",
+                           **fields)
+            return None
+        freed = sum(vram[pid] for pid in pids)
+        self.log.warning("gpu.vram_freed", gpu_pids=pids, vram=freed, **fields)
+        return ChainOutcome("vram-freed", str(step),
+                            f"CUDA state of pid(s) {', '.join(map(str, pids))} moved to host "
+                            "memory; `oomguard gpu-resume PID` puts it back on the GPU")
 
     def _checkpoint(self, step: Step, tree: ProcessTree, cgroup: MemoryCgroup | None,
                     reason: str, settings: ChainSettings, fields: dict[str, Any],

@@ -16,10 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.freezer import Freezer, kill_tree
+from oomguard.gpu.runtime import GpuSupport
+from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
@@ -60,8 +64,14 @@ class Checkpointer:
                  freeze_timeout: float = 5.0, on_failure: str = ON_FAILURE_THAW,
                  hook_dir: Path | None = None, ledger: FrozenLedger | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
+                 mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
+                 ) -> None:
         self.criu = criu
+        self.gpu = gpu
+        self.gpu_margin = gpu_margin
+        self.mem_available = mem_available
         self.store = store
         self.freezer = freezer
         self.proc = proc or ProcReader()
@@ -108,10 +118,13 @@ class Checkpointer:
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
+        hold = self._off_gpu(tree, cgroup)
         try:
             pids = self.freezer.freeze(tree.root.pid)
         except ProcessGone:
             self.ledger.clear(list(tree.pids))
+            if hold is not None:
+                put_back_limit(hold)
             raise
         self.ledger.record(pids)
         if after_signal is not None:
@@ -132,6 +145,9 @@ class Checkpointer:
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            if hold is not None:
+                meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
+                meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
             with self.dump_slots:
                 images, lock_fd = self.store.begin(meta)
                 began = True
@@ -147,8 +163,16 @@ class Checkpointer:
             if began:
                 self.store.abort(checkpoint_id)
             outcome = self._fail(pids, on_failure or self.on_failure)
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}", outcome) from exc
+            gpu_note = ""
+            if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
+                trouble = back_to_gpu(self.gpu, hold.pids)
+                gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
+                            f"; its CUDA state could NOT be put back on the GPU: {trouble}")
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
+                                   outcome) from exc
         finally:
+            if hold is not None:
+                put_back_limit(hold)
             if lock_fd is not None:
                 os.close(lock_fd)
             if undo_limit is not None:
@@ -159,6 +183,21 @@ class Checkpointer:
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None) -> GpuHold | None:
+        """A tree holding GPU memory: its CUDA state into host memory first (the ledger has
+        the pids already); refused, untouched, when that is not possible."""
+        if self.gpu is None or not self.gpu.accounting:
+            return None
+        try:
+            return move_off_gpu(self.gpu, tree, cgroup, margin=self.gpu_margin,
+                                mem_available=self.mem_available, lift=self._lift,
+                                thaw=self.freezer.thaw)
+        except GpuRefused as exc:
+            with contextlib.suppress(OSError):
+                self.ledger.clear(list(tree.pids))
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
+                                   f"{exc}", OUTCOME_UNTOUCHED) from exc
 
     def limit_lifted(self, path: Path) -> bool:
         """Whether a dump has lifted this cgroup's limit for headroom at the moment."""

@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--force", action="store_true",
                     help="restore even if already restored or the cgroup looks too small")
     rs.add_argument("--criu", help="path to criu (default: auto)")
+    gr = sub.add_parser("gpu-resume", help="put a process's CUDA state back on the GPU "
+                        "(after a 'vram' action)")
+    gr.add_argument("pid", type=int)
+
     fg = sub.add_parser("forget", help="delete a checkpoint")
     fg.add_argument("id")
     ex = sub.add_parser("exec", help="run CMD as PID 1 of its own PID namespace "
@@ -286,7 +290,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
     log.info("restore.done", id=args.id, pid=result["pid"], seconds=result["seconds"],
-             verify_s=result.get("verify_s"), cgroup=result.get("cgroup"))
+             verify_s=result.get("verify_s"), cgroup=result.get("cgroup"),
+             gpu_pids=result.get("gpu_pids") or None)
+    if result.get("gpu_error"):
+        log.error("restore.gpu_failed", id=args.id, pid=result["pid"], error=result["gpu_error"])
     print(result["pid"])
     return EXIT_OK
 
@@ -294,6 +301,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
 def cmd_forget(args: argparse.Namespace) -> int:
     _call(args, "Forget", id=args.id)
     get_logger().info("checkpoint.forgotten", id=args.id)
+    return EXIT_OK
+
+
+def cmd_gpu_resume(args: argparse.Namespace) -> int:
+    _call(args, "GpuResume", pid=args.pid)
+    get_logger().info("gpu.vram_restored", pid=args.pid)
     return EXIT_OK
 
 
@@ -378,5 +391,5 @@ COMMANDS: dict[str, Any] = {
     "status": cmd_status,
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config, "install-units": cmd_install_units,
-    "notify-agent": cmd_notify_agent,
+    "notify-agent": cmd_notify_agent, "gpu-resume": cmd_gpu_resume,
 }

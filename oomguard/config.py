@@ -33,6 +33,22 @@ class CriuConfig:
     cgroup_limit: int = 256 << 20  # CRIU's own memory cgroup bounds the images' page cache
 
 
+GPU_ENGINES = ("auto", "cuda-checkpoint", "criu-plugin", "off")
+GPU_PREFERENCES = ("neutral", "prefer", "avoid")
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """[gpu]: how CUDA processes are checkpointed (docs in config/oomguard.toml)."""
+
+    engine: str = "auto"  # auto | cuda-checkpoint | criu-plugin | off
+    cuda_checkpoint: str = "auto"  # path, or auto: $OOMGUARD_CUDA_CHECKPOINT, /usr/{local/,}bin, PATH
+    lock_timeout: float = 10.0  # cuda-checkpoint --action lock --timeout
+    timeout: float = 300.0  # any one cuda-checkpoint step
+    poll_interval: float = 2.0  # NVML is read this often, only while a rule has gpu_threshold
+    host_margin: int = 256 << 20  # host memory kept free beyond the VRAM copied into the process
+
+
 @dataclass(frozen=True)
 class GuardConfig:
     cgroups: tuple[str, ...]
@@ -62,6 +78,8 @@ class GuardConfig:
     freeze_deadline: float = 60.0  # a freeze ends (dump, thaw or kill) within this
     kill_grace: float = 5.0  # SIGTERM, then SIGKILL after this
     store_margin: int = 256 << 20  # free space wanted in the store beyond the image estimate
+    gpu: str = "neutral"  # GPU processes in victim choice: neutral | prefer | avoid
+    gpu_threshold: float | None = None  # also act when a GPU's memory reaches this share
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,7 @@ class DaemonConfig:
     hooks: tuple[tuple[str, str], ...] = ()  # (event, shell command): on_checkpoint...
     hook_timeout: float = 30.0
     criu: CriuConfig = field(default_factory=CriuConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
     guards: tuple[GuardConfig, ...] = ()
 
 
@@ -151,6 +170,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     empty: dict[str, Any] = {}
     daemon = read.take(data, "", "daemon", lambda v: _table(v, "daemon"), empty)
     criu_t = read.take(data, "", "criu", lambda v: _table(v, "criu"), dict(empty))
+    gpu_t = read.take(data, "", "gpu", lambda v: _table(v, "gpu"), dict(empty))
     data_hooks = {"hooks": data.pop("hooks")} if "hooks" in data else {}
     no_guards: list[dict[str, Any]] = []
     guard_list = read.take(data, "", "guard", _guard_array, no_guards)
@@ -195,6 +215,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         cgroup_limit=read.take(criu_t, "criu.", "cgroup_limit", parse_size, c.cgroup_limit),
     )
     read.leftovers(criu_t, "criu.")
+    gpu = _gpu_config(read, gpu_t)
 
     guards = []
     for index, raw in enumerate(guard_list):
@@ -229,7 +250,31 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,
-                        criu=criu, guards=tuple(guards))
+                        criu=criu, gpu=gpu, guards=tuple(guards))
+
+
+def _gpu_config(read: _Reader, table: dict[str, Any]) -> GpuConfig:
+    d = GpuConfig()
+    gpu = GpuConfig(
+        engine=read.take(table, "gpu.", "engine", lambda v: _choice(v, GPU_ENGINES), d.engine),
+        cuda_checkpoint=read.take(table, "gpu.", "cuda_checkpoint", _str, d.cuda_checkpoint),
+        lock_timeout=read.take(table, "gpu.", "lock_timeout", _positive_duration, d.lock_timeout),
+        timeout=read.take(table, "gpu.", "timeout", _positive_duration, d.timeout),
+        poll_interval=read.take(table, "gpu.", "poll_interval", _positive_duration,
+                                d.poll_interval),
+        host_margin=read.take(table, "gpu.", "host_margin", parse_size, d.host_margin),
+    )
+    read.leftovers(table, "gpu.")
+    if gpu.lock_timeout >= gpu.timeout:
+        read.issues.append(ConfigIssue(read.source, "gpu.lock_timeout",
+                                       "must be shorter than gpu.timeout"))
+    return gpu
+
+
+def _choice(value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return str(value)
 
 
 def _port(value: Any) -> int:
@@ -297,6 +342,7 @@ GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "protect_session_leaders": _bool, "post_action_delay": parse_duration,
     "time_to_limit": _bool, "predict_from": parse_fraction, "freeze_deadline": _positive_duration,
     "kill_grace": parse_duration, "store_margin": parse_size,
+    "gpu": lambda v: _choice(v, GPU_PREFERENCES), "gpu_threshold": parse_fraction,
 }
 
 

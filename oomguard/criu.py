@@ -56,6 +56,7 @@ class CriuOptions:
     ext_unix_sk: bool = True
     file_locks: bool = True
     log_level: int = 4
+    libdir: str | None = None  # CRIU's plugin directory (an empty one turns its plugins off)
     extra_dump_args: tuple[str, ...] = ()
     extra_restore_args: tuple[str, ...] = ()
 
@@ -70,6 +71,8 @@ def _common_args(opts: CriuOptions) -> list[str]:
         args.append("--ext-unix-sk")
     if opts.file_locks:
         args.append("--file-locks")
+    if opts.libdir is not None:
+        args += ["--libdir", opts.libdir]
     return args
 
 

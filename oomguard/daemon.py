@@ -30,6 +30,7 @@ from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig, check_cgroup_paths, load_config
 from oomguard.errors import CgroupGone, ConfigError, ProcessGone
+from oomguard.gpuwatch import GpuWatch
 from oomguard.guards import (
     EPOLL_MASK,
     CgroupGuard,
@@ -55,6 +56,7 @@ from oomguard.policy import (
     evaluate,
     rank_victims,
     system_candidates,
+    with_vram,
 )
 from oomguard.prediction import forecast
 from oomguard.procfs import ProcReader
@@ -105,6 +107,10 @@ class Daemon:
         self.heartbeat: Callable[[], None] | None = None
         self.max_sleep: float | None = None
         self._examine_on_arm = True  # False while arm() builds the guards at start
+        self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
+                                  self.proc, self.log, protected=self.protected_pids,
+                                  in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
+                                  clock=clock) if checkpointer.gpu is not None else None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -289,6 +295,9 @@ class Daemon:
         timeout = max(0.0, self._next_rescan - now)
         if self.max_sleep is not None:
             timeout = min(timeout, self.max_sleep)
+        if self._gpu_rules():
+            assert self.gpu_watch is not None
+            timeout = min(timeout, self.gpu_watch.due_in(now))
         for guard in self.guards:
             if isinstance(guard, SystemGuard):
                 timeout = min(timeout, max(0.0, self._next_system_poll - now))
@@ -329,6 +338,9 @@ class Daemon:
                     self._examine(guard, now, "poll")
             elif guard.present and (guard.poll_only or guard.watching or guard.predicting):
                 self._examine(guard, now, "poll")
+        if self._gpu_rules():
+            assert self.gpu_watch is not None
+            self.gpu_watch.tick(self.guards)
         if self.clock() >= self._next_rescan:
             self._rescan()
             self._next_rescan = self.clock() + self.config.rescan_interval
@@ -352,6 +364,7 @@ class Daemon:
             except CgroupGone:
                 self._cgroup_gone(guard)
                 continue
+            guard.last_snapshot = snap
             lifted = self.checkpointer.limit_lifted(guard.cgroup.path)  # headroom, not theirs
             if not guard.present or (snap.limit_bytes != guard.armed_limit and not lifted):
                 self._arm_cgroup(guard)
@@ -457,7 +470,8 @@ class Daemon:
                 members = self.proc.processes(cgroup.procs())
             except CgroupGone:
                 return []
-            return rank_victims(build_trees(members, self.protected_pids()))
+            return rank_victims(with_vram(build_trees(members, self.protected_pids()),
+                                          self._vram()))
 
         assert guard.parts is not None
         freeze = cgroup if (guard.spec.freeze_cgroup and isinstance(cgroup, V2MemoryCgroup)
@@ -485,6 +499,15 @@ class Daemon:
     def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
         self.keeper.note_dump(image_bytes, dump_seconds)
         self.keeper.prune()
+
+    def _gpu_rules(self) -> bool:
+        """NVML is read only while a rule has a gpu_threshold and NVML works."""
+        return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
+                                                              self.config.guards)
+
+    def _vram(self) -> dict[int, int]:
+        gpu = self.checkpointer.gpu
+        return gpu.vram_by_pid() if gpu is not None and gpu.accounting else {}
 
     def protected_pids(self) -> frozenset[int]:
         return frozenset(self.proc.descendants(self.self_pid))
@@ -515,7 +538,8 @@ class Daemon:
             if guard.spec.victim_cgroups:
                 processes = [p for p in processes
                              if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
-            return system_candidates(processes, self.protected_pids())
+            return rank_victims(with_vram(system_candidates(processes, self.protected_pids()),
+                                          self._vram()))
 
         def still_pressing() -> bool:
             now = self.meminfo()

@@ -14,6 +14,7 @@ import psutil
 from oomguard.cgroup.mounts import parse_mountinfo, read_layout
 from oomguard.criu import Criu, find_criu, format_version
 from oomguard.errors import CriuError
+from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store import Store
 from oomguard.units import format_size
@@ -121,7 +122,20 @@ def _psi_check(proc_root: Path) -> Check:
     return Check("psi", True, f"triggers work; {why}; oomguard uses {trigger!r}")
 
 
-def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc") -> list[Check]:
+def gpu_checks(gpu: GpuSupport) -> list[Check]:
+    """NVML, cuda-checkpoint, CRIU's CUDA plugin, and the GPU actions they allow. A machine
+    without a GPU is fine: these lines only inform."""
+    names = ("nvml", "cuda-checkpoint", "criu cuda plugin", "gpu actions")
+    hints = ("pip install nvidia-ml-py (in oomguard's environment) and load the NVIDIA driver",
+             "install NVIDIA's cuda-checkpoint (driver >= 550) or set gpu.cuda_checkpoint",
+             "optional: CRIU built with its cuda plugin ([gpu] engine = \"criu-plugin\")",
+             "")
+    return [Check(name, ok, text.split(": ", 1)[1], hint if not ok else "", warn_only=True)
+            for name, hint, (ok, text) in zip(names, hints, gpu.lines(), strict=True)]
+
+
+def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
+               gpu: GpuSupport | None = None) -> list[Check]:
     checks = []
     release = platform.release()
     kernel = parse_kernel_version(release)
@@ -179,6 +193,7 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc")
     except CriuError as exc:
         checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
     checks.extend(coexistence_checks(running_commands(proc_root), systemd_version()))
+    checks.extend(gpu_checks(gpu if gpu is not None else detect_gpu()))
     fs_type = filesystem_type(store, proc_root)
     if fs_type in ("tmpfs", "ramfs"):
         checks.append(Check("store filesystem", False, f"{store} is on {fs_type}",

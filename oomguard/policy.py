@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.procfs import ProcessInfo
@@ -52,6 +52,7 @@ class ProcessTree:
 
     root: ProcessInfo
     members: tuple[ProcessInfo, ...]  # root first
+    vram_bytes: int = 0  # GPU memory its processes hold (NVML), 0 where unknown
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -60,6 +61,11 @@ class ProcessTree:
     @property
     def rss_bytes(self) -> int:
         return sum(p.rss_bytes for p in self.members)
+
+    @property
+    def footprint(self) -> int:
+        """What a checkpoint frees: resident memory plus GPU memory."""
+        return self.rss_bytes + self.vram_bytes
 
 
 OOM_SCORE_ADJ_MIN = -1000  # "never kill this": respected as "never checkpoint this"
@@ -118,8 +124,17 @@ def below_min_available(available: int, total: int, min_available: float | int) 
 
 
 def rank_victims(trees: Iterable[ProcessTree]) -> list[ProcessTree]:
-    """Largest resident memory first; ties go to the newer tree (the one that just started)."""
-    return sorted(trees, key=lambda t: (-t.rss_bytes, -t.root.starttime, t.root.pid))
+    """Largest footprint (resident + GPU memory) first; ties go to the newer tree (the one
+    that just started)."""
+    return sorted(trees, key=lambda t: (-t.footprint, -t.root.starttime, t.root.pid))
+
+
+def with_vram(trees: Iterable[ProcessTree], vram_by_pid: dict[int, int]) -> list[ProcessTree]:
+    """The trees with the GPU memory of their processes counted (NVML's per-process usage)."""
+    if not vram_by_pid:
+        return list(trees)
+    return [replace(t, vram_bytes=sum(vram_by_pid.get(pid, 0) for pid in t.pids))
+            for t in trees]
 
 
 def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:

@@ -18,6 +18,7 @@ class Preferences:
     avoid: tuple[re.Pattern[str], ...] = ()
     protect: tuple[re.Pattern[str], ...] = ()
     protect_session_leaders: bool = False  # a login shell or desktop session holds everything
+    gpu: str = "neutral"  # trees holding GPU memory: "prefer" first, "avoid" last in their band
 
 
 def compile_patterns(values: Iterable[str]) -> tuple[re.Pattern[str], ...]:
@@ -48,7 +49,8 @@ def is_excluded(proc: ProcessInfo, prefs: Preferences) -> bool:
 def apply_preferences(ranked: list[ProcessTree], prefs: Preferences) -> list[ProcessTree]:
     """Drop protected trees (a `protect` match anywhere in a tree protects the tree: dumping the
     tree would stop it; session leaders only at the root), then order: preferred, neutral,
-    avoided (by the root), each band in the given order."""
+    avoided (by the root), each band in the given order, except that the rule's `gpu`
+    preference puts trees holding GPU memory first ("prefer") or last ("avoid") in each band."""
     kept = [t for t in ranked
             if not is_excluded(t.root, prefs)
             and not (prefs.protect and any(_matches(prefs.protect, p) for p in t.members))]
@@ -60,4 +62,11 @@ def apply_preferences(ranked: list[ProcessTree], prefs: Preferences) -> list[Pro
             return 2
         return 1
 
-    return sorted(kept, key=band)
+    def gpu_rank(tree: ProcessTree) -> int:
+        if prefs.gpu == "prefer":
+            return 0 if tree.vram_bytes else 1
+        if prefs.gpu == "avoid":
+            return 1 if tree.vram_bytes else 0
+        return 0
+
+    return sorted(kept, key=lambda t: (band(t), gpu_rank(t)))

@@ -13,6 +13,8 @@ from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, RestoreFailed, StoreError
 from oomguard.freezer import Freezer
+from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
+from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
 from oomguard.store import IMAGES, CheckpointMeta, Store
 
@@ -25,6 +27,8 @@ class RestoreResult:
     pid: int
     seconds: float  # CRIU's restore, until the tree runs
     verify_s: float = 0.0  # checking the images against SHA256SUMS first
+    gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
+    gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
@@ -42,8 +46,10 @@ class Restorer:
     def __init__(self, criu: Criu, store: Store, freezer: Freezer,
                  proc: ProcReader | None = None, *, pid_wait: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 gpu: GpuSupport | None = None) -> None:
         self.criu = criu
+        self.gpu = gpu
         self.store = store
         self.freezer = freezer
         self.proc = proc or ProcReader()
@@ -119,7 +125,9 @@ class Restorer:
         except CriuError as exc:
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
                                 f"intact: {exc}") from exc
-        self.freezer.thaw(self.proc.descendants(pid))
+        restored = self.proc.descendants(pid)
+        self.freezer.thaw(restored)
+        gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
         seconds = self.clock() - start
         # Reading the images charged their page cache to the target cgroup: give it back.
         with contextlib.suppress(OSError):
@@ -130,4 +138,18 @@ class Restorer:
         into = target or original
         meta.restored_cgroup = into.rel_path if into is not None else None
         self.store.update(meta)
-        return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start)
+        return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
+                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error)
+
+    def _back_to_gpu(self, meta: CheckpointMeta, restored: list[int],
+                     ) -> tuple[list[int], str | None]:
+        """cuda-checkpoint took the CUDA state off the GPU before the dump: put it back."""
+        if not meta.gpu_pids or meta.gpu_engine != ENGINE_CUDA_CHECKPOINT:
+            return [], None
+        host = restored_host_pids(meta.gpu_pids, self.proc.processes(restored), meta.pidns)
+        if self.gpu is None or not self.gpu.drives_cuda:
+            why = self.gpu.why if self.gpu is not None else "GPU support is off"
+            return host, (f"the CUDA state of pid(s) {', '.join(map(str, host))} stays in host "
+                          f"memory, locked: no cuda-checkpoint here ({why}); run "
+                          "`cuda-checkpoint --action restore` then `--action unlock` on each")
+        return host, back_to_gpu(self.gpu, host)

@@ -23,6 +23,7 @@ from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,
     build_criu,
+    build_gpu,
     build_restorer,
     build_service,
     remove_criu_cgroup,
@@ -36,11 +37,12 @@ class Heartbeat:
     EVERY = 2.0
 
     def __init__(self, daemon: Daemon, notifier: Notifier, metrics: Metrics,
-                 textfile: TextfileWriter | None) -> None:
+                 textfile: TextfileWriter | None, exported: bool = True) -> None:
         self.daemon = daemon
         self.notifier = notifier
         self.metrics = metrics
         self.textfile = textfile
+        self.exported = exported  # someone reads the gauges (a metrics port or a textfile)
         self._next = 0.0
 
     def __call__(self) -> None:
@@ -51,7 +53,8 @@ class Heartbeat:
         self._next = now + self.EVERY
         checkpoints = self.daemon.keeper.store.list()  # read once for both
         self.notifier.status(self.daemon.summary(checkpoints))
-        publish_gauges(self.metrics, self.daemon.guards, checkpoints)
+        if self.exported:
+            publish_gauges(self.metrics, self.daemon.guards, checkpoints)
         if self.textfile is not None:
             with contextlib.suppress(OSError):
                 self.textfile.write(self.metrics)
@@ -78,7 +81,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     notifier = Notifier.from_env()
     layout = read_layout()
     proc = ProcReader()
-    criu = build_criu(config.criu, layout, proc)
+    gpu = build_gpu(config.gpu)
+    criu = build_criu(config.criu, layout, proc, gpu)
     checkpointer = build_checkpointer(config, criu, proc)
     restorer = build_restorer(config, criu, proc)
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer)
@@ -90,7 +94,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
             metrics_server = metrics.serve(config.metrics_port, config.metrics_address)
         except OSError as exc:
             log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
-    beat = Heartbeat(daemon, notifier, metrics, textfile)
+    beat = Heartbeat(daemon, notifier, metrics, textfile,
+                     exported=textfile is not None or metrics_server is not None)
     daemon.heartbeat = beat
     daemon.max_sleep = notifier.watchdog_interval()
     server = None
@@ -118,7 +123,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
              socket=str(config.socket) if server else None, criu=criu.binary,
              criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
-             guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files)
+             guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
+             gpu=gpu.engine if gpu.accounting else "off", gpu_detail=gpu.why)
     if not config.guards:
         log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
                     "to the config or pass --cgroup")

@@ -113,8 +113,11 @@ class Service:
                           seconds=round(result.seconds, 3), verify_s=round(result.verify_s, 3),
                           uid=meta.uid, command=meta.command,
                           cgroup=result.meta.restored_cgroup, requested_by=uid)
-        return {"id": meta.id, "pid": result.pid, "seconds": round(result.seconds, 3),
-                "verify_s": round(result.verify_s, 3), "cgroup": result.meta.restored_cgroup}
+        found = {"id": meta.id, "pid": result.pid, "seconds": round(result.seconds, 3),
+                 "verify_s": round(result.verify_s, 3), "cgroup": result.meta.restored_cgroup}
+        if result.gpu_pids or result.gpu_error:
+            found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)
+        return found
 
     def checkpoint(self, uid: int, pid: int, reason: str = "on demand") -> dict[str, Any]:
         try:
@@ -138,6 +141,24 @@ class Service:
                           image_bytes=meta.image_bytes, rss=meta.rss_bytes, uid=meta.uid,
                           command=meta.command, requested_by=uid, **timings)
         return {**asdict(meta), **timings}
+
+    def gpu_resume(self, uid: int, pid: int) -> dict[str, Any]:
+        """Put a process's CUDA state back on the GPU after a `vram` action (root, or the
+        process's owner)."""
+        try:
+            owner = self.proc.process(pid).uid
+        except ProcessGone:
+            raise ProcessGone(f"no process {pid}") from None
+        if uid != ROOT and owner != uid:
+            raise PermissionDenied(f"process {pid} is not yours")
+        gpu = self.checkpointer.gpu
+        if gpu is None or not gpu.drives_cuda:
+            raise OomguardError("no cuda-checkpoint here: "
+                                + (gpu.why if gpu is not None else "GPU support is off"))
+        gpu.resume([pid])
+        if self.on_event is not None:
+            self.on_event("gpu.vram_restored", pid=pid, uid=owner, requested_by=uid)
+        return {"pid": pid}
 
     def prekill(self, cgroup_path: str) -> dict[str, Any]:
         """systemd-oomd is about to kill this cgroup: checkpoint its process trees first,

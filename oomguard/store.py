@@ -54,6 +54,10 @@ class CheckpointMeta:
     restored_at: float | None = None
     restored_pid: int | None = None
     restored_cgroup: str | None = None
+    gpu_pids: list[int] = field(default_factory=list)  # CUDA processes (pids in the tree's
+    # own PID namespace): their state was moved off the GPU with cuda-checkpoint before the dump
+    gpu_engine: str = ""  # what checkpointed their CUDA state: cuda-checkpoint | criu-plugin
+    vram_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

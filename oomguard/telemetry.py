@@ -72,11 +72,13 @@ def publish_gauges(metrics: Metrics, guards: Iterable[CgroupGuard | SystemGuard]
         if not guard.present:
             metrics.forget_cgroup(guard.name)
             continue
-        try:
-            snap = guard.cgroup.snapshot()
-        except CgroupGone:
-            metrics.forget_cgroup(guard.name)
-            continue
+        snap = guard.last_snapshot  # the rescan's, at most a rescan interval old
+        if snap is None:
+            try:
+                snap = guard.cgroup.snapshot()
+            except CgroupGone:
+                metrics.forget_cgroup(guard.name)
+                continue
         pressure = None
         if isinstance(guard.cgroup, V2MemoryCgroup):
             try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -11,10 +13,11 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import ON_FAILURE_THAW, Checkpointer
-from oomguard.config import CriuConfig, DaemonConfig
+from oomguard.config import CriuConfig, DaemonConfig, GpuConfig
 from oomguard.criu import Criu, CriuOptions, find_criu
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.freezer import SigstopFreezer
+from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
 from oomguard.service import Service
@@ -63,10 +66,28 @@ def remove_stale_criu_cgroups(parent: MemoryCgroup, proc: ProcReader) -> None:
                 entry.rmdir()  # fails while a CRIU of the dead owner still runs in it
 
 
-def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader) -> Criu:
+@functools.lru_cache(maxsize=4)
+def build_gpu(settings: GpuConfig) -> GpuSupport:
+    """What this machine offers GPU processes (probed once per process and settings)."""
+    return detect_gpu(settings.engine, settings.cuda_checkpoint,
+                      lock_timeout=settings.lock_timeout, timeout=settings.timeout)
+
+
+def no_plugins_dir() -> str:
+    """An empty directory for CRIU's --libdir: oomguard drives cuda-checkpoint itself, so
+    CRIU's CUDA plugin must not do it a second time."""
+    path = os.path.join(tempfile.gettempdir(), "oomguard-criu-no-plugins")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
+               gpu: GpuSupport | None = None) -> Criu:
     binary, version = find_criu(criu_config.binary)
+    libdir = no_plugins_dir() if gpu is not None and gpu.drives_cuda and gpu.plugin else None
     options = replace(CriuOptions(), ghost_limit=criu_config.ghost_limit,
-                      timeout=criu_config.timeout, tcp_close=criu_config.tcp_close)
+                      timeout=criu_config.timeout, tcp_close=criu_config.tcp_close,
+                      libdir=libdir)
     confine = criu_cgroup(layout, proc, criu_config.cgroup_limit)
     return Criu(binary=binary, version=version, options=options,
                 cgroup_procs=confine.path / "cgroup.procs" if confine is not None else None)
@@ -76,12 +97,14 @@ def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None
                        on_failure: str = ON_FAILURE_THAW) -> Checkpointer:
     proc = proc or ProcReader()
     return Checkpointer(criu, Store(config.store), SigstopFreezer(proc), proc,
-                        on_failure=on_failure)
+                        on_failure=on_failure, gpu=build_gpu(config.gpu),
+                        gpu_margin=config.gpu.host_margin)
 
 
 def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None) -> Restorer:
     proc = proc or ProcReader()
-    return Restorer(criu, Store(config.store), SigstopFreezer(proc), proc)
+    return Restorer(criu, Store(config.store), SigstopFreezer(proc), proc,
+                    gpu=build_gpu(config.gpu))
 
 
 def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
@@ -98,7 +121,7 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
     """The verbs of the control socket. CRIU is located only when a checkpointer or restorer
     has to be built for it (not for list/show/forget, nor when the daemon passes its own)."""
     if checkpointer is None or restorer is None:
-        criu = (build_criu(config.criu, layout, proc) if with_criu
+        criu = (build_criu(config.criu, layout, proc, build_gpu(config.gpu)) if with_criu
                 else Criu(binary="criu", version=()))
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc)

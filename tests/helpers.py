@@ -177,11 +177,12 @@ def short_socket_path() -> Path:
 class DaemonProcess:
     """`oomguard run` as a real process, its JSON log in a file, its own control socket."""
 
-    def __init__(self, store: Path, log: Path, *args: str, socket: Path | None = None) -> None:
+    def __init__(self, store: Path, log: Path, *args: str, socket: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.log = log
         self.socket = socket or short_socket_path()
         self.handle = subprocess.Popen(oomguard_argv(store, "--socket", str(self.socket), "run",
-                                                     *args), cwd=REPO,
+                                                     *args), cwd=REPO, env=env,
                                        stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)
 
@@ -210,9 +211,9 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon(store: Path, log: Path, *args: str,
-           socket: Path | None = None) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(store, log, *args, socket=socket)
+def daemon(store: Path, log: Path, *args: str, socket: Path | None = None,
+           env: dict[str, str] | None = None) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(store, log, *args, socket=socket, env=env)
     try:
         yield proc
     finally:

@@ -14,7 +14,7 @@ from typing import Any
 
 INTERFACE = "io.oomguard"
 MAX_MESSAGE = 64 * 1024
-METHODS = ("Status", "List", "Show", "Restore", "Forget", "Checkpoint")
+METHODS = ("Status", "List", "Show", "Restore", "Forget", "Checkpoint", "GpuResume")
 
 ERROR_INVALID = f"{INTERFACE}.InvalidRequest"
 ERROR_DENIED = f"{INTERFACE}.PermissionDenied"
@@ -31,6 +31,7 @@ method Restore(id: string, cgroup: ?string, force: ?bool)
   -> (id: string, pid: int, seconds: float, verify_s: float, cgroup: ?string)
 method Forget(id: string) -> (id: string)
 method Checkpoint(pid: int, reason: ?string) -> (checkpoint: object)
+method GpuResume(pid: int) -> (pid: int)
 
 error InvalidRequest (message: string)
 error PermissionDenied (message: string)

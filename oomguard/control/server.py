@@ -71,6 +71,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
             reason = param(p, "reason", str, required=False) or "on demand (control socket)"
             return method, reply({"checkpoint": service.checkpoint(uid, param(p, "pid", int),
                                                                     reason)})
+        if method == "GpuResume":
+            return method, reply(service.gpu_resume(uid, param(p, "pid", int)))
         return method, error(ERROR_METHOD, f"no method {method!r}")
     except ProtocolError as exc:
         return method, error(ERROR_INVALID, str(exc))

@@ -248,7 +248,7 @@ def test_restore_own_reaches_restorer(service: Service) -> None:
 
     def restore(checkpoint_id: str, *, target: Any, original: Any, force: bool) -> Any:
         seen.append((checkpoint_id, target, original, force))
-        return SimpleNamespace(pid=4321, seconds=0.12345, verify_s=0.0456,
+        return SimpleNamespace(pid=4321, seconds=0.12345, verify_s=0.0456, gpu_pids=(), gpu_error=None,
                                meta=SimpleNamespace(restored_cgroup="/jobs/a"))
 
     service.restorer = SimpleNamespace(restore=restore)  # type: ignore[assignment]
@@ -557,3 +557,38 @@ def test_stale_socket_is_replaced(socket_path: Path, service: Service) -> None:
 def test_client_without_daemon(socket_path: Path) -> None:
     with pytest.raises(DaemonUnavailable, match="no oomguard daemon on"):
         ControlClient(socket_path)
+
+
+# -- GpuResume -----------------------------------------------------------------------------------
+
+class ResumingGpu:
+    drives_cuda = True
+    why = "test"
+
+    def __init__(self) -> None:
+        self.resumed: list[list[int]] = []
+
+    def resume(self, pids: list[int]) -> None:
+        self.resumed.append(list(pids))
+
+
+@pytest.mark.parametrize(("uid", "pid", "allowed"), [
+    (ALICE, ALICE_PID, True), (0, BOB_PID, True), (ALICE, BOB_PID, False), (BOB, ALICE_PID, False),
+])
+def test_gpu_resume_only_for_the_owner_or_root(service: Service, uid: int, pid: int,
+                                               allowed: bool) -> None:
+    gpu = ResumingGpu()
+    service.checkpointer = SimpleNamespace(gpu=gpu)  # type: ignore[assignment]
+    message = call(service, uid, "io.oomguard.GpuResume", pid=pid)
+    if allowed:
+        assert message == {"parameters": {"pid": pid}} and gpu.resumed == [[pid]]
+    else:
+        assert err(message) == (DENIED, f"process {pid} is not yours")
+        assert gpu.resumed == []
+
+
+def test_gpu_resume_without_cuda_checkpoint_says_why(service: Service) -> None:
+    service.checkpointer = SimpleNamespace(gpu=SimpleNamespace(  # type: ignore[assignment]
+        drives_cuda=False, why="NVML: NVML Shared Library Not Found"))
+    kind, text = err(call(service, 0, "io.oomguard.GpuResume", pid=ALICE_PID))
+    assert kind == FAILED and "no cuda-checkpoint here: NVML" in text

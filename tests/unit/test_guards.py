@@ -16,13 +16,13 @@ from tests.unit._support import MiB
 @pytest.mark.parametrize(
     ("limit", "threshold", "marks"),
     [
-        # 256 MiB at 85%: the threshold, then 1/16, 1/8, 1/4 and 1/2 of the way to the limit
-        (256 * MiB, 0.85, [int(256 * MiB * (0.85 + 0.15 * k / 16)) for k in (0, 1, 2, 4, 8)]),
-        (256 * MiB, 0.85, [228170137, 230686720, 233203302, 238236467, 248302796]),
+        # 256 MiB at 85%: the threshold, then 1/16 and 1/2 of the way to the limit
+        (256 * MiB, 0.85, [int(256 * MiB * (0.85 + 0.15 * k / 16)) for k in (0, 1, 8)]),
+        (256 * MiB, 0.85, [228170137, 230686720, 248302796]),
         (256 * MiB, 1.0, [256 * MiB]),  # every mark at the limit: one
-        (1600, 0.5, [800, 850, 900, 1000, 1200]),
-        (1000, 0.9, [900, 906, 912, 925, 950]),
-        (100, 0.99, [99]),  # 99.0, 99.06, 99.12, 99.25, 99.5 collapse
+        (1600, 0.5, [800, 850, 1200]),
+        (1000, 0.9, [900, 906, 950]),
+        (100, 0.99, [99]),  # 99.0, 99.06, 99.5 collapse
     ],
     ids=["256M-85%", "256M-85%-literal", "100%", "1600-50%", "1000-90%", "collapse"],
 )

@@ -1,0 +1,136 @@
+"""GPU memory pressure as a trigger. NVML has no events: while at least one rule sets
+`gpu_threshold` the daemon reads NVML every `[gpu] poll_interval` (2 s by default), and not at
+all otherwise. A device at or over a rule's threshold starts the rule's action chain on the
+tree that holds the most memory on that device, among the rule's cgroups (a system rule: any
+process, or those in `victim_cgroups`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from oomguard.acting import Actor, Request
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.config import GuardConfig
+from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.gpu.nvml import GpuDevice, GpuSnapshot, devices_over
+from oomguard.gpu.runtime import GpuSupport
+from oomguard.guards import CgroupGuard, Guard, SystemGuard
+from oomguard.policy import ProcessTree, build_trees, with_vram
+from oomguard.procfs import ProcReader
+from oomguard.units import format_size
+
+GPU_SUFFIX = " (GPU)"
+
+
+def pressure_reason(devices: list[GpuDevice], threshold: float) -> str:
+    return "; ".join(f"GPU {d.index} ({d.name}) memory {format_size(d.used_bytes)} of "
+                     f"{format_size(d.total_bytes)} >= {threshold:.0%}" for d in devices)
+
+
+def on_devices(snapshot: GpuSnapshot, indexes: set[int]) -> dict[int, int]:
+    """VRAM per pid on the given devices only."""
+    found: dict[int, int] = {}
+    for process in snapshot.processes:
+        if process.device_index in indexes:
+            found[process.pid] = found.get(process.pid, 0) + (process.used_bytes or 0)
+    return found
+
+
+class GpuWatch:
+    def __init__(self, gpu: GpuSupport, interval: float, actor: Actor, proc: ProcReader,
+                 log: Any, *, protected: Callable[[], frozenset[int]],
+                 in_cgroups: Callable[[int, tuple[str, ...]], bool],
+                 cgroup_of: Callable[[ProcessTree], MemoryCgroup | None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.gpu = gpu
+        self.interval = interval
+        self.actor = actor
+        self.proc = proc
+        self.log = log
+        self.protected = protected
+        self.in_cgroups = in_cgroups
+        self.cgroup_of = cgroup_of
+        self.clock = clock
+        self.next_poll = clock()
+
+    @staticmethod
+    def wanted(gpu: GpuSupport | None, specs: Iterable[GuardConfig]) -> bool:
+        return gpu is not None and gpu.accounting and any(
+            s.gpu_threshold is not None for s in specs)
+
+    def due_in(self, now: float) -> float:
+        return max(0.0, self.next_poll - now)
+
+    def tick(self, guards: list[Guard]) -> None:
+        now = self.clock()
+        if now < self.next_poll:
+            return
+        self.next_poll = now + self.interval
+        snapshot = self.gpu.snapshot()
+        if snapshot is None:
+            return
+        by_spec: dict[int, list[Guard]] = {}
+        for guard in guards:
+            if guard.spec.gpu_threshold is not None:
+                by_spec.setdefault(id(guard.spec), []).append(guard)
+        for members in by_spec.values():
+            self._consider(members, snapshot, now)
+
+    def _consider(self, members: list[Guard], snapshot: GpuSnapshot, now: float) -> None:
+        spec = members[0].spec
+        assert spec.gpu_threshold is not None
+        over = devices_over(snapshot, spec.gpu_threshold)
+        if not over:
+            return
+        name = members[0].name + GPU_SUFFIX
+        if self.actor.busy(name) or \
+                now - self.actor.last_done.get(name, -1e9) < spec.post_action_delay:
+            return
+        indexes = {d.index for d in over}
+        reason = pressure_reason(over, spec.gpu_threshold)
+        self.log.warning("threshold.crossed", cgroup=members[0].name, source="gpu",
+                         devices=sorted(indexes), reason=reason)
+        threshold = spec.gpu_threshold
+
+        def candidates() -> list[ProcessTree]:
+            current = self.gpu.snapshot()
+            if current is None:
+                return []
+            vram = on_devices(current, indexes)
+            trees = [t for t in with_vram(self._trees(members, vram), vram) if t.vram_bytes]
+            return sorted(trees, key=lambda t: (-t.vram_bytes, -t.rss_bytes, t.root.pid))
+
+        def still_pressing() -> bool:
+            current = self.gpu.snapshot()
+            return current is not None and any(
+                d.index in indexes for d in devices_over(current, threshold))
+
+        assert members[0].parts is not None
+        self.actor.start(Request(name, members[0].parts, now, reason, candidates,
+                                 self.cgroup_of, still_pressing))
+
+    def _trees(self, members: list[Guard], vram: dict[int, int]) -> list[ProcessTree]:
+        """The trees a rule may act on that hold memory on the pressed devices."""
+        protected = self.protected()
+        if isinstance(members[0], SystemGuard):
+            holders = [pid for pid in vram if not members[0].spec.victim_cgroups
+                       or self.in_cgroups(pid, members[0].spec.victim_cgroups)]
+            trees = []
+            for pid in holders:
+                try:
+                    procs = self.proc.processes(self.proc.descendants(pid))
+                except ProcessGone:
+                    continue
+                trees += [t for t in build_trees(procs, protected) if t.root.pid == pid]
+            return trees
+        trees = []
+        for guard in members:
+            assert isinstance(guard, CgroupGuard)
+            try:
+                procs = self.proc.processes(guard.cgroup.procs())
+            except CgroupGone:
+                continue
+            trees += build_trees(procs, protected)
+        return trees
