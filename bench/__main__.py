@@ -40,6 +40,11 @@ def main() -> int:
     quick = args.quick
     runs = 3 if quick else 10
     results: dict[str, Any] = {}
+    previous = args.out / "results.json"
+    if set(parts) != set(PARTS) and previous.exists():
+        # A partial run updates its parts in the last full results (noted in "partial").
+        results = json.loads(previous.read_text())
+        results.setdefault("partial", []).append({"parts": parts, "date": time.ctime()})
     began = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="oomguard-bench-", dir=args.work) as tmp, \

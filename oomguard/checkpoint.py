@@ -27,6 +27,7 @@ from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, p
 from oomguard.ledger import FrozenLedger
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
+from oomguard.scheduler import owner_fields
 from oomguard.store import CheckpointMeta, Store, new_id
 
 ON_FAILURE_THAW = "thaw"
@@ -256,6 +257,7 @@ class Checkpointer:
             rss_bytes=tree.rss_bytes, reason=reason,
             criu_version=format_version(self.criu.version), created=self.wall_clock(),
             pidns=root.is_pidns_init, dump_seconds=round(dump_seconds, 3),
+            extra=owner_fields(cgroup.rel_path) if cgroup is not None else {},
         )
 
 

@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(after a 'vram' action)")
     gr.add_argument("pid", type=int)
 
+    rj = sub.add_parser("resume-job", help="in a requeued Slurm job's batch script: restore "
+                        "its checkpoint into this allocation and wait for it to end")
+    rj.add_argument("--job", type=int, help="Slurm job id (default: $SLURM_JOB_ID)")
+    rj.add_argument("--no-wait", action="store_true", help="return once it is restored")
+
     fg = sub.add_parser("forget", help="delete a checkpoint")
     fg.add_argument("id")
     ex = sub.add_parser("exec", help="run CMD as PID 1 of its own PID namespace "
@@ -310,6 +315,20 @@ def cmd_gpu_resume(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_resume_job(args: argparse.Namespace) -> int:
+    from oomguard.jobresume import resume_job
+    from oomguard.procfs import ProcReader
+
+    job = args.job if args.job is not None else int(os.environ.get("SLURM_JOB_ID") or 0)
+    if not job:
+        print("oomguard: resume-job: no --job and no $SLURM_JOB_ID", file=sys.stderr)
+        return EXIT_USAGE
+    pid = resume_job(lambda method, **p: _call(args, method, **p), job, ProcReader(),
+                     get_logger(), wait=not args.no_wait)
+    print(pid)
+    return EXIT_OK
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     status = _call(args, "Status")["status"]
     if args.json:
@@ -392,4 +411,5 @@ COMMANDS: dict[str, Any] = {
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config, "install-units": cmd_install_units,
     "notify-agent": cmd_notify_agent, "gpu-resume": cmd_gpu_resume,
+    "resume-job": cmd_resume_job,
 }

@@ -50,6 +50,16 @@ class GpuConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    """[slurm]: what Slurm is told when one of its job steps is checkpointed."""
+
+    notify: str = "auto"  # auto (when scontrol is installed) | on | off
+    scontrol: str = "auto"
+    after_checkpoint: str = "none"  # none | requeue | requeuehold
+    grow_memory: float = 1.0  # the requeued job asks for this many times its memory
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     cgroups: tuple[str, ...]
     threshold: float = 0.85
@@ -102,6 +112,7 @@ class DaemonConfig:
     hook_timeout: float = 30.0
     criu: CriuConfig = field(default_factory=CriuConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     guards: tuple[GuardConfig, ...] = ()
 
 
@@ -171,6 +182,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     daemon = read.take(data, "", "daemon", lambda v: _table(v, "daemon"), empty)
     criu_t = read.take(data, "", "criu", lambda v: _table(v, "criu"), dict(empty))
     gpu_t = read.take(data, "", "gpu", lambda v: _table(v, "gpu"), dict(empty))
+    slurm_t = read.take(data, "", "slurm", lambda v: _table(v, "slurm"), dict(empty))
     data_hooks = {"hooks": data.pop("hooks")} if "hooks" in data else {}
     no_guards: list[dict[str, Any]] = []
     guard_list = read.take(data, "", "guard", _guard_array, no_guards)
@@ -216,6 +228,17 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     )
     read.leftovers(criu_t, "criu.")
     gpu = _gpu_config(read, gpu_t)
+    d = SlurmConfig()
+    slurm = SlurmConfig(
+        notify=read.take(slurm_t, "slurm.", "notify", lambda v: _choice(v, ("auto", "on", "off")),
+                         d.notify),
+        scontrol=read.take(slurm_t, "slurm.", "scontrol", _str, d.scontrol),
+        after_checkpoint=read.take(slurm_t, "slurm.", "after_checkpoint",
+                                   lambda v: _choice(v, ("none", "requeue", "requeuehold")),
+                                   d.after_checkpoint),
+        grow_memory=read.take(slurm_t, "slurm.", "grow_memory", _factor, d.grow_memory),
+    )
+    read.leftovers(slurm_t, "slurm.")
 
     guards = []
     for index, raw in enumerate(guard_list):
@@ -250,7 +273,13 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,
-                        criu=criu, gpu=gpu, guards=tuple(guards))
+                        criu=criu, gpu=gpu, slurm=slurm, guards=tuple(guards))
+
+
+def _factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 16:
+        raise ValueError(f"expected a number from 1 to 16, got {value!r}")
+    return float(value)
 
 
 def _gpu_config(read: _Reader, table: dict[str, Any]) -> GpuConfig:

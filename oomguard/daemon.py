@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 
 from oomguard.acting import Actor, Request, rule_parts
-from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
@@ -467,7 +467,7 @@ class Daemon:
 
         def candidates() -> list[ProcessTree]:
             try:
-                members = self.proc.processes(cgroup.procs())
+                members = self.proc.processes(subtree_procs(cgroup.path))
             except CgroupGone:
                 return []
             return rank_victims(with_vram(build_trees(members, self.protected_pids()),

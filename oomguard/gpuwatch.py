@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from oomguard.acting import Actor, Request
-from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.config import GuardConfig
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.gpu.nvml import GpuDevice, GpuSnapshot, devices_over
@@ -129,7 +129,7 @@ class GpuWatch:
         for guard in members:
             assert isinstance(guard, CgroupGuard)
             try:
-                procs = self.proc.processes(guard.cgroup.procs())
+                procs = self.proc.processes(subtree_procs(guard.cgroup.path))
             except CgroupGone:
                 continue
             trees += build_trees(procs, protected)

@@ -9,7 +9,7 @@ from typing import Any
 
 from oomguard import __version__
 from oomguard.cgroup.mounts import read_layout
-from oomguard.config import DaemonConfig
+from oomguard.config import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
@@ -19,6 +19,7 @@ from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
 from oomguard.procfs import ProcReader
 from oomguard.sdnotify import Notifier
+from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,
@@ -60,6 +61,18 @@ class Heartbeat:
                 self.textfile.write(self.metrics)
 
 
+def build_slurm(settings: SlurmConfig) -> SlurmNotifier | None:
+    """Tell Slurm about checkpointed job steps: on where scontrol is installed ("auto")."""
+    if settings.notify == "off":
+        return None
+    binary = find_scontrol(settings.scontrol)
+    if binary is None:
+        return None if settings.notify == "auto" else SlurmNotifier(settings.scontrol,
+                                                                  settings.after_checkpoint,
+                                                                  settings.grow_memory)
+    return SlurmNotifier(binary, settings.after_checkpoint, settings.grow_memory)
+
+
 def raise_open_files_limit() -> int:
     """Each guarded v1 cgroup holds six eventfds (five usage marks and the OOM notification):
     a thousand cgroups need more than the soft limit systemd gives services (1024). Raise it
@@ -77,7 +90,9 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     metrics = Metrics()
     hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
-    log = RecordingLogger(base_log, tap=EventTap(metrics, hooks, emitter))
+    tap = EventTap(metrics, hooks, emitter, slurm=build_slurm(config.slurm))
+    log = RecordingLogger(base_log, tap=tap)
+    tap.log = log
     notifier = Notifier.from_env()
     layout = read_layout()
     proc = ProcReader()

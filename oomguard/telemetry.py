@@ -7,6 +7,8 @@ no part of the daemon has to know about either.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +19,8 @@ from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
 from oomguard.metrics import Metrics
 from oomguard.psi import parse_pressure
+from oomguard.scheduler import slurm_step
+from oomguard.slurm import SlurmError, SlurmNotifier
 from oomguard.store import CheckpointMeta
 
 HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
@@ -25,12 +29,39 @@ HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
 
 class EventTap:
     def __init__(self, metrics: Metrics | None = None, hooks: HookRunner | None = None,
-                 emitter: SignalEmitter | None = None) -> None:
+                 emitter: SignalEmitter | None = None,
+                 slurm: SlurmNotifier | None = None) -> None:
         self.metrics = metrics
         self.hooks = hooks
         self.emitter = emitter
+        self.slurm = slurm
+        self.log: Any = None  # set once the logger that calls this tap exists
+
+    def _tell_slurm(self, fields: dict[str, Any]) -> None:
+        """A Slurm job step was checkpointed: AdminComment and requeue, off the caller's
+        thread (the log line of the checkpoint comes first)."""
+        step = slurm_step(str(fields.get("cgroup") or ""))
+        if step is None or self.slurm is None:
+            return
+        notifier, log = self.slurm, self.log
+
+        def tell() -> None:
+            try:
+                done = notifier.notify(step.job_id, step.step, str(fields.get("id", "")),
+                                       time.time(), str(fields.get("reason") or "memory"))
+            except SlurmError as exc:
+                if log is not None:
+                    log.error("slurm.notify_failed", job_id=step.job_id, error=str(exc))
+                return
+            if log is not None:
+                log.warning("slurm.notified", job_id=step.job_id, step=step.step,
+                            id=fields.get("id"), done=done)
+
+        threading.Thread(target=tell, name="oomguard-slurm", daemon=True).start()
 
     def __call__(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        if event == "checkpoint.done" and self.slurm is not None:
+            self._tell_slurm(fields)
         if self.metrics is not None:
             self._count(event, fields)
         if self.emitter is not None and event in ("checkpoint.done", "restore.done") \

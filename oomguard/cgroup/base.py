@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from oomguard.errors import CgroupGone
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,28 @@ class MemoryCgroup(Protocol):
     def create(self) -> None: ...
 
     def remove(self) -> None: ...
+
+
+def subtree_procs(path: Path) -> list[int]:
+    """The processes of a cgroup and of every cgroup beneath it (a Slurm job's or a systemd
+    slice's live in leaves; a limit set higher up covers them all). Raises CgroupGone if the
+    cgroup itself is gone; a child removed meanwhile is skipped."""
+    pids: list[int] = []
+    for directory, _dirs, files in os.walk(path):
+        if "cgroup.procs" not in files:
+            continue
+        try:
+            text = Path(directory, "cgroup.procs").read_text()
+        except FileNotFoundError:
+            if Path(directory) == path:
+                raise CgroupGone(f"cgroup {path} is gone") from None
+            continue
+        except OSError:
+            continue
+        pids += [int(x) for x in text.split()]
+    if not pids and not path.exists():
+        raise CgroupGone(f"cgroup {path} is gone")
+    return pids
 
 
 def read_int_file(path: Path) -> int:

@@ -1,0 +1,86 @@
+"""Telling Slurm about a checkpoint: the scontrol calls, against a fake scontrol executable
+(the real one runs in the Slurm end-to-end test)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomguard.slurm import SlurmError, SlurmNotifier, admin_comment, find_scontrol
+
+FAKE = """#!{python}
+import json, os, sys
+with open({log!r}, "a") as log:
+    log.write(json.dumps(sys.argv[1:]) + "\\n")
+if os.environ.get("FAKE_SCONTROL_FAIL") in sys.argv[1:2]:
+    print("slurm_update error: Invalid job id specified", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+@pytest.fixture
+def scontrol(tmp_path: Path) -> tuple[Path, Path]:
+    log = tmp_path / "calls"
+    path = tmp_path / "scontrol"
+    path.write_text(FAKE.format(python=sys.executable, log=str(log)))
+    path.chmod(0o755)
+    return path, log
+
+
+def calls(log: Path) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.parametrize(("after", "expected"), [
+    ("none", []), ("requeue", [["requeue", "4711"]]), ("requeuehold", [["requeuehold", "4711"]])])
+def test_notify_comments_then_requeues(scontrol: tuple[Path, Path], after: str,
+                                       expected: list[list[str]]) -> None:
+    path, log = scontrol
+    done = SlurmNotifier(str(path), after).notify(4711, "0", "20261130-1-ab", 1_764_500_000.0,
+                                                  'resident "memory" 90%\nof limit')
+    found = calls(log)
+    assert found[0][:2] == ["update", "JobId=4711"]
+    comment = found[0][2]
+    assert comment.startswith("AdminComment=oomguard: step 0 checkpointed instead of OOM-killed "
+                              "at 2025-11-30T")
+    assert "checkpoint 20261130-1-ab" in comment and '"' not in comment and "\n" not in comment
+    assert found[1:] == expected
+    assert done == ["admin_comment"] + ([after] if after != "none" else [])
+
+
+def test_scontrol_failure_is_an_error_with_its_message(scontrol: tuple[Path, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _log = scontrol
+    monkeypatch.setenv("FAKE_SCONTROL_FAIL", "update")
+    with pytest.raises(SlurmError, match="exit status 1: slurm_update error: Invalid job id"):
+        SlurmNotifier(str(path), "requeue").notify(1, None, "x", 0.0, "r")
+
+
+def test_comment_is_one_bounded_line() -> None:
+    text = admin_comment("id", None, 0.0, "x" * 5000)
+    assert text.startswith("oomguard: job checkpointed") and len(text) == 1000
+
+
+def test_find_scontrol(tmp_path: Path, scontrol: tuple[Path, Path]) -> None:
+    assert find_scontrol(str(scontrol[0])) == str(scontrol[0])
+    assert find_scontrol(str(tmp_path / "missing")) is None
+
+
+def test_requeue_with_more_memory(scontrol: tuple[Path, Path]) -> None:
+    path, log = scontrol
+    # the fake prints nothing for `show job`: no memory known, so no update
+    assert SlurmNotifier(str(path), "requeue", grow_memory=2.0).requeue(7) == \
+        "requeuehold, released"
+    assert calls(log) == [["show", "job", "7"], ["requeuehold", "7"], ["release", "7"]]
+
+
+@pytest.mark.parametrize(("text", "mib"), [
+    ("JobId=7 ... MinMemoryNode=256M MinTmpDiskNode=0", 256),
+    ("MinMemoryNode=2G", 2048), ("MinMemoryCPU=512000K", 500), ("MinMemoryNode=100", 100),
+    ("no memory here", None)])
+def test_job_memory(text: str, mib: int | None) -> None:
+    from oomguard.slurm import job_memory_mib
+    assert job_memory_mib(text) == mib
