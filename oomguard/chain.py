@@ -24,8 +24,10 @@ from oomguard.checkpoint import Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
 from oomguard.freezer import Freezer
 from oomguard.gpu.cudackpt import CudaCheckpointError
+from oomguard.kubelet import ContainerCheckpointer, KubeletError
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcReader
+from oomguard.scheduler import KubeContainer, kube_container
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,10 @@ class ChainRunner:
     def __init__(self, checkpointer: Checkpointer, freezer: Freezer, proc: ProcReader,
                  log: Any, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 free: Callable[[Path], int] = free_space) -> None:
+                 free: Callable[[Path], int] = free_space,
+                 containers: ContainerCheckpointer | None = None) -> None:
         self.checkpointer = checkpointer
+        self.containers = containers
         self.freezer = freezer
         self.proc = proc
         self.log = log
@@ -115,7 +119,7 @@ class ChainRunner:
                     outcome = self._checkpoint(step, tree, cgroup, reason, settings, fields,
                                                on_frozen, after_signal)
                     after_signal = None
-                    if outcome.result in ("checkpointed", "gone"):
+                    if outcome.result in ("checkpointed", "gone", "killed"):
                         frozen = []
                         return outcome
                     if outcome.result == "thawed":  # the checkpoint failed and thawed it
@@ -186,6 +190,9 @@ class ChainRunner:
                     reason: str, settings: ChainSettings, fields: dict[str, Any],
                     on_frozen: Callable[[list[int], float], None] | None,
                     after_signal: Callable[[], None] | None) -> ChainOutcome:
+        container = self._container_of(tree)
+        if container is not None:
+            return self._checkpoint_container(step, tree, container, settings, fields)
         need = tree.rss_bytes + settings.store_margin
         free = self.free(self.checkpointer.store.root)
         if free < need:
@@ -202,6 +209,38 @@ class ChainRunner:
             return ChainOutcome("thawed" if exc.outcome != "untouched" else "refused", str(step),
                                 str(exc))
         return ChainOutcome("checkpointed", str(step), reason, result)
+
+    def _container_of(self, tree: ProcessTree) -> KubeContainer | None:
+        """A Kubernetes container's process (by the victim's own cgroup)."""
+        try:
+            rel = self.proc.memory_cgroup(tree.root.pid) or ""
+        except ProcessGone:
+            return None
+        found = kube_container(rel)
+        return found if found is not None and found.container_id else None
+
+    def _checkpoint_container(self, step: Step, tree: ProcessTree, container: KubeContainer,
+                              settings: ChainSettings, fields: dict[str, Any]) -> ChainOutcome:
+        """Never dumped behind the container runtime's back: the kubelet checkpoints the
+        container (the archive is the checkpoint on disk), then the victim is killed to free
+        its memory and the runtime restarts the container per the pod's restartPolicy."""
+        if self.containers is None:
+            detail = (f"{container.label}: a container's processes are not dumped behind its "
+                      "runtime's back, and the kubelet checkpoint API is not set up "
+                      "([kubernetes] in the config)")
+            self.log.error("checkpoint.refused", reason=detail, **fields)
+            return ChainOutcome("refused", str(step), detail)
+        try:
+            ref, archives = self.containers.checkpoint(container.pod_uid, container.container_id)
+        except KubeletError as exc:
+            self.log.error("checkpoint.failed", outcome="untouched", error=str(exc), **fields)
+            return ChainOutcome("refused", str(step), str(exc))
+        self.log.warning("kubelet.checkpointed", namespace=ref.namespace, pod=ref.pod,
+                         container=ref.container, archives=archives, **fields)
+        reason = (f"checkpointed by the kubelet to {archives[0]}; the container restarts per "
+                  "its pod's restartPolicy")
+        self._kill(list(tree.pids), settings, reason, fields)
+        return ChainOutcome("killed", str(step), reason)
 
     def _kill(self, pids: list[int], settings: ChainSettings, reason: str,
               fields: dict[str, Any]) -> None:

@@ -60,6 +60,16 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    """[kubernetes]: containers are checkpointed by their kubelet, never dumped directly."""
+
+    kubelet: str = "auto"  # auto (when a service-account token is mounted) | on | off
+    kubelet_url: str = "https://127.0.0.1:10250"
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str = ""  # the kubelet's serving CA; "": its certificate is not verified
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     cgroups: tuple[str, ...]
     threshold: float = 0.85
@@ -113,6 +123,7 @@ class DaemonConfig:
     criu: CriuConfig = field(default_factory=CriuConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     guards: tuple[GuardConfig, ...] = ()
 
 
@@ -183,6 +194,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     criu_t = read.take(data, "", "criu", lambda v: _table(v, "criu"), dict(empty))
     gpu_t = read.take(data, "", "gpu", lambda v: _table(v, "gpu"), dict(empty))
     slurm_t = read.take(data, "", "slurm", lambda v: _table(v, "slurm"), dict(empty))
+    kube_t = read.take(data, "", "kubernetes", lambda v: _table(v, "kubernetes"), dict(empty))
     data_hooks = {"hooks": data.pop("hooks")} if "hooks" in data else {}
     no_guards: list[dict[str, Any]] = []
     guard_list = read.take(data, "", "guard", _guard_array, no_guards)
@@ -239,6 +251,15 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         grow_memory=read.take(slurm_t, "slurm.", "grow_memory", _factor, d.grow_memory),
     )
     read.leftovers(slurm_t, "slurm.")
+    k = KubernetesConfig()
+    kubernetes = KubernetesConfig(
+        kubelet=read.take(kube_t, "kubernetes.", "kubelet",
+                          lambda v: _choice(v, ("auto", "on", "off")), k.kubelet),
+        kubelet_url=read.take(kube_t, "kubernetes.", "kubelet_url", _url, k.kubelet_url),
+        token_file=read.take(kube_t, "kubernetes.", "token_file", _str, k.token_file),
+        ca_file=read.take(kube_t, "kubernetes.", "ca_file", lambda v: str(v), k.ca_file),
+    )
+    read.leftovers(kube_t, "kubernetes.")
 
     guards = []
     for index, raw in enumerate(guard_list):
@@ -273,7 +294,14 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,
-                        criu=criu, gpu=gpu, slurm=slurm, guards=tuple(guards))
+                        criu=criu, gpu=gpu, slurm=slurm, kubernetes=kubernetes,
+                        guards=tuple(guards))
+
+
+def _url(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith(("https://", "http://")):
+        raise ValueError(f"expected an http(s):// URL, got {value!r}")
+    return value
 
 
 def _factor(value: Any) -> float:

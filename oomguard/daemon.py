@@ -47,6 +47,7 @@ from oomguard.guards import (
     set_high_at_threshold,
 )
 from oomguard.keeper import StoreKeeper
+from oomguard.kubelet import ContainerCheckpointer
 from oomguard.ledger import SavedLimits
 from oomguard.policy import (
     ProcessTree,
@@ -75,7 +76,8 @@ class Daemon:
                  clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
                  meminfo: Callable[[], Any] = psutil.virtual_memory,
                  restorer: Restorer | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 containers: ContainerCheckpointer | None = None) -> None:
         self.config = config
         self.checkpointer = checkpointer
         self.layout = layout
@@ -97,7 +99,7 @@ class Daemon:
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   restorer=restorer, clock=clock, wall_clock=wall_clock)
         self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
-                                       clock=clock),
+                                       clock=clock, containers=containers),
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
                            clock=clock)
         self._reload = False

@@ -100,3 +100,17 @@ class KubeletClient:
         if not found:
             raise KubeletError(f"kubelet checkpoint of {ref} returned no archive")
         return [str(item) for item in found]
+
+
+class ContainerCheckpointer:
+    """A kubepods victim's container, checkpointed by its kubelet."""
+
+    def __init__(self, client: KubeletClient) -> None:
+        self.client = client
+
+    def checkpoint(self, pod_uid: str, container_id: str | None) -> tuple[ContainerRef, list[str]]:
+        ref = find_container(self.client.pods(), pod_uid, container_id)
+        if ref is None:
+            raise KubeletError(f"the kubelet lists no container {container_id or '?'} in pod "
+                               f"{pod_uid}")
+        return ref, self.client.checkpoint(ref)

@@ -23,6 +23,7 @@ from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,
+    build_containers,
     build_criu,
     build_gpu,
     build_restorer,
@@ -100,7 +101,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     criu = build_criu(config.criu, layout, proc, gpu)
     checkpointer = build_checkpointer(config, criu, proc)
     restorer = build_restorer(config, criu, proc)
-    daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer)
+    daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
+                    containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
     textfile = TextfileWriter(config.metrics_textfile_dir) if config.metrics_textfile_dir else None
     metrics_server = None

@@ -73,35 +73,30 @@ class SlurmNotifier:
     def annotate(self, job_id: int, comment: str) -> None:
         self._run("update", f"JobId={job_id}", f"AdminComment={comment}")
 
-    def requeue(self, job_id: int) -> str | None:
-        """Requeue (or requeue held) per config; returns what was done, None for nothing.
-        With grow_memory > 1 the job is held while its memory request is raised (the job
-        outgrew it: the scheduler then picks a node that has the memory), then released
-        unless `requeuehold` was asked for."""
+    def notify(self, job_id: int, step: str | None, checkpoint_id: str, when: float,
+               reason: str) -> list[str]:
+        """Returns what was done. Raises SlurmError. By the time a checkpoint is complete its
+        job step has ended, and Slurm takes no AdminComment on a finished job: with a requeue
+        configured the job is first requeued held (pending again), then commented, given more
+        memory if asked, and released unless `requeuehold` was asked for."""
+        comment = admin_comment(checkpoint_id, step, when, reason)
         if self.after_checkpoint == "none":
-            return None
-        if self.grow_memory <= 1.0:
-            self._run(self.after_checkpoint, str(job_id))
-            return self.after_checkpoint
-        current = job_memory_mib(self._run("show", "job", str(job_id)))
+            self.annotate(job_id, comment)
+            return ["admin_comment"]
+        current = job_memory_mib(self._run("show", "job", str(job_id))) \
+            if self.grow_memory > 1.0 else None
         self._run("requeuehold", str(job_id))
-        done = "requeuehold"
+        done = ["requeuehold"]
+        self.annotate(job_id, comment)
+        done.append("admin_comment")
         if current:
             wanted = int(current * self.grow_memory)
             self._run("update", f"JobId={job_id}", f"MinMemoryNode={wanted}")
-            done += f", memory {current}M -> {wanted}M"
+            done.append(f"memory {current}M -> {wanted}M")
         if self.after_checkpoint == "requeue":
+            # Slurm defers a requeued job's start (against restart loops); this one has been
+            # dealt with: it may start at once.
+            self._run("update", f"JobId={job_id}", "StartTime=now")
             self._run("release", str(job_id))
-            done += ", released"
-        return done
-
-    def notify(self, job_id: int, step: str | None, checkpoint_id: str, when: float,
-               reason: str) -> list[str]:
-        """AdminComment, then the requeue; returns what was done. Raises SlurmError."""
-        done = []
-        self.annotate(job_id, admin_comment(checkpoint_id, step, when, reason))
-        done.append("admin_comment")
-        requeued = self.requeue(job_id)
-        if requeued:
-            done.append(requeued)
+            done.append("released")
         return done

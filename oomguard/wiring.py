@@ -8,16 +8,18 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import ON_FAILURE_THAW, Checkpointer
-from oomguard.config import CriuConfig, DaemonConfig, GpuConfig
+from oomguard.config import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
 from oomguard.criu import Criu, CriuOptions, find_criu
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.freezer import SigstopFreezer
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
+from oomguard.kubelet import ContainerCheckpointer, KubeletClient
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
 from oomguard.service import Service
@@ -126,3 +128,14 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc)
     return Service(Store(config.store), restorer, checkpointer, layout, proc, status)
+
+
+def build_containers(settings: KubernetesConfig) -> ContainerCheckpointer | None:
+    """The kubelet checkpoint API for kubepods victims: "auto" where a service-account token
+    is mounted (oomguard runs as the DaemonSet), never when "off"."""
+    token = Path(settings.token_file)
+    if settings.kubelet == "off" or (settings.kubelet == "auto" and not token.exists()):
+        return None
+    return ContainerCheckpointer(KubeletClient(
+        settings.kubelet_url, token_file=token,
+        ca_file=Path(settings.ca_file) if settings.ca_file else None))

@@ -185,11 +185,15 @@ class FakeCheckpointer:
 class FakeProc:
     """exists()/state() from a table; a PID not in it is gone (state raises ProcessGone)."""
 
-    def __init__(self, states: dict[int, str] | None = None) -> None:
+    def __init__(self, states: dict[int, str] | None = None, cgroup: str = "/jobs/a") -> None:
         self.states = dict(states or {})
+        self.cgroup = cgroup
 
     def exists(self, pid: int) -> bool:
         return pid in self.states
+
+    def memory_cgroup(self, pid: int) -> str:
+        return self.cgroup
 
     def state(self, pid: int) -> str:
         try:
@@ -200,6 +204,9 @@ class FakeProc:
 
 class RacingProc:
     """/proc/PID is still there when exists() looks, gone by the time state() reads it."""
+
+    def memory_cgroup(self, pid: int) -> str:
+        return "/jobs/a"
 
     def exists(self, pid: int) -> bool:
         return True
@@ -775,3 +782,56 @@ def test_ledger_cleared_of_every_frozen_pid(tmp_path: Path, spawn: Spawn, last: 
     assert rig.ledger.recorded == {root.pid, late.pid}
     assert rig.ledger.balanced(), rig.ledger.calls
 
+
+
+# -- Kubernetes containers: the kubelet checkpoints them, never CRIU behind the runtime ------------
+
+KUBE_CGROUP = ("/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod6b1a4c2e_9f3d_4e8a_"
+               "b7c6_0d1e2f3a4b5c.slice/cri-containerd-" + "ab" * 32 + ".scope")
+
+
+class FakeContainers:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.calls: list[tuple[str, str | None]] = []
+        self.error = error
+
+    def checkpoint(self, pod_uid: str, container_id: str | None) -> tuple[Any, list[str]]:
+        from oomguard.kubelet import ContainerRef
+        self.calls.append((pod_uid, container_id))
+        if self.error is not None:
+            raise self.error
+        return ContainerRef("ml", "trainer-0", "trainer"), ["/var/lib/kubelet/checkpoints/c.tar"]
+
+
+def kube_rig(tmp_path: Path, containers: FakeContainers | None) -> Rig:
+    rig = make_rig(tmp_path, proc=FakeProc({ROOT: "S"}, cgroup=KUBE_CGROUP))
+    rig.runner.containers = containers  # type: ignore[assignment]
+    return rig
+
+
+def test_container_is_checkpointed_by_the_kubelet_then_killed(tmp_path: Path) -> None:
+    containers = FakeContainers()
+    rig = kube_rig(tmp_path, containers)
+    outcome = run(rig, (Step(CHECKPOINT),), make_tree())
+    assert outcome.result == "killed" and "/var/lib/kubelet/checkpoints/c.tar" in outcome.detail
+    assert containers.calls == [("6b1a4c2e-9f3d-4e8a-b7c6-0d1e2f3a4b5c", "ab" * 32)]
+    assert rig.checkpointer.calls == []  # CRIU never ran
+    events = [e for _, e, _ in rig.log.records]
+    assert events[:2] == ["kubelet.checkpointed", "victim.killed"]
+
+
+def test_container_without_kubelet_access_is_refused_untouched(tmp_path: Path) -> None:
+    rig = kube_rig(tmp_path, None)
+    outcome = run(rig, (Step(CHECKPOINT),), make_tree())
+    assert outcome.result == "thawed" and outcome.detail == "no action settled it"
+    refused = [f for _, e, f in rig.log.records if e == "checkpoint.refused"]
+    assert "not dumped behind its runtime's back" in refused[0]["reason"]
+    assert rig.checkpointer.calls == [] and not rig.freezer.frozen
+
+
+def test_kubelet_refusal_falls_through_to_the_next_action(tmp_path: Path) -> None:
+    from oomguard.kubelet import KubeletError
+    rig = kube_rig(tmp_path, FakeContainers(KubeletError("kubelet POST /checkpoint: HTTP 403")))
+    outcome = run(rig, (Step(CHECKPOINT), Step(KILL)), make_tree())
+    assert outcome.result == "killed" and outcome.step == "kill"
+    assert ("error", "checkpoint.failed") in [(lvl, e) for lvl, e, _ in rig.log.records]

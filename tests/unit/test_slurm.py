@@ -34,21 +34,31 @@ def calls(log: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-@pytest.mark.parametrize(("after", "expected"), [
-    ("none", []), ("requeue", [["requeue", "4711"]]), ("requeuehold", [["requeuehold", "4711"]])])
-def test_notify_comments_then_requeues(scontrol: tuple[Path, Path], after: str,
-                                       expected: list[list[str]]) -> None:
+def comment_of(call: list[str]) -> str:
+    assert call[:2] == ["update", "JobId=4711"] and call[2].startswith("AdminComment=")
+    return call[2]
+
+
+@pytest.mark.parametrize(("after", "tail"), [
+    ("none", []), ("requeue", [["update", "JobId=4711", "StartTime=now"], ["release", "4711"]]),
+    ("requeuehold", [])])
+def test_notify_requeues_held_then_comments(scontrol: tuple[Path, Path], after: str,
+                                            tail: list[list[str]]) -> None:
     path, log = scontrol
     done = SlurmNotifier(str(path), after).notify(4711, "0", "20261130-1-ab", 1_764_500_000.0,
                                                   'resident "memory" 90%\nof limit')
     found = calls(log)
-    assert found[0][:2] == ["update", "JobId=4711"]
-    comment = found[0][2]
+    if after == "none":  # a finished job takes no comment: tried, and Slurm's answer reported
+        assert len(found) == 1 and done == ["admin_comment"]
+        comment = comment_of(found[0])
+    else:
+        assert found[0] == ["requeuehold", "4711"]
+        comment = comment_of(found[1])
+        assert found[2:] == tail
+        assert done == ["requeuehold", "admin_comment"] + (["released"] if tail else [])
     assert comment.startswith("AdminComment=oomguard: step 0 checkpointed instead of OOM-killed "
                               "at 2025-11-30T")
     assert "checkpoint 20261130-1-ab" in comment and '"' not in comment and "\n" not in comment
-    assert found[1:] == expected
-    assert done == ["admin_comment"] + ([after] if after != "none" else [])
 
 
 def test_scontrol_failure_is_an_error_with_its_message(scontrol: tuple[Path, Path],
@@ -69,12 +79,19 @@ def test_find_scontrol(tmp_path: Path, scontrol: tuple[Path, Path]) -> None:
     assert find_scontrol(str(tmp_path / "missing")) is None
 
 
-def test_requeue_with_more_memory(scontrol: tuple[Path, Path]) -> None:
-    path, log = scontrol
-    # the fake prints nothing for `show job`: no memory known, so no update
-    assert SlurmNotifier(str(path), "requeue", grow_memory=2.0).requeue(7) == \
-        "requeuehold, released"
-    assert calls(log) == [["show", "job", "7"], ["requeuehold", "7"], ["release", "7"]]
+def test_requeue_with_more_memory(tmp_path: Path) -> None:
+    log = tmp_path / "calls"
+    path = tmp_path / "scontrol"
+    path.write_text(FAKE.format(python=sys.executable, log=str(log)).replace(
+        'sys.exit(1)', 'sys.exit(1)\nif sys.argv[1:2] == ["show"]:\n    print("JobId=7 '
+        'MinMemoryNode=256M MinTmpDiskNode=0")'))
+    path.chmod(0o755)
+    done = SlurmNotifier(str(path), "requeue", grow_memory=2.0).notify(7, None, "c", 0.0, "r")
+    assert [c[:2] for c in calls(log)] == [["show", "job"], ["requeuehold", "7"],
+                                           ["update", "JobId=7"], ["update", "JobId=7"],
+                                           ["update", "JobId=7"], ["release", "7"]]
+    assert calls(log)[3][2] == "MinMemoryNode=512"
+    assert done == ["requeuehold", "admin_comment", "memory 256M -> 512M", "released"]
 
 
 @pytest.mark.parametrize(("text", "mib"), [
