@@ -87,21 +87,24 @@ def dump_argv(criu: str, pid: int, images_dir: Path, opts: CriuOptions,
 
 
 def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
-                 cgroup_root: str | None, work_dir: Path) -> list[str]:
+                 cgroup_root: str | None, work_dir: Path,
+                 action_script: Path | None = None) -> list[str]:
     """Restore detached (the tree survives CRIU and the CLI), optionally into another memory
     cgroup: `--cgroup-root memory:/path` (v1) or `--cgroup-root /path` (v2)."""
     argv = [criu, "restore", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
             "--log-file", RESTORE_LOG, "--restore-detached", "--pidfile", str(pidfile),
             *_common_args(opts)]
+    if action_script is not None:
+        argv += ["--action-script", str(action_script)]
     if cgroup_root is not None:
         argv += ["--cgroup-root", cgroup_root]
     return argv + list(opts.extra_restore_args)
 
 
 def hook_script_text(python: str) -> str:
-    # Only post-dump has work to do: skip starting Python for the other actions.
-    return (f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
-            f'exec "{python}" -I "{HOOK_MODULE}"\n')
+    # Only post-dump and post-resume have work to do: no Python for the other actions.
+    return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-resume) ;; *) exit 0 ;;'
+            f' esac\nexec "{python}" -I "{HOOK_MODULE}"\n')
 
 
 @dataclass
@@ -145,11 +148,16 @@ class Criu:
             raise CriuError(f"criu dump exited with status {result.returncode}",
                             log_tail(images_dir / DUMP_LOG) or result.stderr.strip()[-2000:])
 
-    def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None) -> int:
-        """Restore detached; returns the restored root's PID (host namespace)."""
+    def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
+                hook: Path | None = None) -> int:
+        """Restore detached; returns the restored root's PID (host namespace). `hook` (the
+        action script) continues the tree at post-resume, while CRIU still lives: a tree
+        dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
+        group it leaves orphaned in its session gets SIGHUP from the kernel, and dies."""
         pidfile = work_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
-        argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir)
+        argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir,
+                            hook)
         result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"

@@ -1,4 +1,4 @@
-"""CRIU action script: the checkpoint's commit point.
+"""CRIU action script: the checkpoint's commit point, and the restored tree's wake-up.
 
 CRIU execs this (through a two-line sh wrapper) for every action. On `post-dump` it makes the
 images durable (fdatasync each file and the directory) and drops their page cache
@@ -12,6 +12,7 @@ Standard library only: it runs as `python -I criu_hook.py`, outside the package'
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -49,8 +50,47 @@ def sync_and_drop(directory: str) -> tuple[int, float, float]:
     return total, synced - start, time.monotonic() - synced
 
 
+def tree_pids(root: int, proc: str = "/proc") -> list[int]:
+    """`root` and its descendants, from /proc/PID/task/TID/children."""
+    found, index = [root], 0
+    while index < len(found):
+        pid = found[index]
+        index += 1
+        try:
+            tids = os.listdir(f"{proc}/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"{proc}/{pid}/task/{tid}/children") as handle:
+                    found += [int(child) for child in handle.read().split()]
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def continue_tree(root: int) -> int:
+    """SIGCONT the restored tree (it was dumped stopped, so CRIU restored it stopped)."""
+    count = 0
+    for pid in tree_pids(root):
+        try:
+            os.kill(pid, signal.SIGCONT)
+            count += 1
+        except OSError:
+            continue
+    return count
+
+
 def main() -> int:
-    if os.environ.get("CRTOOLS_SCRIPT_ACTION") != "post-dump":
+    action = os.environ.get("CRTOOLS_SCRIPT_ACTION")
+    if action == "post-resume":
+        # Never fail a restore from here: the tree is restored; at worst it stays stopped
+        # and oomguard continues it (and CRIU's exit may then hang it up).
+        root = os.environ.get("CRTOOLS_INIT_PID", "")
+        if root.isdigit():
+            continue_tree(int(root))
+        return 0
+    if action != "post-dump":
         return 0
     directory = os.environ.get("CRTOOLS_IMAGE_DIR")
     if not directory:

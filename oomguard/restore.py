@@ -120,8 +120,10 @@ class Restorer:
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
         try:
+            hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
-                                    cgroup_root_arg(target) if target is not None else None)
+                                    cgroup_root_arg(target) if target is not None else None,
+                                    hook)
         except CriuError as exc:
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
                                 f"intact: {exc}") from exc

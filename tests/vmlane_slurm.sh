@@ -125,6 +125,8 @@ say "submitted job $job"
 
 for _ in $(seq 1 900); do
   grep -q "^done " "$work/out/hog.log" 2>/dev/null && break
+  scontrol show job "$job" 2>/dev/null | grep -q "JobState=\(COMPLETED\|FAILED\).*" \
+    && scontrol show job "$job" | grep -q "Restarts=[1-9]" && { sleep 5; break; }
   sleep 1
 done
 grep -q '"checkpoint.done"' "$work/log/oomguard.log" || fail "no checkpoint"
@@ -134,7 +136,6 @@ restarts=$(scontrol show job "$job" | grep -o 'Restarts=[0-9]*' | head -n1 || tr
 say "$comment"
 say "$restarts"
 echo "$comment" | grep -q "checkpointed instead of OOM-killed" || fail "no AdminComment"
-for _ in $(seq 1 300); do grep -q "^done " "$work/out/hog.log" && break; sleep 1; done
 grep -q "^done 400 ok" "$work/out/hog.log" || fail "the resumed job did not finish intact"
 counts=$(grep -E '^[0-9]+ ' "$work/out/hog.log" | cut -d' ' -f1 | tr '\n' ' ')
 expected=$(seq -s ' ' 1 400)

@@ -4,6 +4,7 @@ bad input (exit 2, naming the key and the file), the daemon on the embedded defa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import stat
@@ -22,6 +23,7 @@ from tests.helpers import (
     kill_pid,
     last_count,
     oomguard_argv,
+    proc_state,
     run_oomguard,
     start_in_cgroup,
     wait_until,
@@ -212,3 +214,38 @@ def test_job_whose_session_leader_is_outside_the_pid_namespace_is_refused_untouc
     after = int((tmp_path / "after").read_text().split()[0])
     assert after > before  # it was never stopped and went on counting
     assert run_oomguard(store, "list").stdout.strip().count("\n") == 0  # only the heading
+
+
+def test_a_shell_jobs_process_group_leader_survives_its_restore(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A job started by a shell with job control leads its own process group but not its
+    session. Dumped stopped, it is restored stopped, in CRIU's session (--shell-job); when
+    CRIU exits, the kernel sends an orphaned, stopped process group SIGHUP — unless the
+    restore's post-resume action has continued it first (found in the Slurm lane)."""
+    cg = cgroups.make("pgrp", None)
+    log = tmp_path / "hog.log"
+    pidfile = tmp_path / "hog.pid"
+    # The shell stays (as a login shell does): were it to exit while the job is stopped for
+    # its dump, the kernel would hang up the then orphaned group.
+    script = 'set -m; "$@" & echo $! > "$0"; while :; do sleep 0.2; done'
+    shell = start_in_cgroup(cg, ["/bin/bash", "-c", script, str(pidfile),
+                                 *hog_argv(log, target=32, rate=100, count=100_000)])
+    restored = None
+    try:
+        assert wait_until(lambda: pidfile.exists() and last_count(log) > 10, 10)
+        pid = int(pidfile.read_text())
+        assert os.getpgid(pid) == pid and os.getsid(pid) != pid  # group leader, not session
+        done = run_oomguard(store, "checkpoint", str(pid))
+        assert done.returncode == 0, done.stderr
+        mark = last_count(log)
+        target = cgroups.make("pgrpback", None)
+        back = run_oomguard(store, "restore", done.stdout.strip(), "--cgroup", str(target.path))
+        assert back.returncode == 0, back.stderr
+        restored = int(back.stdout.strip())
+        assert wait_until(lambda: last_count(log) > mark + 10, 10), "the restored job died"
+        assert proc_state(restored) not in (None, "Z", "T")
+    finally:
+        for victim in (restored, shell.pid):
+            if victim:
+                kill_pid(victim)
+        shell.wait(timeout=10)
