@@ -89,6 +89,16 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     made = []
+
+    def save(fig: Any, ax: Any, title: str, name: str) -> str:
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        return name
+
     latency = results.get("latency")
     if latency:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -103,13 +113,7 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
         ax.set_xscale("log")
         ax.set_xlabel("allocation rate (MB/s)")
         ax.set_ylabel("threshold crossed → victim stopped (ms)")
-        ax.set_title("Detection latency")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "latency.png", dpi=110)
-        plt.close(fig)
-        made.append("latency.png")
+        made.append(save(fig, ax, "Detection latency", "latency.png"))
     tp = results.get("throughput")
     if tp:
         sizes = sorted(_by_size(tp))
@@ -123,13 +127,8 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [f"{s} MiB" for s in sizes])
         ax.set_ylabel("MB/s (median)")
-        ax.set_title("Checkpoint and restore throughput vs the disk")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "throughput.png", dpi=110)
-        plt.close(fig)
-        made.append("throughput.png")
+        made.append(save(fig, ax, "Checkpoint and restore throughput vs the disk",
+                         "throughput.png"))
         fig, ax = plt.subplots(figsize=(7, 4))
         phases = list(tp[0]["phases_s"])
         bottom = [0.0] * len(sizes)

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.errors import CriuError
-from oomguard.runner import CommandRunner, SubprocessRunner
+from oomguard.runner import CommandRunner, SubprocessRunner, executable_candidates
 
 CRIU_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/bin/criu")
 # CRIU <= 4.1 cannot dump TCP/UDP sockets on kernels >= 6.16, and 3.x fails on 6.18's vDSO.
@@ -188,16 +187,8 @@ def find_criu(configured: str | None = None, runner: CommandRunner | None = None
     """The first CRIU that is new enough: the configured path, $OOMGUARD_CRIU, then the places
     scripts/setup and Debian install it, then $PATH. Raises CriuError saying what was found."""
     runner = runner or SubprocessRunner()
-    if configured and configured != "auto":
-        candidates = [configured]
-    else:
-        env = os.environ.get("OOMGUARD_CRIU")
-        candidates = ([env] if env else []) + list(CRIU_CANDIDATES)
-        on_path = shutil.which("criu")
-        if on_path:
-            candidates.append(on_path)
     seen = []
-    for candidate in dict.fromkeys(candidates):
+    for candidate in executable_candidates(configured, "OOMGUARD_CRIU", CRIU_CANDIDATES, "criu"):
         if not os.access(candidate, os.X_OK):
             continue
         version = probe_version(candidate, runner)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -56,3 +57,17 @@ class SubprocessRunner:
             stderr = err.read().decode(errors="replace")
         code = -signal.SIGKILL if timed_out else proc.returncode
         return CommandResult(tuple(argv), code, stdout, stderr, timed_out=timed_out)
+
+
+def executable_candidates(configured: str | None, env_var: str, usual: Sequence[str],
+                          name: str) -> list[str]:
+    """Where to look for a helper program (CRIU, cuda-checkpoint), in order: the configured
+    path alone if one is given ("auto": none), else $ENV_VAR, the usual places, then $PATH."""
+    if configured and configured != "auto":
+        return [configured]
+    env = os.environ.get(env_var)
+    found = ([env] if env else []) + list(usual)
+    on_path = shutil.which(name)
+    if on_path:
+        found.append(on_path)
+    return list(dict.fromkeys(found))

@@ -9,12 +9,11 @@ Driver r555+ tools have `--get-state` (running | locked | checkpointed | failed)
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oomguard.errors import OomguardError
-from oomguard.runner import CommandRunner, SubprocessRunner
+from oomguard.runner import CommandRunner, SubprocessRunner, executable_candidates
 
 CUDA_CHECKPOINT_CANDIDATES = ("/usr/local/bin/cuda-checkpoint", "/usr/bin/cuda-checkpoint")
 STATES = ("running", "locked", "checkpointed", "failed")
@@ -51,15 +50,8 @@ class CudaCheckpointTool:
 def find_cuda_checkpoint(configured: str | None = None) -> str | None:
     """The first executable cuda-checkpoint: the configured path (alone, if given), else
     $OOMGUARD_CUDA_CHECKPOINT, the usual install places, then $PATH. None if there is none."""
-    if configured and configured != "auto":
-        candidates = [configured]
-    else:
-        env = os.environ.get("OOMGUARD_CUDA_CHECKPOINT")
-        candidates = ([env] if env else []) + list(CUDA_CHECKPOINT_CANDIDATES)
-        on_path = shutil.which("cuda-checkpoint")
-        if on_path:
-            candidates.append(on_path)
-    for candidate in dict.fromkeys(candidates):
+    for candidate in executable_candidates(configured, "OOMGUARD_CUDA_CHECKPOINT",
+                                           CUDA_CHECKPOINT_CANDIDATES, "cuda-checkpoint"):
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None

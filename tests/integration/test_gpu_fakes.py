@@ -93,6 +93,12 @@ def oomguard(store: Path, env: dict[str, str], *args: str) -> subprocess.Complet
                           timeout=120, cwd=REPO, stdin=subprocess.DEVNULL)
 
 
+def refused(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The checkpoint.failed event of a CLI checkpoint that failed (exit 1)."""
+    assert result.returncode == 1, result.stderr
+    return next(e for e in parse_events(result.stderr) if e["event"] == "checkpoint.failed")
+
+
 def counting(log: Path, timeout: float = 10) -> bool:
     mark = last_count(log)
     return bool(wait_until(lambda: last_count(log) > mark + 3, timeout))
@@ -147,9 +153,7 @@ def test_cuda_checkpoint_failing_leaves_the_process_running_on_the_gpu(
     try:
         assert wait_until(lambda: last_count(log) > 10, 10)
         gpu.holds(hog.pid, 256 * MiB)
-        done = oomguard(store, gpu.env(fail="checkpoint"), "checkpoint", str(hog.pid))
-        assert done.returncode == 1
-        failed = next(e for e in parse_events(done.stderr) if e["event"] == "checkpoint.failed")
+        failed = refused(oomguard(store, gpu.env(fail="checkpoint"), "checkpoint", str(hog.pid)))
         assert failed["outcome"] == "untouched"
         assert "CUDA state could not be moved off the GPU" in failed["error"]
         # Rolled back: the lock it took is released; CRIU never ran.
@@ -176,9 +180,7 @@ def test_criu_failing_after_cuda_checkpoint_puts_the_state_back_on_the_gpu(
         assert wait_until(lambda: last_count(log) > 10, 10)
         gpu.holds(hog.pid, 256 * MiB)
         env = {**gpu.env(), "OOMGUARD_CRIU": str(failing)}
-        done = oomguard(store, env, "checkpoint", str(hog.pid))
-        assert done.returncode == 1
-        failed = next(e for e in parse_events(done.stderr) if e["event"] == "checkpoint.failed")
+        failed = refused(oomguard(store, env, "checkpoint", str(hog.pid)))
         assert failed["outcome"] == "thawed"
         assert "its CUDA state is back on the GPU" in failed["error"]
         assert gpu.actions() == [("lock", hog.pid), ("checkpoint", hog.pid),
@@ -198,9 +200,7 @@ def test_not_enough_host_memory_for_the_vram_refuses_before_touching_it(
     try:
         assert wait_until(lambda: last_count(log) > 10, 10)
         gpu.holds(hog.pid, 1 << 45)  # 32 TiB of VRAM: more than this machine's memory
-        done = oomguard(store, gpu.env(), "checkpoint", str(hog.pid))
-        assert done.returncode == 1
-        failed = next(e for e in parse_events(done.stderr) if e["event"] == "checkpoint.failed")
+        failed = refused(oomguard(store, gpu.env(), "checkpoint", str(hog.pid)))
         assert failed["outcome"] == "untouched" and "not enough host memory" in failed["error"]
         assert gpu.actions() == []
         assert counting(log)
