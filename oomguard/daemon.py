@@ -113,6 +113,7 @@ class Daemon:
                                   self.proc, self.log, protected=self.protected_pids,
                                   in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
                                   clock=clock) if checkpointer.gpu is not None else None
+        self._gpu_watching = self._wants_gpu_watch()
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -256,16 +257,12 @@ class Daemon:
             if getattr(new, key) != getattr(self.config, key):
                 self.log.warning("config.restart_needed", key=f"daemon.{key}",
                                  explanation="this setting takes effect at the next start")
-        self.actor.join()
-        for guard in self.guards:
-            self._disarm(guard)
-            if isinstance(guard, CgroupGuard):
-                put_back_high(guard, self.saved_high)
-                put_back_oom_kill(guard, self.saved_high)
+        self._release_guards()
         self.guards = []
         self._globs = []
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
                               criu=self.config.criu)
+        self._gpu_watching = self._wants_gpu_watch()
         self.actor.dry_run = self.config.dry_run
         self.log.info("config.reloaded", source=source, guards=len(new.guards))
         self._build_guards()
@@ -275,13 +272,18 @@ class Daemon:
         with contextlib.suppress(BlockingIOError):
             os.write(self._wake_w, b"x")
 
-    def close(self) -> None:
+    def _release_guards(self) -> None:
+        """Let actions in flight finish, then unregister every guard and put back what
+        oomguard changed on its cgroup (memory.high, oom_kill_disable)."""
         self.actor.join()
         for guard in self.guards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
                 put_back_high(guard, self.saved_high)
                 put_back_oom_kill(guard, self.saved_high)
+
+    def close(self) -> None:
+        self._release_guards()
         self.epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -297,7 +299,7 @@ class Daemon:
         timeout = max(0.0, self._next_rescan - now)
         if self.max_sleep is not None:
             timeout = min(timeout, self.max_sleep)
-        if self._gpu_rules():
+        if self._gpu_watching:
             assert self.gpu_watch is not None
             timeout = min(timeout, self.gpu_watch.due_in(now))
         for guard in self.guards:
@@ -340,7 +342,7 @@ class Daemon:
                     self._examine(guard, now, "poll")
             elif guard.present and (guard.poll_only or guard.watching or guard.predicting):
                 self._examine(guard, now, "poll")
-        if self._gpu_rules():
+        if self._gpu_watching:
             assert self.gpu_watch is not None
             self.gpu_watch.tick(self.guards)
         if self.clock() >= self._next_rescan:
@@ -502,8 +504,9 @@ class Daemon:
         self.keeper.note_dump(image_bytes, dump_seconds)
         self.keeper.prune()
 
-    def _gpu_rules(self) -> bool:
-        """NVML is read only while a rule has a gpu_threshold and NVML works."""
+    def _wants_gpu_watch(self) -> bool:
+        """NVML is read only while a rule has a gpu_threshold and NVML works (decided at
+        start and on each reload, not on every loop turn)."""
         return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
                                                               self.config.guards)
 

@@ -218,3 +218,22 @@ def daemon(store: Path, log: Path, *args: str, socket: Path | None = None,
         yield proc
     finally:
         proc.stop()
+
+
+def run_vm_lane(command: list[str], timeout: int, skip_codes: tuple[int, ...] = (77,),
+                ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`command` in one VM of the cgroup v2 lane (scripts/vm-lane); returns the result and its
+    wall time. Exits the test as skipped, with the reason, on `skip_codes` (77: the lane
+    could not be set up; a command may add its own "cannot run here" status)."""
+    import pytest
+
+    argv = [str(REPO / "scripts" / "vm-lane"), "run", "--timeout", str(timeout), "--", *command]
+    start = time.monotonic()
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout + 300, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "OOMGUARD_IN_VM_LANE": "1"})
+    if result.returncode in skip_codes:
+        output = result.stdout + result.stderr
+        reason = next((line for line in output.splitlines() if "SKIP" in line), output[-300:])
+        pytest.skip(f"VM lane unavailable: {reason}")
+    return result, time.monotonic() - start

@@ -6,12 +6,10 @@ Reported as skipped, with the reason, where the VM or Slurm cannot be set up; ne
 from __future__ import annotations
 
 import os
-import subprocess
-import time
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import run_vm_lane
 
 
 @pytest.mark.integration
@@ -19,17 +17,9 @@ from tests.helpers import REPO
 def test_slurm_job_checkpointed_requeued_and_resumed(capsys: pytest.CaptureFixture[str]) -> None:
     if os.environ.get("OOMGUARD_IN_VM_LANE"):
         pytest.skip("already inside the v2 lane")
-    argv = [str(REPO / "scripts" / "vm-lane"), "run", "--timeout", "1500", "--",
-            "bash", "tests/vmlane_slurm.sh"]
-    start = time.monotonic()
-    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1700,
-                            env={**os.environ, "OOMGUARD_IN_VM_LANE": "1"},
-                            stdin=subprocess.DEVNULL)
-    wall = time.monotonic() - start
+    # 3: tests/vmlane_slurm.sh found no Slurm to run
+    result, wall = run_vm_lane(["bash", "tests/vmlane_slurm.sh"], 1500, skip_codes=(3, 77))
     output = result.stdout + result.stderr
-    if result.returncode in (3, 77):
-        reason = next((line for line in output.splitlines() if "SKIP" in line), output[-300:])
-        pytest.skip(f"Slurm lane unavailable: {reason}")
     with capsys.disabled():
         print(f"\n[slurm lane] {wall:.0f} s wall, exit {result.returncode}")
         for line in output.splitlines():

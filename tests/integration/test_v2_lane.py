@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import time
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import run_vm_lane
 
 LANE_TESTS = ["tests/integration/test_guard.py", "tests/integration/test_v2_only.py",
               # needs CAP_SYS_RESOURCE (CRIU reads other users' rlimits): root has it in the VM
@@ -31,17 +29,8 @@ def test_v2_lane(capsys: pytest.CaptureFixture[str]) -> None:
     inner = (".venv/bin/python -m pytest -p no:cacheprovider -q -s -rs -o timeout=900 "
              '--basetemp "$OOMGUARD_VM_SCRATCH/pytest" ' + " ".join(LANE_TESTS)
              + f" -k '{LANE_SELECT}'")
-    argv = [str(REPO / "scripts" / "vm-lane"), "run", "--timeout", "1200", "--",
-            "sh", "-c", inner]
-    start = time.monotonic()
-    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=1500,
-                            env={**os.environ, "OOMGUARD_IN_VM_LANE": "1"},
-                            stdin=subprocess.DEVNULL)
-    wall = time.monotonic() - start
+    result, wall = run_vm_lane(["sh", "-c", inner], 1200)
     output = result.stdout + result.stderr
-    if result.returncode == 77:
-        reason = next((line for line in output.splitlines() if "SKIP" in line), output[-300:])
-        pytest.skip(f"v2 lane unavailable: {reason}")
     summary = [line for line in output.splitlines()
                if re.search(r"\d+ (passed|failed|skipped|error)", line)
                or line.startswith(("v2 detection", "SKIPPED", "FAILED", "[vm-lane] VM wall"))]
