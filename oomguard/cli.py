@@ -259,7 +259,11 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    metas = _call(args, "List")["checkpoints"]
+    listing = _call(args, "List")
+    metas = listing["checkpoints"]
+    for bad in listing.get("skipped") or []:
+        print(f"oomguard: warning: store entry {bad['entry']} skipped: {bad['reason']}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(metas, indent=2))
         return EXIT_OK

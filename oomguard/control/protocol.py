@@ -25,7 +25,7 @@ ERROR_METHOD = "org.varlink.service.MethodNotFound"
 INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
 
 method Status() -> (status: object)
-method List() -> (checkpoints: []object)
+method List() -> (checkpoints: []object, skipped: []object)
 method Show(id: string) -> (checkpoint: object)
 method Restore(id: string, cgroup: ?string, force: ?bool)
   -> (id: string, pid: int, seconds: float, verify_s: float, cgroup: ?string)

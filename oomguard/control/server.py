@@ -58,7 +58,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
         if method == "Status":
             return method, reply({"status": service.status(uid)})
         if method == "List":
-            return method, reply({"checkpoints": service.list(uid)})
+            return method, reply({"checkpoints": service.list(uid),
+                                  "skipped": service.skipped(uid)})
         if method == "Show":
             return method, reply({"checkpoint": service.show(uid, param(p, "id", str))})
         if method == "Restore":
