@@ -6,6 +6,7 @@ and its meta.json written, so a crash never leaves a half checkpoint that looks 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -15,6 +16,7 @@ import secrets
 import shutil
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -286,6 +288,26 @@ class Store:
 
     def get(self, checkpoint_id: str) -> CheckpointMeta:
         return self._read_meta(validate_id(checkpoint_id))
+
+    @contextlib.contextmanager
+    def restore_lock(self, checkpoint_id: str) -> Iterator[None]:
+        """Held while a checkpoint is restored, by whichever path (the daemon's socket, its
+        auto-restore, the CLI without a daemon): a second restore at the same time is refused
+        instead of running the process twice. An flock: it dies with its holder."""
+        path = self.path_of(checkpoint_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(f"checkpoint {checkpoint_id} is being restored right now "
+                                 "(by the daemon or another oomguard)") from None
+            yield
+        finally:
+            os.close(fd)
 
     def update(self, meta: CheckpointMeta) -> None:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
