@@ -11,20 +11,20 @@ import os
 import pwd
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
-from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.freezer import Freezer, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
+from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
@@ -69,6 +69,7 @@ class Checkpointer:
                  wall_clock: Callable[[], float] = time.time,
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
+                 lifts: LimitLifts | None = None,
                  ) -> None:
         self.criu = criu
         self.gpu = gpu
@@ -85,10 +86,9 @@ class Checkpointer:
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
-        # Cgroups whose limit a dump has lifted for headroom right now: the daemon must not
-        # take the lifted limit for the cgroup's own and re-arm its thresholds on it.
-        self._lifted: Counter[Path] = Counter()
-        self._lifted_lock = threading.Lock()
+        # Limits lifted for a dump's headroom: recorded durably first, bounded, put back by
+        # whoever can; the daemon never takes a lifted limit for the cgroup's own.
+        self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -136,12 +136,12 @@ class Checkpointer:
         began = dumped = False
         lock_fd: int | None = None
         try:
-            if cgroup is not None:
-                snap = cgroup.snapshot()
-                raised_limit = headroom_needed(
-                    snap, self.headroom if headroom is None else headroom)
+            room = self.headroom if headroom is None else headroom
+            if cgroup is not None and room > 0:
+                snap = self.own_snapshot(cgroup)
+                raised_limit = headroom_needed(snap, room)
                 if raised_limit is not None:
-                    undo_limit = self._lift(cgroup, raised_limit)
+                    undo_limit = self._lift(cgroup, raised_limit, cap=room)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
             frozen_at = self.clock()
             if on_frozen is not None:
@@ -211,31 +211,24 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
 
     def limit_lifted(self, path: Path) -> bool:
-        """Whether a dump has lifted this cgroup's limit for headroom at the moment."""
-        with self._lifted_lock:
-            return self._lifted[path] > 0
+        """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
+        return self.lifts.lifted(path)
 
-    def _lift(self, cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
-        with self._lifted_lock:
-            self._lifted[cgroup.path] += 1
-        try:
-            undo = cgroup.raise_limit(new_limit)
-        except BaseException:
-            self._drop_lift(cgroup.path)
-            raise
+    def own_snapshot(self, cgroup: MemoryCgroup) -> MemorySnapshot:
+        """A snapshot with the cgroup's own limit, not one oomguard lifted for a dump."""
+        snap = cgroup.snapshot()
+        lifted, own = self.lifts.own_limit(cgroup.path)
+        return replace(snap, limit_bytes=own) if lifted else snap
+
+    def _lift(self, cgroup: MemoryCgroup, new_limit: int,
+              cap: int | None = None) -> Callable[[], None]:
+        release = self.lifts.lift(cgroup, new_limit, cap)
 
         def put_back() -> None:
-            try:
-                undo()
-            finally:
-                self._drop_lift(cgroup.path)
+            # A limit that cannot be put back yet stays pending in the ledger: the daemon
+            # retries it on every rescan and acts on what grew into the lifted room.
+            release()
         return put_back
-
-    def _drop_lift(self, path: Path) -> None:
-        with self._lifted_lock:
-            self._lifted[path] -= 1
-            if self._lifted[path] <= 0:
-                del self._lifted[path]
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout

@@ -118,7 +118,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     server = None
     try:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
-                                restorer=restorer, status=daemon.status)
+                                restorer=restorer, status=daemon.status,
+                                user_headroom=daemon.user_headroom)
         service.on_event = log.warning
         server = ControlServer(config.socket, service, note=log.info)
         server.start()

@@ -41,8 +41,12 @@ class PermissionDenied(OomguardError):
 class Service:
     def __init__(self, store: Store, restorer: Restorer, checkpointer: Checkpointer,
                  layout: CgroupLayout, proc: ProcReader | None = None,
-                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 user_headroom: Callable[[MemoryCgroup], int] = lambda cgroup: 0) -> None:
         self.store = store
+        # Headroom for on-demand checkpoints by non-root users (none unless a rule says so:
+        # the room lifted for a dump could be taken by the user's other processes).
+        self.user_headroom = user_headroom
         self.restorer = restorer
         self.checkpointer = checkpointer
         self.layout = layout
@@ -141,7 +145,8 @@ class Service:
         except ProcessGone:
             rel = None
         cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
-        result = self.checkpointer.checkpoint(tree, cgroup, reason)
+        headroom = None if uid == ROOT or cgroup is None else self.user_headroom(cgroup)
+        result = self.checkpointer.checkpoint(tree, cgroup, reason, headroom=headroom)
         meta = result.meta
         t = result.timings
         timings = {"seconds": round(t.total_s, 3), "freeze_s": round(t.freeze_s, 4),
