@@ -36,6 +36,7 @@ from oomguard.errors import (
 )
 from oomguard.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
+from oomguard.restorewait import restore_when_it_fits
 from oomguard.units import format_size, parse_duration, parse_fraction
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--cgroup", metavar="PATH", help="restore into this memory cgroup")
     rs.add_argument("--force", action="store_true",
                     help="restore even if already restored or the cgroup looks too small")
+    rs.add_argument("--wait", action="store_true", help="if it does not fit under the "
+                    "cgroup's guard (or limit) now, wait until it does (Ctrl-C gives up)")
+    rs.add_argument("--timeout", type=_duration_arg, metavar="DURATION",
+                    help="with --wait: give up after this long (e.g. 10m)")
     rs.add_argument("--criu", help="path to criu (default: auto)")
     gr = sub.add_parser("gpu-resume", help="put a process's CUDA state back on the GPU "
                         "(after a 'vram' action)")
@@ -281,19 +286,31 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     log = get_logger()
+    if args.timeout is not None and not args.wait:
+        print("oomguard: restore: --timeout goes with --wait", file=sys.stderr)
+        return EXIT_USAGE
     shown: dict[str, Any] = {}
     if sys.stderr.isatty():
         with contextlib.suppress(OomguardError):
             shown = _call(args, "Show", id=args.id)["checkpoint"]
     pids = [] if shown.get("pidns") else list(shown.get("pids", []))
-    try:
+    backend = _backend(args)
+
+    def attempt() -> dict[str, Any]:
         with progress(f"restore of {args.id}", lambda: resident_bytes(pids), sys.stderr,
                       total=shown.get("rss_bytes")):
-            result = _call(args, "Restore", id=args.id, cgroup=args.cgroup,
-                           force=args.force or None)
+            return backend.call("Restore", id=args.id, cgroup=args.cgroup,
+                                force=args.force or None)
+
+    try:
+        result = restore_when_it_fits(attempt, wait=args.wait, timeout=args.timeout,
+                                      tell=lambda text: print(f"oomguard: {text}",
+                                                              file=sys.stderr, flush=True))
     except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
+    finally:
+        backend.close()
     log.info("restore.done", id=args.id, pid=result["pid"], seconds=result["seconds"],
              verify_s=result.get("verify_s"), cgroup=result.get("cgroup"),
              gpu_pids=result.get("gpu_pids") or None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 from oomguard import __version__
@@ -14,12 +15,16 @@ from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.dbusnotify import SignalEmitter
+from oomguard.exitwatch import ExitWatch, record_exit
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
+from oomguard.procconn import ProcessExit
 from oomguard.procfs import ProcReader
+from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
 from oomguard.slurm import SlurmNotifier, find_scontrol
+from oomguard.store import Store
 from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,
@@ -86,6 +91,17 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def _exit_recorder(store: Store, log: Any) -> Callable[[str, int, float, ProcessExit | None],
+                                                      None]:
+    """A restored tree's root exited: into its meta.json, and the `restore.exited` event."""
+
+    def exited(checkpoint_id: str, pid: int, exited_at: float,
+               status: ProcessExit | None) -> None:
+        fields = record_exit(store, checkpoint_id, pid, exited_at, status)
+        log.warning("restore.exited", id=checkpoint_id, pid=pid, **fields)
+    return exited
+
+
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     open_files = raise_open_files_limit()
     metrics = Metrics()
@@ -101,6 +117,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     criu = build_criu(config.criu, layout, proc, gpu)
     checkpointer = build_checkpointer(config, criu, proc)
     restorer = build_restorer(config, criu, proc)
+    restorer.exits = exit_watch = ExitWatch(_exit_recorder(restorer.store, log))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
@@ -120,6 +137,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
                                 restorer=restorer, status=daemon.status)
         service.on_event = log.warning
+        service.on_failure = log.error
+        service.guard_of = daemon_lookup(lambda: daemon.guards)
         server = ControlServer(config.socket, service, note=log.info)
         server.start()
     except OSError as exc:
@@ -157,6 +176,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
             if listener is not None:
                 listener.stop()
         daemon.close()
+        exit_watch.close()
         if metrics_server is not None:
             metrics_server.close()
         if hooks is not None:

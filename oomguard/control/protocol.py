@@ -20,6 +20,7 @@ ERROR_INVALID = f"{INTERFACE}.InvalidRequest"
 ERROR_DENIED = f"{INTERFACE}.PermissionDenied"
 ERROR_NOT_FOUND = f"{INTERFACE}.NotFound"
 ERROR_FAILED = f"{INTERFACE}.Failed"
+ERROR_NO_ROOM = f"{INTERFACE}.NoRoom"  # a restore that does not fit now (may fit later)
 ERROR_METHOD = "org.varlink.service.MethodNotFound"
 
 INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
@@ -37,6 +38,7 @@ error InvalidRequest (message: string)
 error PermissionDenied (message: string)
 error NotFound (message: string)
 error Failed (message: string)
+error NoRoom (message: string)
 """
 
 
