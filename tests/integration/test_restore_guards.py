@@ -24,7 +24,6 @@ from tests.helpers import (
     hog_argv,
     kill_pid,
     last_count,
-    oomguard_argv,
     parse_events,
     proc_state,
     read_counts,
