@@ -296,13 +296,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
         with contextlib.suppress(OomguardError):
             shown = _call(args, "Show", id=args.id)["checkpoint"]
     pids = [] if shown.get("pidns") else list(shown.get("pids", []))
-    backend = _backend(args)
 
     def attempt() -> dict[str, Any]:
         with progress(f"restore of {args.id}", lambda: resident_bytes(pids), sys.stderr,
-                      total=shown.get("rss_bytes")):
-            return backend.call("Restore", id=args.id, cgroup=args.cgroup,
-                                force=args.force or None)
+                      total=shown.get("rss_bytes"), delay=0.5 if args.wait else 0.0):
+            return _call(args, "Restore", id=args.id, cgroup=args.cgroup,
+                         force=args.force or None)
 
     try:
         result = restore_when_it_fits(attempt, wait=args.wait, timeout=args.timeout,
@@ -311,8 +310,6 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
-    finally:
-        backend.close()
     log.info("restore.done", id=args.id, pid=result["pid"], seconds=result["seconds"],
              verify_s=result.get("verify_s"), cgroup=result.get("cgroup"),
              gpu_pids=result.get("gpu_pids") or None)

@@ -20,12 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from oomguard.errors import StoreError
 from oomguard.procconn import ProcessExit, ProcEvents
 from oomguard.store import Store
 
 STATUS_WAIT = 1.0  # after the pidfd says "exited", how long the connector's event may take
 RECENT_EXITS = 4096  # exits remembered for roots that end before they are watched
+RESTORE_SLACK = 600.0  # a restored root starts at most this long before restored_at is set
 
 ExitCallback = Callable[[str, int, float, ProcessExit | None], None]
 
@@ -241,3 +244,37 @@ class ExitWatch:
         for watch, status in done:
             assert watch.exited_at is not None
             self.on_exit(watch.checkpoint_id, watch.pid, watch.exited_at, status)
+
+
+def _identify(pid: int) -> tuple[float, str] | None:
+    """(start time, command line) of a running process, None if there is none."""
+    try:
+        process = psutil.Process(pid)
+        return process.create_time(), " ".join(process.cmdline())
+    except (psutil.Error, OSError):
+        return None
+
+
+def rewatch_restored(store: Store, watch: ExitWatch, *,
+                     identify: Callable[[int], tuple[float, str] | None] = _identify,
+                     slack: float = RESTORE_SLACK) -> list[str]:
+    """At start: trees a previous run restored and that still run are watched again (the
+    connector cannot have seen an exit before now). A process counts as the restored root
+    when it has its pid and command and was started around the restore (not a pid reused
+    since). Returns the ids watched again."""
+    since = watch.clock_ns()
+    found: list[tuple[str, int]] = []
+    for meta in store.list():
+        if meta.state != "restored" or meta.restored_pid is None or meta.exited_at is not None:
+            continue
+        seen = identify(meta.restored_pid)
+        if seen is None or meta.restored_at is None:
+            continue
+        started, command = seen
+        if command == meta.command and abs(started - meta.restored_at) <= slack:
+            found.append((meta.id, meta.restored_pid))
+    if found:
+        watch.expect(0)
+        for checkpoint_id, pid in found:
+            watch.watch(checkpoint_id, pid, since)
+    return [checkpoint_id for checkpoint_id, _pid in found]

@@ -24,9 +24,10 @@ def restore_when_it_fits(attempt: Callable[[], dict[str, Any]], *, wait: bool,
                          clock: Callable[[], float] = time.monotonic,
                          sleep: Callable[[float], None] = time.sleep,
                          interval: float = RETRY_INTERVAL) -> dict[str, Any]:
-    """Run `attempt` (one Restore call); with `wait`, run it again every `interval` while it
-    is refused for lack of room, telling the reason once. Raises what the last attempt raised,
-    or RestoreFailed once `timeout` seconds have passed. Ctrl-C (KeyboardInterrupt) ends it."""
+    """Run `attempt` (one Restore call, on a fresh connection: the daemon may restart
+    meanwhile); with `wait`, run it again every `interval` while it is refused for lack of
+    room, telling the reason once. Raises what the last attempt raised, or RestoreFailed once
+    `timeout` seconds have passed. Ctrl-C (KeyboardInterrupt) ends the wait."""
     start = clock()
     told = False
     while True:
@@ -41,4 +42,8 @@ def restore_when_it_fits(attempt: Callable[[], dict[str, Any]], *, wait: bool,
                 limit = f", at most {timeout:g}s" if timeout is not None else ""
                 tell(f"{exc}\nwaiting until it fits (Ctrl-C to give up{limit})")
                 told = True
-            sleep(interval)
+            try:
+                sleep(interval)
+            except KeyboardInterrupt:
+                tell("gave up waiting; the checkpoint is untouched")
+                raise

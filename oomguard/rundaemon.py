@@ -15,7 +15,7 @@ from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.dbusnotify import SignalEmitter
-from oomguard.exitwatch import ExitWatch, record_exit
+from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
@@ -91,13 +91,17 @@ def raise_open_files_limit() -> int:
     return soft
 
 
-def _exit_recorder(store: Store, log: Any) -> Callable[[str, int, float, ProcessExit | None],
-                                                      None]:
+def _exit_recorder(store: Store, log: Any, why_unknown: Callable[[], str | None],
+                   ) -> Callable[[str, int, float, ProcessExit | None], None]:
     """A restored tree's root exited: into its meta.json, and the `restore.exited` event."""
 
     def exited(checkpoint_id: str, pid: int, exited_at: float,
                status: ProcessExit | None) -> None:
         fields = record_exit(store, checkpoint_id, pid, exited_at, status)
+        if status is None:
+            fields["explanation"] = why_unknown() or (
+                "the kernel's exit event was not seen (it ended before it was watched, or "
+                "events were lost)")
         log.warning("restore.exited", id=checkpoint_id, pid=pid, **fields)
     return exited
 
@@ -117,7 +121,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     criu = build_criu(config.criu, layout, proc, gpu)
     checkpointer = build_checkpointer(config, criu, proc)
     restorer = build_restorer(config, criu, proc)
-    restorer.exits = exit_watch = ExitWatch(_exit_recorder(restorer.store, log))
+    restorer.exits = exit_watch = ExitWatch(_exit_recorder(
+        restorer.store, log, lambda: exit_watch.why_no_status))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
@@ -166,6 +171,11 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
                     "to the config or pass --cgroup")
     try:
         daemon.arm()
+        rewatched = rewatch_restored(restorer.store, exit_watch)
+        if rewatched:
+            log.info("restore.watching", ids=rewatched,
+                     explanation="restored by an earlier run and still running: their exit "
+                     "is recorded")
         # READY=1 only now: every guard is armed and the socket answers.
         notifier.ready(daemon.summary())
         beat()

@@ -247,3 +247,80 @@ def test_a_killed_restored_job_records_the_signal(cgroups: CgroupFactory, store:
         assert Store(store).get(checkpoint_id).exit_signal == "SIGTERM"
         events = parse_events((tmp_path / "daemon.log").read_text())
         assert [e["event"] for e in events].count("restore.exited") == 1
+
+
+def test_a_daemon_restarted_meanwhile_still_records_the_exit(cgroups: CgroupFactory,
+                                                             store: Path, tmp_path: Path) -> None:
+    """The daemon that restored a job is killed (SIGKILL); the next one finds the job still
+    running at start, watches it again and records its exit status."""
+    cg = cgroups.make("restart", None)
+    log = tmp_path / "job.log"
+    control = tmp_path / "job.exit"
+    with daemon(store, tmp_path / "first.log") as first:
+        first.wait_event("guard.started")
+        assert wait_until(first.socket.exists, 10)
+        job = start_in_cgroup(cg, [sys.executable, "-c", STOPPABLE_JOB, str(log), str(control)])
+        assert wait_until(lambda: last_count(log) > 5, 20)
+        checkpoint_id = cli(first.socket, "checkpoint", str(job.pid)).stdout.strip()
+        job.wait(timeout=10)
+        restored = cli(first.socket, "restore", checkpoint_id)
+        assert restored.returncode == 0, restored.stderr
+        pid = int(restored.stdout.strip())
+        first.handle.send_signal(signal.SIGKILL)
+        first.handle.wait(timeout=10)
+    try:
+        mark = last_count(log)
+        assert wait_until(lambda: last_count(log) > mark + 3, 20)  # the job outlived it
+        with daemon(store, tmp_path / "second.log") as second:
+            watching = second.wait_event("restore.watching")[0]
+            assert watching["ids"] == [checkpoint_id]
+            control.write_text("4\n")
+            exited = second.wait_event("restore.exited", timeout=30)[0]
+            assert exited["pid"] == pid and exited["exit_status"] == 4
+        assert Store(store).get(checkpoint_id).exit_status == 4
+    finally:
+        kill_pid(pid)
+
+
+def test_direct_restore_waits_for_room_under_the_limit(cgroups: CgroupFactory, store: Path,
+                                                       tmp_path: Path) -> None:
+    """Without a daemon (--store) the check is the limit's: a restore that does not fit is
+    refused with the ways out, and --wait restores once the limit is raised."""
+    cg = cgroups.make("direct", 512 * MiB)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=160, rate=400, count=100_000))
+    assert wait_until(lambda: last_count(log) > 45, 30)
+    done = subprocess.run([sys.executable, "-m", "oomguard", "--store", str(store),
+                           "--log-format", "json", "checkpoint", str(hog.pid)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    checkpoint_id = done.stdout.strip()
+    hog.wait(timeout=10)
+    cg.set_limit(128 * MiB)
+    direct = [sys.executable, "-m", "oomguard", "--store", str(store), "--log-format", "json",
+              "restore", checkpoint_id]
+    refused = subprocess.run(direct, capture_output=True, text=True, timeout=120, cwd=REPO,
+                             stdin=subprocess.DEVNULL)
+    assert refused.returncode == 1
+    assert "free under its limit" in refused.stderr and "--wait" in refused.stderr
+    waiting = subprocess.Popen([*direct, "--wait", "--timeout", "120s"], cwd=REPO,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        assert wait_until(lambda: waiting.poll() is not None, 3) is False  # still waiting
+        cg.set_limit(512 * MiB)
+        out, err = waiting.communicate(timeout=150)
+        assert waiting.returncode == 0, err
+        assert "waiting until it fits" in err
+        pid = int(out.strip())
+        mark = last_count(log)
+        assert wait_until(lambda: last_count(log) > mark + 5, 30)
+        counts = read_counts(log)
+        assert counts == list(range(1, len(counts) + 1))
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+        if pid is not None:
+            kill_pid(pid)

@@ -15,7 +15,13 @@ from typing import Any
 import pytest
 
 from oomguard.errors import CheckpointFailed
-from oomguard.exitwatch import ExitWatch, describe_exit, exit_fields, record_exit
+from oomguard.exitwatch import (
+    ExitWatch,
+    describe_exit,
+    exit_fields,
+    record_exit,
+    rewatch_restored,
+)
 from oomguard.procconn import (
     PROC_CN_MCAST_IGNORE,
     PROC_EVENT_EXIT,
@@ -252,3 +258,50 @@ def test_a_root_gone_before_it_is_watched_is_reported_at_once() -> None:
     finally:
         watch.close()
     assert reports.seen == [("job-3", child.pid, None)]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.expected: list[float] = []
+        self.watched: list[tuple[str, int, int]] = []
+
+    def clock_ns(self) -> int:
+        return 77
+
+    def expect(self, seconds: float) -> int:
+        self.expected.append(seconds)
+        return 77
+
+    def watch(self, checkpoint_id: str, pid: int, since_ns: int) -> None:
+        self.watched.append((checkpoint_id, pid, since_ns))
+
+
+def restored_store(tmp_path: Path, entries: list[tuple[str, int | None, float | None]]) -> Store:
+    store = Store(tmp_path / "store")
+    for checkpoint_id, pid, exited_at in entries:
+        meta = CheckpointMeta(id=checkpoint_id, pid=70, pids=[70], command="job --x",
+                              comm="job", uid=0, user="root", cgroup="/a", cgroup_version=1,
+                              rss_bytes=1, reason="test", criu_version="4.2", created=1.0)
+        _images, fd = store.begin(meta)
+        os.close(fd)
+        store.commit(meta)
+        if pid is not None:
+            meta.state, meta.restored_pid, meta.restored_at = "restored", pid, 1000.0
+            meta.exited_at = exited_at
+            store.update(meta)
+    return store
+
+
+def test_rewatch_at_start_takes_only_the_restored_roots_still_running(tmp_path: Path) -> None:
+    store = restored_store(tmp_path, [("running", 501, None), ("exited", 502, 1100.0),
+                                      ("reused", 503, None), ("other-cmd", 504, None),
+                                      ("gone", 505, None), ("waiting", None, None)])
+    seen = {501: (999.5, "job --x"), 502: (999.5, "job --x"),
+            503: (5000.0, "job --x"),  # the pid was taken again long after the restore
+            504: (1000.0, "bash")}
+    watch = Recorder()
+    found = rewatch_restored(store, watch, identify=seen.get)  # type: ignore[arg-type]
+    assert found == ["running"]
+    assert watch.watched == [("running", 501, 77)] and watch.expected == [0]
+    assert rewatch_restored(restored_store(tmp_path / "empty", []), watch,  # type: ignore[arg-type]
+                            identify=seen.get) == []

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout
@@ -18,11 +19,13 @@ from oomguard.control.client import ControlError
 from oomguard.control.server import dispatch
 from oomguard.errors import NoRoom, RestoreFailed
 from oomguard.guards import CgroupGuard, SystemGuard
+from oomguard.metrics import Metrics
 from oomguard.policy import free_under_threshold, restore_fits
 from oomguard.restorefit import RestoreGuard, check_fits, daemon_lookup, guard_for
 from oomguard.restorewait import restore_when_it_fits
 from oomguard.service import Service
 from oomguard.store import CheckpointMeta, Store
+from oomguard.telemetry import EventTap
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -220,3 +223,15 @@ def test_the_guard_check_uses_the_target_and_force_skips_it(service: Service) ->
     service._check_guard(service.store.get("job-1"), None)  # no target cgroup: nothing to check
     service.guard_of = lambda cgroup: None
     service._check_guard(service.store.get("job-1"), full)  # not guarded: the limit check only
+
+
+def test_restore_failed_events_count_in_the_metric() -> None:
+    metrics = Metrics()
+    tap = EventTap(metrics)
+    tap("error", "restore.failed", {"id": "job-1", "auto": False, "error": "no room"})
+    tap("warning", "restore.exited", {"id": "job-1", "exit_status": 3})  # not a restore
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for family in text_string_to_metric_families(metrics.render().decode())
+              for s in family.samples if s.name == "oomguard_restores_total"}
+    assert values[("oomguard_restores_total", (("auto", "false"), ("outcome", "failed")))] == 1
+    assert values[("oomguard_restores_total", (("auto", "false"), ("outcome", "done")))] == 0
