@@ -63,6 +63,7 @@ from oomguard.prediction import forecast
 from oomguard.procfs import ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
+from oomguard.selfguard import own_family
 from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
@@ -515,7 +516,8 @@ class Daemon:
         return gpu.vram_by_pid() if gpu is not None and gpu.accounting else {}
 
     def protected_pids(self) -> frozenset[int]:
-        return frozenset(self.proc.descendants(self.self_pid))
+        """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""
+        return own_family(self.proc, self.self_pid)
 
     # -- system-wide rules --------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from oomguard.errors import CheckpointFailed
+from oomguard.errors import CheckpointFailed, ProcessGone
 from oomguard.procfs import ProcReader
 
 OUTCOME_UNTOUCHED = "untouched"  # as checkpoint.OUTCOME_UNTOUCHED: refused before stopping
@@ -37,3 +37,21 @@ def refuse_own_tree(root: int, proc: ProcReader, requester: int | None = None,
             f"{who}: stopping it would stop the one that has to carry out the checkpoint "
             "(name the job's own pid, not an ancestor of oomguard or of the caller)",
             OUTCOME_UNTOUCHED)
+
+
+def own_family(proc: ProcReader, self_pid: int | None = None) -> frozenset[int]:
+    """Never victims: oomguard, what it runs (its descendants) and its ancestors (a tree
+    rooted at one would hold oomguard: freezing, killing or dumping it would take oomguard
+    along). PID 1 is protected anyway."""
+    me = os.getpid() if self_pid is None else self_pid
+    family = set(proc.descendants(me))
+    pid = me
+    while True:
+        try:
+            pid = proc.process(pid).ppid
+        except ProcessGone:
+            break
+        if pid <= 1 or pid in family:
+            break
+        family.add(pid)
+    return frozenset(family)

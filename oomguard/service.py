@@ -29,6 +29,7 @@ from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer, memory_pages_bytes
 from oomguard.restorefit import GuardLookup, check_fits
+from oomguard.selfguard import own_family
 from oomguard.store import CheckpointMeta, Store, validate_id
 
 ROOT = 0
@@ -196,7 +197,7 @@ class Service:
             members = self.proc.processes(cgroup.procs())
         except (ValueError, CgroupGone) as exc:
             raise OomguardError(f"cgroup {cgroup_path}: {exc}") from None
-        protected = frozenset(self.proc.descendants(os.getpid()))
+        protected = own_family(self.proc)
         done, failed = [], []
         for tree in rank_victims(build_trees(members, protected)):
             try:

@@ -324,3 +324,47 @@ def test_direct_restore_waits_for_room_under_the_limit(cgroups: CgroupFactory, s
             waiting.kill()
         if pid is not None:
             kill_pid(pid)
+
+
+def test_a_daemon_inside_its_guarded_cgroup_never_takes_itself_along(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A script starts the daemon and a hog in the cgroup the daemon guards: the tree rooted
+    at the script holds the daemon, so the script is never a victim; the hog is checkpointed
+    on its own, and the script and the daemon go on."""
+    cg = cgroups.make("inside", 600 * MiB)
+    log = tmp_path / "hog.log"
+    daemon_log = tmp_path / "daemon.log"
+    socket = tmp_path / "s" / "control.sock"
+    argv = [sys.executable, "-m", "oomguard", "--store", str(store), "--socket", str(socket),
+            "--log-format", "json", "run", "--cgroup", str(cg.path), "--threshold", "50%"]
+    script = ('"$@" >> "$DAEMON_LOG" 2>&1 & echo $! > "$DAEMON_PID"\n'
+              'while ! grep -q guard.armed "$DAEMON_LOG"; do sleep 0.1; done\n'
+              f'{" ".join(hog_argv(log, target=400, rate=200, count=100_000))}\n'
+              'echo "hog ended $?" >> "$HOG_END"; sleep 600\n')
+    env = {**os.environ, "DAEMON_LOG": str(daemon_log),
+           "DAEMON_PID": str(tmp_path / "daemon.pid"), "HOG_END": str(tmp_path / "hog.end")}
+    runner = subprocess.Popen(
+        ["/bin/sh", "-c", 'echo $$ > "$0" && s="$1" && shift && exec /bin/sh -c "$s" sh "$@"',
+         str(cg.path / "cgroup.procs"), script, *argv],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    daemon_pid = None
+    try:
+        assert wait_until(lambda: (tmp_path / "hog.end").exists()
+                          and "checkpoint.done" in daemon_log.read_text(), 60), \
+            daemon_log.read_text()[-3000:]
+        daemon_pid = int((tmp_path / "daemon.pid").read_text())
+        events = parse_events(daemon_log.read_text())
+        done = [e for e in events if e.get("event") == "checkpoint.done"]
+        assert len(done) == 1, daemon_log.read_text()[-3000:]
+        assert done[0]["pid"] != runner.pid  # the hog, not the script holding the daemon
+        assert "hog ended 137" in (tmp_path / "hog.end").read_text()  # CRIU killed it
+        assert runner.poll() is None and proc_state(runner.pid) not in ("T", "t")
+        assert proc_state(daemon_pid) not in (None, "T", "t")
+        assert cg.snapshot().oom_kills == 0
+    finally:
+        if daemon_pid is not None:
+            os.kill(daemon_pid, signal.SIGTERM)
+            wait_until(lambda: proc_state(daemon_pid) in (None, "Z"), 30)
+        kill_pid(runner.pid)
+        runner.wait()

@@ -30,7 +30,7 @@ from oomguard.procconn import (
     parse_exits,
 )
 from oomguard.procfs import ProcReader
-from oomguard.selfguard import own_tree_members, refuse_own_tree
+from oomguard.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.store import CheckpointMeta, Store
 from tests.unit._support import FakeProc, fake_proc_tree
 
@@ -75,6 +75,14 @@ def test_a_tree_holding_oomguard_is_refused_untouched(proc: ProcReader) -> None:
 def test_a_tree_holding_the_caller_is_refused(proc: ProcReader) -> None:
     with pytest.raises(CheckpointFailed, match=r"200 \(the process asking"):
         refuse_own_tree(100, proc, requester=200, self_pid=999)
+
+
+def test_oomguards_family_is_never_a_victim(proc: ProcReader) -> None:
+    """Its descendants (CRIU) and its ancestors (the script that started it: a tree rooted
+    there holds oomguard); not its siblings."""
+    assert own_family(proc, self_pid=200) == {100, 200, 300}
+    assert own_family(proc, self_pid=300) == {100, 200, 300}
+    assert 110 not in own_family(proc, self_pid=200)
 
 
 def test_the_job_alone_is_fine(proc: ProcReader) -> None:
