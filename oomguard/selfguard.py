@@ -5,31 +5,53 @@ from __future__ import annotations
 
 import os
 
-from oomguard.errors import CheckpointFailed, ProcessGone
-from oomguard.procfs import ProcReader
+from oomguard.errors import CheckpointFailed
+from oomguard.procfs import ProcReader, parse_stat
 
 OUTCOME_UNTOUCHED = "untouched"  # as checkpoint.OUTCOME_UNTOUCHED: refused before stopping
 
 
-def own_tree_members(tree_pids: list[int], self_pids: list[int],
-                     requester: int | None) -> list[tuple[int, str]]:
-    """(pid, who) of every process in `tree_pids` that must not be stopped: oomguard itself
-    and what it runs (`self_pids`), and the requesting process."""
-    tree = set(tree_pids)
-    found = [(pid, "oomguard itself" if index == 0 else "a process oomguard runs")
-             for index, pid in enumerate(self_pids) if pid in tree]
-    if requester is not None and requester in tree and requester not in self_pids:
-        found.append((requester, "the process asking for the checkpoint"))
+def ancestry(proc: ProcReader, pid: int) -> list[int]:
+    """`pid`, its parent, and so on up to PID 1 (from /proc/PID/stat alone: cheap enough to
+    run before every freeze). Stops where a process is gone."""
+    chain = [pid]
+    while pid > 1:
+        try:
+            text = (proc.root / str(pid) / "stat").read_text(errors="replace")
+            pid = parse_stat(text).ppid
+        except (OSError, ValueError, IndexError):
+            break
+        if pid <= 0 or pid in chain:
+            break
+        chain.append(pid)
+    return chain
+
+
+def own_tree_members(root: int, self_chain: list[int], root_chain: list[int],
+                     requester_chain: list[int]) -> list[tuple[int, str]]:
+    """(pid, who) that the tree rooted at `root` would take along. The tree holds a process
+    exactly when `root` is that process or one of its ancestors; it holds a descendant of
+    oomguard when oomguard is among `root`'s ancestors. Chains come from ancestry()."""
+    found = []
+    me = self_chain[0]
+    if root in self_chain:
+        found.append((me, "oomguard itself"))
+    elif me in root_chain:
+        found.append((root, "a process oomguard runs"))
+    if requester_chain and root in requester_chain and requester_chain[0] != me:
+        found.append((requester_chain[0], "the process asking for the checkpoint"))
     return found
 
 
 def refuse_own_tree(root: int, proc: ProcReader, requester: int | None = None,
                     self_pid: int | None = None) -> None:
     """Raise CheckpointFailed (outcome untouched) when the tree rooted at `root`, as CRIU
-    would dump it (every descendant), holds oomguard or the requester: stopping it would
-    stop the one who has to finish the checkpoint, and nothing would ever thaw it."""
+    would dump it (every descendant), holds oomguard, a process it runs, or the requester:
+    stopping it would stop the one who has to finish the checkpoint, and nothing would ever
+    thaw it."""
     me = os.getpid() if self_pid is None else self_pid
-    found = own_tree_members(proc.descendants(root), proc.descendants(me), requester)
+    requester_chain = ancestry(proc, requester) if requester else []
+    found = own_tree_members(root, ancestry(proc, me), ancestry(proc, root), requester_chain)
     if found:
         who = ", ".join(f"{pid} ({what})" for pid, what in found)
         raise CheckpointFailed(
@@ -44,14 +66,4 @@ def own_family(proc: ProcReader, self_pid: int | None = None) -> frozenset[int]:
     rooted at one would hold oomguard: freezing, killing or dumping it would take oomguard
     along). PID 1 is protected anyway."""
     me = os.getpid() if self_pid is None else self_pid
-    family = set(proc.descendants(me))
-    pid = me
-    while True:
-        try:
-            pid = proc.process(pid).ppid
-        except ProcessGone:
-            break
-        if pid <= 1 or pid in family:
-            break
-        family.add(pid)
-    return frozenset(family)
+    return frozenset(proc.descendants(me)) | frozenset(p for p in ancestry(proc, me) if p > 1)

@@ -40,17 +40,18 @@ PROC_EVENT_FORK = 0x00000001
 # -- selfguard ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
-    ("tree", "self_pids", "requester", "found"),
-    [([10, 11, 12], [50, 51], None, []),
-     ([10, 11, 50, 51], [50, 51], None, [(50, "oomguard itself"),
-                                         (51, "a process oomguard runs")]),
-     ([10, 11], [50], 11, [(11, "the process asking for the checkpoint")]),
-     ([10, 11], [50], 12, []),  # the caller elsewhere: fine
-     ([50, 51], [50, 51], 50, [(50, "oomguard itself"), (51, "a process oomguard runs")])],
+    ("root", "self_chain", "root_chain", "requester_chain", "found"),
+    [(10, [50, 40, 1], [10, 1], [], []),  # unrelated
+     (40, [50, 40, 1], [40, 1], [], [(50, "oomguard itself")]),  # oomguard's parent
+     (50, [50, 40, 1], [50, 40, 1], [], [(50, "oomguard itself")]),
+     (60, [50, 40, 1], [60, 50, 40, 1], [], [(60, "a process oomguard runs")]),  # its CRIU
+     (10, [50, 1], [10, 1], [11, 10, 1], [(11, "the process asking for the checkpoint")]),
+     (10, [50, 1], [10, 1], [12, 9, 1], []),  # the caller elsewhere: fine
+     (40, [50, 40, 1], [40, 1], [50, 40, 1], [(50, "oomguard itself")])],  # asking itself
 )
-def test_own_tree_members(tree: list[int], self_pids: list[int], requester: int | None,
-                          found: list[tuple[int, str]]) -> None:
-    assert own_tree_members(tree, self_pids, requester) == found
+def test_own_tree_members(root: int, self_chain: list[int], root_chain: list[int],
+                          requester_chain: list[int], found: list[tuple[int, str]]) -> None:
+    assert own_tree_members(root, self_chain, root_chain, requester_chain) == found
 
 
 @pytest.fixture
@@ -68,7 +69,7 @@ def test_a_tree_holding_oomguard_is_refused_untouched(proc: ProcReader) -> None:
     with pytest.raises(CheckpointFailed) as refused:
         refuse_own_tree(100, proc, self_pid=200)
     assert refused.value.outcome == "untouched"
-    assert "200 (oomguard itself), 300 (a process oomguard runs)" in str(refused.value)
+    assert "contains 200 (oomguard itself)" in str(refused.value)
     assert "refused before stopping it" in str(refused.value)
 
 
@@ -83,6 +84,11 @@ def test_oomguards_family_is_never_a_victim(proc: ProcReader) -> None:
     assert own_family(proc, self_pid=200) == {100, 200, 300}
     assert own_family(proc, self_pid=300) == {100, 200, 300}
     assert 110 not in own_family(proc, self_pid=200)
+
+
+def test_what_oomguard_runs_is_refused(proc: ProcReader) -> None:
+    with pytest.raises(CheckpointFailed, match=r"300 \(a process oomguard runs\)"):
+        refuse_own_tree(300, proc, self_pid=200)
 
 
 def test_the_job_alone_is_fine(proc: ProcReader) -> None:
