@@ -151,6 +151,7 @@ class Restorer:
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
+        meta.exited_at, meta.exit_status, meta.exit_signal = None, None, None  # a new run
         into = target or original
         meta.restored_cgroup = into.rel_path if into is not None else None
         self.store.update(meta)
