@@ -60,10 +60,10 @@ from oomguard.policy import (
     with_vram,
 )
 from oomguard.prediction import forecast
-from oomguard.procfs import ProcReader
+from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
-from oomguard.selfguard import own_family
+from oomguard.selfguard import ancestors_of, own_family
 from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
@@ -475,7 +475,7 @@ class Daemon:
                 members = self.proc.processes(subtree_procs(cgroup.path))
             except CgroupGone:
                 return []
-            return rank_victims(with_vram(build_trees(members, self.protected_pids()),
+            return rank_victims(with_vram(build_trees(members, self.protected_among(members)),
                                           self._vram()))
 
         assert guard.parts is not None
@@ -519,6 +519,13 @@ class Daemon:
         """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""
         return own_family(self.proc, self.self_pid)
 
+    def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
+        """The daemon and what it started, among `processes`: cheap whatever the number of
+        the daemon's own threads (one per control connection); and its ancestors (a tree
+        rooted at one holds the daemon)."""
+        return self.proc.descended_from(self.self_pid, processes) | ancestors_of(
+            self.proc, self.self_pid)
+
     # -- system-wide rules --------------------------------------------------------------------
 
     def _examine_system(self, guard: SystemGuard, woke: float, source: str) -> None:
@@ -545,7 +552,8 @@ class Daemon:
             if guard.spec.victim_cgroups:
                 processes = [p for p in processes
                              if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
-            return rank_victims(with_vram(system_candidates(processes, self.protected_pids()),
+            return rank_victims(with_vram(system_candidates(processes,
+                                                            self.protected_among(processes)),
                                           self._vram()))
 
         def still_pressing() -> bool:

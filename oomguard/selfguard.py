@@ -66,4 +66,9 @@ def own_family(proc: ProcReader, self_pid: int | None = None) -> frozenset[int]:
     rooted at one would hold oomguard: freezing, killing or dumping it would take oomguard
     along). PID 1 is protected anyway."""
     me = os.getpid() if self_pid is None else self_pid
-    return frozenset(proc.descendants(me)) | frozenset(p for p in ancestry(proc, me) if p > 1)
+    return frozenset(proc.descendants(me)) | ancestors_of(proc, me)
+
+
+def ancestors_of(proc: ProcReader, pid: int) -> frozenset[int]:
+    """`pid`'s ancestors but PID 1: a tree rooted at one of them holds `pid`."""
+    return frozenset(p for p in ancestry(proc, pid)[1:] if p > 1)
