@@ -147,6 +147,20 @@ def test_wait_gives_up_at_the_timeout_and_the_reason_says_why() -> None:
     assert told[0].endswith("(Ctrl-C to give up, at most 5s)")
 
 
+def test_ctrl_c_while_waiting_says_the_checkpoint_is_untouched() -> None:
+    told: list[str] = []
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    attempt, calls = attempts(NO_ROOM_REMOTE)
+    with pytest.raises(KeyboardInterrupt):
+        restore_when_it_fits(attempt, wait=True, timeout=None, tell=told.append,
+                             sleep=interrupted)
+    assert len(calls) == 1
+    assert told[-1] == "gave up waiting; the checkpoint is untouched"
+
+
 @pytest.mark.parametrize("error", [NoRoom("no room"), NO_ROOM_REMOTE])
 def test_without_wait_no_room_is_raised_at_once(error: Exception) -> None:
     attempt, calls = attempts(error)
