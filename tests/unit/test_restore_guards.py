@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout
+from oomguard.cli import main
 from oomguard.config import GuardConfig
 from oomguard.control.client import ControlError
 from oomguard.control.server import dispatch
@@ -249,3 +250,8 @@ def test_restore_failed_events_count_in_the_metric() -> None:
               for s in family.samples if s.name == "oomguard_restores_total"}
     assert values[("oomguard_restores_total", (("auto", "false"), ("outcome", "failed")))] == 1
     assert values[("oomguard_restores_total", (("auto", "false"), ("outcome", "done")))] == 0
+
+
+def test_timeout_without_wait_is_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--log-format", "json", "restore", "some-id", "--timeout", "5s"]) == 2
+    assert "--timeout goes with --wait" in capsys.readouterr().err
