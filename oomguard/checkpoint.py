@@ -28,6 +28,7 @@ from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
+from oomguard.selfguard import refuse_own_tree
 from oomguard.store import CheckpointMeta, Store, new_id
 
 ON_FAILURE_THAW = "thaw"
@@ -96,13 +97,15 @@ class Checkpointer:
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
-                   ) -> CheckpointResult:
+                   requester: int | None = None) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
         the victim before it runs another instruction). Raises ProcessGone if the tree vanished
-        before it could be stopped."""
+        before it could be stopped, CheckpointFailed (untouched) if it holds oomguard or the
+        `requester` (the process that asked for it)."""
         start = self.clock()
+        refuse_own_tree(tree.root.pid, self.proc, requester)
         outside = [p.pid for p in tree.members if p.session == 0]
         if outside:
             # /proc shows session 0 when the session leader lives in an outer PID namespace

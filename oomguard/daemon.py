@@ -63,6 +63,7 @@ from oomguard.prediction import forecast
 from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
+from oomguard.selfguard import ancestors_of, own_family
 from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
@@ -558,12 +559,15 @@ class Daemon:
         return 0
 
     def protected_pids(self) -> frozenset[int]:
-        return frozenset(self.proc.descendants(self.self_pid))
+        """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""
+        return own_family(self.proc, self.self_pid)
 
     def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
         """The daemon and what it started, among `processes`: cheap whatever the number of
-        the daemon's own threads (one per control connection)."""
-        return self.proc.descended_from(self.self_pid, processes)
+        the daemon's own threads (one per control connection); and its ancestors (a tree
+        rooted at one holds the daemon)."""
+        return self.proc.descended_from(self.self_pid, processes) | ancestors_of(
+            self.proc, self.self_pid)
 
     # -- system-wide rules --------------------------------------------------------------------
 

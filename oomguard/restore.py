@@ -4,6 +4,7 @@ restore detached in its own session, then SIGCONT (trees are dumped stopped)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
-from oomguard.errors import CgroupGone, CriuError, RestoreFailed, StoreError
+from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
+from oomguard.exitwatch import ExitWatch
 from oomguard.freezer import Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
@@ -37,6 +39,15 @@ def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
 
+def one_line(exc: CriuError) -> str:
+    """CRIU's failure in one line: what it said first (the cause; later errors follow from
+    it), without its timestamp and source location."""
+    first = next((line for line in exc.log_tail.splitlines() if "Error" in line), "")
+    cause = re.sub(r"^\(\s*[\d.]+\)\s*(\d+:\s*)?Error \([^)]*\):\s*", "", first.strip())
+    head = str(exc).splitlines()[0] if str(exc) else "criu restore failed"
+    return f"{head}: {cause}" if cause else head
+
+
 def cgroup_root_arg(cgroup: MemoryCgroup) -> str:
     """CRIU's --cgroup-root for the memory controller (v1 names it; v2 has one hierarchy)."""
     return f"memory:{cgroup.rel_path}" if cgroup.version == 1 else cgroup.rel_path
@@ -47,8 +58,9 @@ class Restorer:
                  proc: ProcReader | None = None, *, pid_wait: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 gpu: GpuSupport | None = None) -> None:
+                 gpu: GpuSupport | None = None, exits: ExitWatch | None = None) -> None:
         self.criu = criu
+        self.exits = exits  # the daemon watches restored roots until they exit
         self.gpu = gpu
         self.store = store
         self.freezer = freezer
@@ -101,10 +113,11 @@ class Restorer:
         need = memory_pages_bytes(self.store, meta.id) + RESTORE_MARGIN
         free = snap.limit_bytes - snap.usage_bytes
         if free < need:
-            raise RestoreFailed(
+            raise NoRoom(
                 f"target cgroup {target.path} has {free >> 20} MiB free under its limit but the "
                 f"checkpoint needs {need >> 20} MiB: the kernel would OOM-kill it during restore. "
-                "Raise the limit, restore with --cgroup into a bigger one, or pass --force")
+                "Raise the limit, restore with --cgroup into a bigger one, wait until it fits "
+                "with --wait, or pass --force")
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
                 original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
@@ -131,6 +144,7 @@ class Restorer:
         start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
+        since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
         try:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
@@ -138,7 +152,7 @@ class Restorer:
                                     hook)
         except CriuError as exc:
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {exc}") from exc
+                                f"intact: {one_line(exc)}") from exc
         restored = self.proc.descendants(pid)
         self.freezer.thaw(restored)
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
@@ -149,9 +163,12 @@ class Restorer:
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
+        meta.exited_at, meta.exit_status, meta.exit_signal = None, None, None  # a new run
         into = target or original
         meta.restored_cgroup = into.rel_path if into is not None else None
         self.store.update(meta)
+        if self.exits is not None:
+            self.exits.watch(meta.id, pid, since)
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error)
 

@@ -61,6 +61,11 @@ class CheckpointMeta:
     restored_at: float | None = None
     restored_pid: int | None = None
     restored_cgroup: str | None = None
+    # When the restored tree's root exited (the daemon watches it), and how: exit_status (its
+    # exit code) or exit_signal (the signal's name); both None with exited_at set: unknown.
+    exited_at: float | None = None
+    exit_status: int | None = None
+    exit_signal: str | None = None
     gpu_pids: list[int] = field(default_factory=list)  # CUDA processes (pids in the tree's
     # own PID namespace): their state was moved off the GPU with cuda-checkpoint before the dump
     gpu_engine: str = ""  # what checkpointed their CUDA state: cuda-checkpoint | criu-plugin
