@@ -17,7 +17,7 @@ from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.checkpoint import Checkpointer, tree_of
+from oomguard.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
 from oomguard.errors import (
     CgroupGone,
     CheckpointFailed,
@@ -30,6 +30,7 @@ from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer, memory_pages_bytes
 from oomguard.restorefit import GuardLookup, check_fits
+from oomguard.rights import foreign_task, untouchable_task
 from oomguard.selfguard import own_family
 from oomguard.store import CheckpointMeta, Store, validate_id
 
@@ -169,6 +170,14 @@ class Service:
             raise ProcessGone(f"no process {pid}") from None
         if uid != ROOT and tree.root.uid != uid:
             raise PermissionDenied(f"process {pid} is not yours")
+        # The whole tree, as CRIU would dump it, before anything is stopped.
+        foreign = foreign_task(tree, uid)
+        if foreign is not None:
+            raise PermissionDenied(foreign)
+        untouchable = untouchable_task(tree, self.proc.descended_from(os.getpid(), tree.members))
+        if untouchable is not None:
+            raise CheckpointFailed(f"checkpoint of {pid} refused before stopping it: "
+                                   f"{untouchable}", OUTCOME_UNTOUCHED)
         try:
             rel = self.proc.memory_cgroup(pid)
         except ProcessGone:
