@@ -17,9 +17,11 @@ from pathlib import Path
 
 import psutil
 
+from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
+from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import Freezer, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
@@ -156,6 +158,9 @@ class Checkpointer:
             with self.dump_slots:
                 images, lock_fd = self.store.begin(meta)
                 began = True
+                # What the stopped tree has open, to be checked again before a restore.
+                self.store.write_private(images.parent / FILES_RECORD,
+                                         fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
                 self.criu.dump(tree.root.pid, images, hook, lock_fd)
                 dumped = True  # CRIU has killed the tree: these images are all there is of it

@@ -154,7 +154,9 @@ class Criu:
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
         group it leaves orphaned in its session gets SIGHUP from the kernel, and dies."""
         pidfile = work_dir / "restore.pid"
+        # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
+        (work_dir / RESTORE_LOG).unlink(missing_ok=True)
         argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir,
                             hook)
         result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)

@@ -9,11 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.exitwatch import ExitWatch
+from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
@@ -141,6 +143,7 @@ class Restorer:
             self.store.verify(checkpoint_id)
         except StoreError as exc:
             raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        self._check_files(meta, force)
         start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
@@ -171,6 +174,28 @@ class Restorer:
             self.exits.watch(meta.id, pid, since)
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error)
+
+    def _check_files(self, meta: CheckpointMeta, force: bool) -> None:
+        """Each file the tree had open must still be the same file: CRIU opens them by path,
+        as root. A non-root user's checkpoint is never restored onto another file (a swapped
+        path could hand their process a root-only file); root may --force its own."""
+        record = self.store.path_of(meta.id) / FILES_RECORD
+        try:
+            files = fileids.from_json(record.read_text()) if not record.is_symlink() else None
+        except FileNotFoundError:
+            return  # a checkpoint from before the record was kept
+        except (OSError, ValueError) as exc:
+            raise RestoreFailed(f"refusing to restore {meta.id}: its {FILES_RECORD} is "
+                                f"unreadable ({exc})") from exc
+        if files is None:
+            raise RestoreFailed(f"refusing to restore {meta.id}: its {FILES_RECORD} is a "
+                                "symlink")
+        problems = fileids.changed(files)
+        if problems and (meta.uid != 0 or not force):
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            hint = "" if meta.uid != 0 else "; --force restores it anyway"
+            raise RestoreFailed(f"refusing to restore {meta.id}: {problems[0]}{more}: the "
+                                f"restored process would get another file than its own{hint}")
 
     def _back_to_gpu(self, meta: CheckpointMeta, restored: list[int],
                      ) -> tuple[list[int], str | None]:

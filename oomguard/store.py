@@ -111,8 +111,12 @@ def new_id(pid: int, now: float) -> str:
 
 
 def _write_durably(path: Path, text: str) -> None:
+    """Write-new-then-rename; the new file is made with O_EXCL and never through a symlink."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover (or a planted symlink): removed, never followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
         os.write(fd, text.encode())
         os.fsync(fd)
@@ -386,6 +390,21 @@ class Store:
             yield
         finally:
             os.close(fd)
+
+    def write_private(self, path: Path, text: str) -> None:
+        """A file of oomguard's own inside a checkpoint directory: made anew (O_EXCL, never
+        through a symlink), durable."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(path)
 
     def update(self, meta: CheckpointMeta) -> None:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
