@@ -29,6 +29,7 @@ from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
 from oomguard.store import CheckpointMeta, Store, new_id
+from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
 
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
@@ -146,6 +147,9 @@ class Checkpointer:
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            ttys = external_ttys(self.proc.root, pids)
+            if ttys:
+                meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
             if hold is not None:
                 meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
                 meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
@@ -153,13 +157,14 @@ class Checkpointer:
                 images, lock_fd = self.store.begin(meta)
                 began = True
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-                self.criu.dump(tree.root.pid, images, hook, lock_fd)
+                self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys))
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
                 dumped_at = self.clock()
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta)
             done = self.clock()
+            pin_holders(ttys, meta.id)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if began:
                 self.store.abort(checkpoint_id)
