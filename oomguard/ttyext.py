@@ -86,49 +86,72 @@ def inherit_args(fds: Iterable[tuple[int, str]]) -> list[str]:
     return args
 
 
+@dataclass(frozen=True)
+class FdEntry:
+    """One open fd of a process: its link target, and for a pts slave its st_rdev/st_dev, for
+    a ptmx master the index from its fdinfo."""
+
+    link: str
+    rdev: int = 0
+    dev: int = 0
+    master_index: int | None = None
+
+
+def external_from(entries: Iterable[FdEntry], socket: str | None = None) -> list[ExternalTty]:
+    """Every pts slave the tree holds whose master no process of the tree holds (a master
+    inside the tree is CRIU's ordinary case)."""
+    slaves: dict[int, tuple[int, int]] = {}
+    masters: set[int] = set()
+    for entry in entries:
+        index = pts_index(entry.link)
+        if index is not None:
+            slaves.setdefault(index, (entry.rdev, entry.dev))
+        elif entry.master_index is not None:
+            masters.add(entry.master_index)
+    return [ExternalTty(rdev, dev, index, socket)
+            for index, (rdev, dev) in sorted(slaves.items()) if index not in masters]
+
+
 class TtySensor:
     """Reads the fd tables of a tree's processes from /proc (root injectable for tests)."""
 
     def __init__(self, proc_root: Path | str = "/proc") -> None:
         self.root = Path(proc_root)
 
-    def _fds(self, pid: int) -> list[tuple[str, str]]:
-        fd_dir = self.root / str(pid) / "fd"
+    def fd_entries(self, pid: int) -> list[FdEntry]:
+        base = self.root / str(pid)
         found = []
         try:
-            names = os.listdir(fd_dir)
+            names = os.listdir(base / "fd")
         except OSError:
             return []
         for name in names:
             with contextlib.suppress(OSError):
-                found.append((name, os.readlink(fd_dir / name)))
+                link = os.readlink(base / "fd" / name)
+                if pts_index(link) is not None:
+                    st = os.stat(base / "fd" / name)
+                    found.append(FdEntry(link, st.st_rdev, st.st_dev))
+                elif link == "/dev/ptmx":
+                    index = fdinfo_tty_index((base / "fdinfo" / name).read_text())
+                    found.append(FdEntry(link, master_index=index))
         return found
 
-    def external_ttys(self, pids: Iterable[int]) -> list[ExternalTty]:
-        """Every pts slave some process of the tree holds whose master no process of the tree
-        holds (a master inside the tree is CRIU's ordinary case)."""
-        slaves: dict[int, tuple[int, int]] = {}
-        masters: set[int] = set()
-        socket: str | None = None
+    def socket_named(self, pids: Iterable[int]) -> str | None:
         for pid in pids:
-            for name, link in self._fds(pid):
-                index = pts_index(link)
-                if index is not None and index not in slaves:
-                    with contextlib.suppress(OSError):
-                        st = os.stat(self.root / str(pid) / "fd" / name)
-                        slaves[index] = (st.st_rdev, st.st_dev)
-                elif link == "/dev/ptmx":
-                    with contextlib.suppress(OSError):
-                        master = fdinfo_tty_index(
-                            (self.root / str(pid) / "fdinfo" / name).read_text())
-                        if master is not None:
-                            masters.add(master)
-            if socket is None:
-                with contextlib.suppress(OSError):
-                    socket = environ_value((self.root / str(pid) / "environ").read_bytes(),
-                                           SOCKET_ENV)
-        return [ExternalTty(rdev, dev, index, socket)
-                for index, (rdev, dev) in sorted(slaves.items()) if index not in masters]
+            with contextlib.suppress(OSError):
+                value = environ_value((self.root / str(pid) / "environ").read_bytes(),
+                                      SOCKET_ENV)
+                if value:
+                    return value
+        return None
+
+    def external_ttys(self, pids: Iterable[int]) -> list[ExternalTty]:
+        pids = list(pids)
+        ttys = external_from([e for pid in pids for e in self.fd_entries(pid)])
+        if not ttys:
+            return []
+        socket = self.socket_named(pids)
+        return [ExternalTty(t.rdev, t.dev, t.index, socket) for t in ttys]
 
 
 def external_ttys(proc_root: Path | str, pids: Iterable[int]) -> list[ExternalTty]:
