@@ -48,7 +48,8 @@ def raw_terminal(fd: int | None) -> Iterator[None]:
     try:
         yield
     finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        with contextlib.suppress(OSError, termios.error):  # the terminal may be gone (hangup)
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 @contextlib.contextmanager

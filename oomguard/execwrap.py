@@ -68,8 +68,9 @@ def report(message: str) -> None:
     """To the user's terminal when stderr is one (never the job's: a terminal job has a pty of
     its own), else to syslog (the journal): the job's log files stay the job's."""
     if os.isatty(2):
-        os.write(2, f"oomguard: {message}\n".encode())
-        return
+        with contextlib.suppress(OSError):  # a terminal that hung up goes on to syslog
+            os.write(2, f"oomguard: {message}\n".encode())
+            return
     syslog.openlog("oomguard-exec", syslog.LOG_PID, syslog.LOG_USER)
     syslog.syslog(syslog.LOG_NOTICE, message)
 

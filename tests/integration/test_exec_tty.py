@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.execwrap import EXIT_CHECKPOINTED
+from oomguard.execwrap import EXIT_CHECKPOINTED, EXIT_DETACHED
 from oomguard.store import Store
 from oomguard.ttyclient import request
 from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, oomguard_argv, wait_until
@@ -249,3 +249,70 @@ def test_attach_without_a_holder_says_why(store: Path, runtime_env: dict[str, st
     assert result.returncode == 1
     assert "has no terminal oomguard holds" in result.stderr
 
+
+
+def test_closing_the_terminal_leaves_the_job_running_and_attachable_by_pid(
+        store: Path, tmp_path: Path, runtime_env: dict[str, str]) -> None:
+    """The terminal window is closed while the job runs: exec says it detached (76), the job
+    does not die of SIGHUP (its terminal is the holder's pty), and `attach PID` finds it."""
+    log = tmp_path / "job.log"
+    first = Terminal([*oomguard_argv(store), "exec", "--", *job_argv(log, target=8, count=400)],
+                     runtime_env, tmp_path)
+    first.wait_for("count 3")
+    first.close()
+    assert first.proc.wait(timeout=30) == EXIT_DETACHED
+    init = int(next(p for p in os.listdir("/proc") if p.isdigit() and _is_init_of(p, log)))
+    try:
+        seen = len(counts(log))
+        assert wait_until(lambda: len(counts(log)) > seen + 5, 30), "the job stopped counting"
+        viewer = Terminal([*oomguard_argv(store), "attach", str(init)], runtime_env, tmp_path)
+        viewer.wait_for(f"count {len(counts(log)) + 3}")
+        viewer.type(b"still here\r")
+        viewer.wait_for("echo: still here")
+        viewer.type(b"\x1c")
+        assert viewer.proc.wait(timeout=30) == 0
+        assert wait_until(lambda: done_line(log), 60) == "done 400 ok"
+    finally:
+        kill_pid(init)
+
+
+def _is_init_of(pid: str, log: Path) -> bool:
+    """The namespace's init (oomguard/nsinit.py) of the job writing `log`."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(arg.endswith(b"nsinit.py") for arg in cmdline) and str(log).encode() in cmdline
+
+
+def test_failed_restore_leaves_checkpoint_and_terminal_restorable(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, runtime_env: dict[str, str]) -> None:
+    small = cgroups.make("ttyfail", 128 * MiB)
+    big = cgroups.make("ttyfailbig", 512 * MiB)
+    log = tmp_path / "job.log"
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
+        guard.wait_event("guard.armed")
+        first = Terminal([*oomguard_argv(store), "exec", "--cgroup", str(small.path), "--",
+                          *job_argv(log, count=200)], runtime_env, tmp_path)
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert first.proc.wait(timeout=30) == EXIT_CHECKPOINTED
+    first.close()
+    broken = tmp_path / "criu-broken"  # a CRIU that is new enough but fails every restore
+    broken.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Version: 4.2.1" && exit 0\n'
+                      'echo "Error (criu/cr-restore.c:1): broken on purpose" >&2\nexit 1\n')
+    broken.chmod(0o755)
+    failed = run_cli(store, "restore", done["id"], "--cgroup", str(big.path), "--criu",
+                     str(broken), env=runtime_env)
+    assert failed.returncode == 1
+    assert "the checkpoint is intact" in failed.stderr
+    assert Store(store).get(done["id"]).state == "checkpointed"
+    socket_path = Store(store).get(done["id"]).extra["ttys"][0]["socket"]
+    assert request(socket_path, "info")["pinned"] == done["id"]  # the holder waits on
+    result = run_cli(store, "restore", done["id"], "--cgroup", str(big.path), env=runtime_env)
+    assert result.returncode == 0, result.stderr
+    pid = int(result.stdout.strip())
+    try:
+        assert wait_until(lambda: done_line(log), 60) == "done 200 ok"
+        assert counts(log) == list(range(1, 201))
+    finally:
+        kill_pid(pid)
