@@ -19,7 +19,7 @@ from oomguard.procfs import ProcReader
 from oomguard.store import IMAGES, CheckpointMeta, Store
 from oomguard.ttyclient import HolderError
 from oomguard.ttyext import TTYS
-from oomguard.ttyrestore import gid_of, lease_ttys
+from oomguard.ttyrestore import criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -134,8 +134,9 @@ class Restorer:
                                     hook, ttys.args, ttys.fds)
         except CriuError as exc:
             ttys.failed()
+            hint = criu_tty_hint(str(exc))
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {exc}") from exc
+                                f"intact: {hint + chr(10) if hint else ''}{exc}") from exc
         ttys.succeeded()
         if ttys.entries:
             meta.extra[TTYS] = ttys.entries

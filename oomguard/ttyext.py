@@ -97,9 +97,21 @@ class FdEntry:
     master_index: int | None = None
 
 
-def external_from(entries: Iterable[FdEntry], socket: str | None = None) -> list[ExternalTty]:
+def stat_session_tty(text: str) -> tuple[int, int]:
+    """(session, tty_nr) from a /proc/PID/stat line (the command may hold spaces and ')')."""
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[3]), int(fields[4])
+
+
+def external_from(entries: Iterable[FdEntry], controlled: Iterable[int],
+                  socket: str | None = None) -> list[ExternalTty]:
     """Every pts slave the tree holds whose master no process of the tree holds (a master
-    inside the tree is CRIU's ordinary case)."""
+    inside the tree is CRIU's ordinary case) and that is the controlling terminal of a session
+    led inside the tree (`controlled`: their st_rdev, i.e. the leaders' tty_nr). CRIU restores
+    such a terminal from an inherited fd and the session with it; a terminal of a session led
+    outside the tree (a job started from an interactive shell) it cannot: that is left to
+    CRIU's --shell-job handling, as before."""
+    owned = set(controlled)
     slaves: dict[int, tuple[int, int]] = {}
     masters: set[int] = set()
     for entry in entries:
@@ -109,7 +121,8 @@ def external_from(entries: Iterable[FdEntry], socket: str | None = None) -> list
         elif entry.master_index is not None:
             masters.add(entry.master_index)
     return [ExternalTty(rdev, dev, index, socket)
-            for index, (rdev, dev) in sorted(slaves.items()) if index not in masters]
+            for index, (rdev, dev) in sorted(slaves.items())
+            if index not in masters and rdev in owned]
 
 
 class TtySensor:
@@ -145,9 +158,20 @@ class TtySensor:
                     return value
         return None
 
+    def controlled(self, pids: Iterable[int]) -> list[int]:
+        """The controlling terminals (tty_nr) of the session leaders among `pids`."""
+        found = []
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                session, tty_nr = stat_session_tty((self.root / str(pid) / "stat").read_text())
+                if session == pid and tty_nr:
+                    found.append(tty_nr)
+        return found
+
     def external_ttys(self, pids: Iterable[int]) -> list[ExternalTty]:
         pids = list(pids)
-        ttys = external_from([e for pid in pids for e in self.fd_entries(pid)])
+        ttys = external_from([e for pid in pids for e in self.fd_entries(pid)],
+                             self.controlled(pids))
         if not ttys:
             return []
         socket = self.socket_named(pids)

@@ -112,3 +112,13 @@ def gid_of(uid: int) -> int:
         return pwd.getpwuid(uid).pw_gid
     except KeyError:
         return uid
+
+
+def criu_tty_hint(criu_error: str) -> str | None:
+    """One line saying why CRIU could not give a job its terminal back, when that is it."""
+    if "tty to inherit session" in criu_error or "No task found with sid" in criu_error:
+        return ("the job's terminal belongs to a session led outside the checkpointed tree (a "
+                "job started from an interactive shell): CRIU restores it only under that same "
+                "terminal session, which is gone; jobs started with `oomguard exec` on a "
+                "terminal restore anywhere")
+    return None

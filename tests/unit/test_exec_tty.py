@@ -27,6 +27,7 @@ from oomguard.ttyext import (
     inherit_args,
     parse_key,
     pts_index,
+    stat_session_tty,
 )
 from tests.unit.test_criu_argv import FakeRunner
 
@@ -83,13 +84,29 @@ def test_external_is_a_slave_whose_master_is_outside_the_tree() -> None:
     entries = [FdEntry("/dev/pts/3", 0x8803, 0x1A), FdEntry("/dev/pts/3", 0x8803, 0x1A),
                FdEntry("/dev/null"), FdEntry("/dev/pts/4", 0x8804, 0x1A),
                FdEntry("/dev/ptmx", master_index=4), FdEntry("/dev/ptmx", master_index=None)]
-    assert external_from(entries, "/s") == [ExternalTty(0x8803, 0x1A, 3, "/s")]
-    assert external_from([FdEntry("/dev/null")]) == []
+    assert external_from(entries, [0x8803], "/s") == [ExternalTty(0x8803, 0x1A, 3, "/s")]
+    assert external_from([FdEntry("/dev/null")], [0x8803]) == []
+
+
+def test_a_terminal_of_a_session_led_outside_the_tree_is_not_external() -> None:
+    """A job started from an interactive shell: the shell leads the terminal's session; CRIU
+    cannot restore that session from an inherited fd, so it stays a --shell-job terminal."""
+    entries = [FdEntry("/dev/pts/3", 0x8803, 0x1A)]
+    assert external_from(entries, []) == []
+    assert external_from(entries, [0x8804]) == []
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("1234 (python3) S 1 1234 1234 34816 1234 4194560 0 0", (1234, 34816)),
+    ("77 (a) b) (c d) R 1 70 70 0 -1 0", (70, 0)),
+])
+def test_stat_session_tty_with_hostile_names(line: str, expected: tuple[int, int]) -> None:
+    assert stat_session_tty(line) == expected
 
 
 def test_sensor_reads_fd_tables_from_a_proc_tree(tmp_path: Path) -> None:
-    """A /proc fixture: pid 10 holds a pty slave (a real one, stat-able) and its environment
-    names the holder; pid 11 holds a pipe. pid 12 is gone."""
+    """A /proc fixture: pid 10 leads the session the pty controls, holds its slave (a real one,
+    stat-able) and its environment names the holder; pid 11 holds a pipe. pid 12 is gone."""
     master, slave = os.openpty()
     try:
         for pid in (10, 11):
@@ -100,8 +117,10 @@ def test_sensor_reads_fd_tables_from_a_proc_tree(tmp_path: Path) -> None:
         (tmp_path / "10" / "fd" / "1").symlink_to("/dev/null")
         (tmp_path / "10" / "environ").write_bytes(b"HOME=/\0OOMGUARD_TTY_SOCKET=/r/t.sock\0")
         (tmp_path / "11" / "fd" / "0").symlink_to("pipe:[42]")
-        ttys = TtySensor(tmp_path).external_ttys([10, 11, 12])
         st = os.stat(slave_path)
+        (tmp_path / "10" / "stat").write_text(f"10 (nsinit) S 9 10 10 {st.st_rdev} 10 0 0 0\n")
+        (tmp_path / "11" / "stat").write_text(f"11 (job) S 10 11 10 {st.st_rdev} 11 0 0 0\n")
+        ttys = TtySensor(tmp_path).external_ttys([10, 11, 12])
         assert ttys == [ExternalTty(st.st_rdev, st.st_dev, pts_index(slave_path) or 0,
                                     "/r/t.sock")]
         assert ttys[0].as_dict()["key"] == format_key(st.st_rdev, st.st_dev)
