@@ -164,7 +164,7 @@ class Checkpointer:
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta)
             done = self.clock()
-            pin_holders(ttys, meta.id)
+            pin_holders(ttys, meta.id, meta.uid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if began:
                 self.store.abort(checkpoint_id)

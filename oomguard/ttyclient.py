@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -18,6 +20,7 @@ from oomguard.errors import OomguardError
 
 HOLDER_SCRIPT = Path(__file__).with_name("ttyholder.py")
 SYSTEM_DIR = Path("/run/oomguard/tty")
+SOCKET_NAME = re.compile(r"tty-[0-9a-f]{8}\.sock")
 DEFAULT_GRACE = 30.0  # seconds a vacated terminal waits for a checkpoint to claim it
 
 
@@ -39,10 +42,25 @@ def new_socket_path(directory: Path) -> Path:
     return directory / f"tty-{secrets.token_hex(4)}.sock"
 
 
-def answers(path: Path | str) -> bool:
+def trusted_socket(path: str | Path, uid: int) -> bool:
+    """Whether `path` (named by a job's environment: the job's user chose it) may be talked to
+    by root on that user's behalf: a holder's socket name, a socket, owned by the user."""
+    path = Path(path)
+    if not SOCKET_NAME.fullmatch(path.name):
+        return False
     try:
-        request(path, "info", timeout=1.0)
-    except HolderError:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and st.st_uid in (uid, os.geteuid())
+
+
+def answers(path: Path | str) -> bool:
+    """Whether something listens there (a dead holder's socket refuses connections)."""
+    try:
+        with _connect(path, 1.0) as sock:
+            sock.sendall(b'{"op": "info"}\n')  # a holder is not kept waiting for a request
+    except (HolderError, OSError):
         return False
     return True
 
@@ -51,19 +69,24 @@ def listen_at(path: Path, uid: int, gid: int) -> socket.socket:
     """A listening socket at `path` (its directory made 0700 and owned by uid), replacing a
     stale socket file there but never a live holder."""
     directory = path.parent
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if os.geteuid() == 0:
-        os.chown(directory, uid, gid)
-    if path.exists():
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.geteuid() == 0 and directory.parent == SYSTEM_DIR:
+            os.lchown(directory, uid, gid)
+    except OSError as exc:
+        raise HolderError(f"cannot make {directory} for the job's terminal ({exc.strerror}); "
+                          "set XDG_RUNTIME_DIR to a directory of yours") from exc
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise HolderError(f"{path} exists and is not a socket")
         if answers(path):
             raise HolderError(f"a terminal holder already listens on {path}")
-        path.unlink()
+        path.unlink()  # a dead holder's socket
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(str(path))
-        os.chmod(path, 0o600)
+        sock.bind(str(path))  # in a 0700 directory: its mode does not matter
         if os.geteuid() == 0:
-            os.chown(path, uid, gid)
+            os.lchown(path, uid, gid)
         sock.listen(8)
     except OSError:
         sock.close()

@@ -187,10 +187,11 @@ def external_ttys(proc_root: Path | str, pids: Iterable[int]) -> list[ExternalTt
         return []
 
 
-def pin_holders(ttys: Iterable[ExternalTty], checkpoint_id: str) -> None:
-    """Tell each terminal's holder (when the tree named one) that the job is checkpointed:
-    it then keeps the terminal for the restore instead of ending."""
-    from oomguard.ttyclient import notify
+def pin_holders(ttys: Iterable[ExternalTty], checkpoint_id: str, uid: int) -> None:
+    """Tell each terminal's holder (when the tree named one, and it is a holder's socket of
+    the job's user) that the job is checkpointed: it keeps the terminal for the restore."""
+    from oomguard.ttyclient import notify, trusted_socket
 
     for socket in {tty.socket for tty in ttys if tty.socket}:
-        notify(socket, "pin", id=checkpoint_id)
+        if trusted_socket(socket, uid):
+            notify(socket, "pin", id=checkpoint_id)

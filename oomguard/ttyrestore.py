@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.ttyclient import (
+    SOCKET_NAME,
     SYSTEM_DIR,
     HolderError,
     listen_at,
@@ -18,6 +19,7 @@ from oomguard.ttyclient import (
     notify,
     request_slave,
     spawn_holder,
+    trusted_socket,
 )
 from oomguard.ttyext import TTYS, inherit_args, parse_key
 
@@ -48,11 +50,15 @@ class TtyLease:
 
 
 def _replacement_path(recorded: str | None, uid: int) -> Path:
-    if recorded:
+    """Where a new holder listens: where the old one did (the job's environment names it)
+    when that is in the user's directory under /run/oomguard/tty, or anywhere for root's own
+    jobs; else a new name there (`oomguard attach PID` finds it)."""
+    own_dir = SYSTEM_DIR / str(uid)
+    if recorded and SOCKET_NAME.fullmatch(Path(recorded).name):
         path = Path(recorded)
-        if path.parent.is_dir() or path.is_relative_to(SYSTEM_DIR):
+        if path.parent == own_dir or (uid == os.geteuid() and path.parent.is_dir()):
             return path
-    return new_socket_path(SYSTEM_DIR / str(uid))
+    return new_socket_path(own_dir)
 
 
 def _new_holder(entry: dict[str, Any], checkpoint_id: str, uid: int, gid: int,
@@ -87,7 +93,7 @@ def lease_ttys(extra: dict[str, Any], checkpoint_id: str, uid: int, gid: int) ->
             entry = dict(recorded)
             parse_key(entry["key"])
             fd: int | None = None
-            if entry.get("socket"):
+            if entry.get("socket") and trusted_socket(entry["socket"], uid):
                 with contextlib.suppress(HolderError):
                     fd, info = request_slave(entry["socket"])
                     if entry["key"] not in (info.get("key"), *(info.get("origin") or [])):

@@ -173,3 +173,42 @@ def test_holder_of_checkpoint() -> None:
         == "/s"
     assert holder_of_checkpoint({"extra": {}}) is None
     assert holder_of_checkpoint({}) is None
+
+
+def test_only_a_holders_socket_of_the_user_is_trusted(tmp_path: Path) -> None:
+    """A job's environment names its holder's socket: root talks to it, or replaces it, only
+    when it is a socket with a holder's name, owned by the job's user."""
+    import socket as socketlib
+
+    from oomguard.ttyclient import HolderError, listen_at, trusted_socket
+
+    good = tmp_path / "tty-0123abcd.sock"
+    with listen_at(good, os.getuid(), os.getgid()):
+        assert trusted_socket(good, os.getuid())
+        with pytest.raises(HolderError, match="already listens"):
+            listen_at(good, os.getuid(), os.getgid())
+    plain = tmp_path / "tty-deadbeef.sock"
+    plain.write_text("precious")
+    assert not trusted_socket(plain, os.getuid())
+    with pytest.raises(HolderError, match="not a socket"):
+        listen_at(plain, os.getuid(), os.getgid())
+    assert plain.read_text() == "precious"
+    assert not trusted_socket(tmp_path / "control.sock", os.getuid())
+    stale = tmp_path / "tty-00000000.sock"
+    dead = socketlib.socket(socketlib.AF_UNIX)
+    dead.bind(str(stale))
+    dead.close()
+    with listen_at(stale, os.getuid(), os.getgid()):  # a dead holder's socket is replaced
+        assert trusted_socket(stale, os.getuid())
+
+
+def test_a_new_holder_listens_where_the_old_one_did_only_in_safe_places(tmp_path: Path) -> None:
+    from oomguard.ttyrestore import _replacement_path
+
+    me = os.geteuid()
+    old = tmp_path / "tty-0123abcd.sock"
+    assert _replacement_path(str(old), me) == old  # the user's own directory, for themselves
+    other = _replacement_path(str(old), me + 1000)  # root for another user: never their path
+    assert other.parent == SYSTEM_DIR / str(me + 1000) and other != old
+    assert _replacement_path("/etc/passwd", me).parent == SYSTEM_DIR / str(me)
+    assert _replacement_path(None, me).parent == SYSTEM_DIR / str(me)
