@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import struct
 import sys
 import termios
 from types import FrameType
@@ -23,6 +24,7 @@ from types import FrameType
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGWINCH, signal.SIGALRM)
 EXIT_NOT_STARTED = 127
+TIOCGSID = 0x5429  # not in Python's termios
 
 
 class Init:
@@ -32,9 +34,15 @@ class Init:
         self.status = 0
 
     def take_terminal(self) -> None:
-        """Make the terminal ours (session leader) and the job's group its foreground."""
+        """Make the terminal ours (session leader) and the job's group its foreground, unless
+        it is ours already (a SIGCONT after a freeze that was not a restore: the job may have
+        put another group of its own in the foreground)."""
         if self.tty_fd is None:
             return
+        with contextlib.suppress(OSError):
+            sid = struct.unpack("i", fcntl.ioctl(self.tty_fd, TIOCGSID, b"\0" * 4))[0]
+            if sid == os.getsid(0):
+                return
         with contextlib.suppress(OSError):
             fcntl.ioctl(self.tty_fd, termios.TIOCSCTTY, 0)
         if self.job is not None:
@@ -112,7 +120,6 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, init.forward)
     signal.signal(signal.SIGCONT, init.on_cont)
     init.start(command)
-    init.take_terminal()
     return init.reap()
 
 
