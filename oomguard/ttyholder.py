@@ -89,6 +89,8 @@ class Holder:
         # Every slave is closed: the job ended or was checkpointed. Hold one ourselves.
         self.own_slave = self._open_slave()
         self.vacant_since = time.monotonic()
+        if self.pinned is None:
+            self.note("the job closed its terminal")
 
     # -- clients -------------------------------------------------------------------------------
 
