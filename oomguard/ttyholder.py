@@ -90,7 +90,7 @@ class Holder:
         self.own_slave = self._open_slave()
         self.vacant_since = time.monotonic()
         if self.pinned is None:
-            self.note("the job closed its terminal")
+            self.note("every process of the job closed the terminal (it ended, or is checkpointed)")
 
     # -- clients -------------------------------------------------------------------------------
 
