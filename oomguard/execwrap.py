@@ -37,6 +37,7 @@ CLONE_NEWPID = 0x20000000
 EXIT_CHECKPOINTED = 75  # the job was checkpointed (its id is reported); `oomguard restore ID`
 EXIT_DETACHED = 76  # a terminal job runs on without us (detached, or our terminal is gone)
 EXIT_NOT_FOUND = 127
+EXIT_NO_CGROUP = 125  # nsinit could not join --cgroup (it says nothing on the job's streams)
 FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 CHILD = "child"
 
@@ -106,18 +107,26 @@ class ExecJob:
             stdin=stdio.get(0), stdout=stdio.get(1), stderr=stdio.get(2), env=env,
             start_new_session=True, pass_fds=() if tty_fd is None else (tty_fd,))
 
-    def _ended(self, proc: subprocess.Popen[bytes]) -> tuple[int, str | None]:
-        """(exit status, checkpoint id) once the namespace's init is gone. CRIU kills a dumped
-        tree with SIGKILL; the store then says whether it was a checkpoint."""
+    def _ended(self, proc: subprocess.Popen[bytes]) -> tuple[int, str | None, str | None]:
+        """(exit status, checkpoint id, what to tell) once the namespace's init is gone. CRIU
+        kills a dumped tree with SIGKILL; the store then says whether it was a checkpoint."""
         code = proc.wait()
         if code == -signal.SIGKILL:
             checkpoint_id = self.find_checkpoint(proc.pid)
             if checkpoint_id is not None:
-                self.say(f"job {proc.pid} checkpointed as {checkpoint_id}; "
-                         f"bring it back with `oomguard restore {checkpoint_id}`")
-                return EXIT_CHECKPOINTED, checkpoint_id
-            self.say(f"job {proc.pid} was killed (SIGKILL)")
-        return exit_status(code), None
+                return EXIT_CHECKPOINTED, checkpoint_id, (
+                    f"job {proc.pid} checkpointed as {checkpoint_id}; "
+                    f"bring it back with `oomguard restore {checkpoint_id}`")
+            return exit_status(code), None, f"job {proc.pid} was killed (SIGKILL)"
+        if code == EXIT_NO_CGROUP and self.cgroup_procs is not None:
+            return code, None, f"the job could not join {self.cgroup_procs.parent}"
+        return exit_status(code), None, None
+
+    def _finish(self, proc: subprocess.Popen[bytes]) -> int:
+        status, _checkpoint_id, message = self._ended(proc)
+        if message:
+            self.say(message)
+        return status
 
     def _run_plain(self) -> int:
         with signal_wakeups((signal.SIGCHLD, signal.SIGHUP, *FORWARD)) as wake:
@@ -126,7 +135,7 @@ class ExecJob:
                 for sig in os.read(wake, 64) if _readable(wake) else b"":
                     if sig != signal.SIGCHLD:
                         _forward(proc, sig)
-        return self._ended(proc)[0]
+        return self._finish(proc)
 
     def _run_tty(self, tty_fds: list[int]) -> int:
         master, slave = os.openpty()
@@ -142,6 +151,7 @@ class ExecJob:
         sock, _info = connect_attach(path)
         stdin_fd = 0 if 0 in tty_fds else None
         out_fd = next(fd for fd in (1, 2, 0) if fd in tty_fds)
+        message: str | None = None
         with sock, raw_terminal(stdin_fd), \
                 signal_wakeups((signal.SIGCHLD, signal.SIGHUP, *FORWARD)) as wake:
             proc = self._spawn({fd: slave for fd in tty_fds}, env, slave)
@@ -157,32 +167,22 @@ class ExecJob:
 
             relay = Relay(sock, stdin_fd, out_fd, wake, on_signal)
             why = relay.run()
-            if why in (CHILD, ENDED):
-                status, checkpoint_id = self._ended_quietly(proc)
+            if why == CHILD or (why == ENDED and proc.poll() is not None):
+                status, checkpoint_id, message = self._ended(proc)
                 if checkpoint_id is not None:
                     notify(str(path), "pin", id=checkpoint_id)
                 else:
                     notify(str(path), "done")
                     relay.drain()
+        if why == ENDED and message is None and proc.returncode is None:
+            self.say(f"the job's terminal holder ended; the job (pid {proc.pid}) is on its own")
+            return EXIT_DETACHED
         if why in (CHILD, ENDED):
-            self._said()
+            if message:
+                self.say(message)
             return status
         self.say(f"detached; the job runs on (pid {proc.pid}): `oomguard attach {proc.pid}`")
         return EXIT_DETACHED
-
-    def _ended_quietly(self, proc: subprocess.Popen[bytes]) -> tuple[int, str | None]:
-        """As _ended, with what it says kept until the terminal is out of raw mode."""
-        said: list[str] = []
-        say, self.say = self.say, said.append
-        try:
-            return self._ended(proc)
-        finally:
-            self.say = say
-            self._pending = said
-
-    def _said(self) -> None:
-        for line in getattr(self, "_pending", []):
-            self.say(line)
 
 
 def _readable(fd: int) -> bool:

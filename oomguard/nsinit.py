@@ -24,6 +24,7 @@ from types import FrameType
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2, signal.SIGWINCH, signal.SIGALRM)
 EXIT_NOT_STARTED = 127
+EXIT_NO_CGROUP = 125
 TIOCGSID = 0x5429  # not in Python's termios
 
 
@@ -110,8 +111,11 @@ def main(argv: list[str]) -> int:
     if not command:
         return 2
     if procs is not None:
-        with open(procs, "w") as f:
-            f.write("0")  # "0" is the writer itself, whatever its PID namespace
+        try:
+            with open(procs, "w") as f:
+                f.write("0")  # "0" is the writer itself, whatever its PID namespace
+        except OSError:
+            return EXIT_NO_CGROUP  # oomguard exec says so (not on the job's streams)
     init = Init(tty_fd)
     for sig in (signal.SIGTTOU, signal.SIGTTIN, signal.SIGTSTP, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)

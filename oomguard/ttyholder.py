@@ -89,8 +89,6 @@ class Holder:
         # Every slave is closed: the job ended or was checkpointed. Hold one ourselves.
         self.own_slave = self._open_slave()
         self.vacant_since = time.monotonic()
-        if self.pinned is None:
-            self.note("every process of the job closed the terminal (it ended, or is checkpointed)")
 
     # -- clients -------------------------------------------------------------------------------
 
@@ -221,6 +219,7 @@ def main(argv: list[str]) -> int:
     if os.fork():  # the caller does not wait for us (and a daemon gets no zombie)
         os._exit(0)
     os.setsid()
+    os.chdir("/")  # hold no mount busy
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     null = os.open(os.devnull, os.O_RDWR)
