@@ -118,7 +118,8 @@ def holder_pid(socket_path: str) -> int:
     return int(request(socket_path, "info")["pid"])
 
 
-@pytest.mark.parametrize("restore_from", ["no-terminal", "another-terminal-holder-gone"])
+@pytest.mark.parametrize("restore_from", ["no-terminal-through-the-daemon",
+                                          "another-terminal-holder-gone"])
 def test_terminal_job_restores_anywhere_and_attaches(
         cgroups: CgroupFactory, store: Path, tmp_path: Path, runtime_env: dict[str, str],
         restore_from: str) -> None:
@@ -134,29 +135,33 @@ def test_terminal_job_restores_anywhere_and_attaches(
         first.wait_for("echo: before")
         done = guard.wait_event("checkpoint.done", timeout=60)[0]
         assert first.proc.wait(timeout=30) == EXIT_CHECKPOINTED
-    first.wait_for(f"checkpointed as {done['id']}")
-    first.close()  # the original terminal goes away
-    meta = Store(store).get(done["id"])
-    assert meta.pidns and meta.extra["ttys"], meta.extra
-    socket_path = meta.extra["ttys"][0]["socket"]
-    assert small.snapshot().oom_kills == 0
-    before = counts(log)
-    assert before == list(range(1, len(before) + 1))
+        first.wait_for(f"checkpointed as {done['id']}")
+        first.close()  # the original terminal goes away
+        meta = Store(store).get(done["id"])
+        assert meta.pidns and meta.extra["ttys"], meta.extra
+        socket_path = meta.extra["ttys"][0]["socket"]
+        assert small.snapshot().oom_kills == 0
+        before = counts(log)
+        assert before == list(range(1, len(before) + 1))
 
-    if restore_from == "no-terminal":
-        result = run_cli(store, "restore", done["id"], "--cgroup", str(big.path), env=runtime_env)
-        assert result.returncode == 0, result.stderr
-        pid = int(result.stdout.strip())
-        viewer = Terminal([*oomguard_argv(store), "attach", done["id"]], runtime_env, tmp_path)
-    else:
-        holder = holder_pid(socket_path)
-        kill_pid(holder)  # the original terminal's holder is killed too (its socket stays)
-        assert wait_until(lambda: not Path(f"/proc/{holder}").exists(), 10)
-        viewer = Terminal([*oomguard_argv(store), "restore", done["id"], "--cgroup",
-                           str(big.path)], runtime_env, tmp_path)
-        assert wait_until(lambda: Store(store).get(done["id"]).state == "restored", 60), \
-            viewer.text()
-        pid = Store(store).get(done["id"]).restored_pid or 0
+        if restore_from == "no-terminal-through-the-daemon":
+            # The daemon restores (a service: no terminal anywhere), the holder still waits.
+            result = run_cli(store, "--socket", str(guard.socket), "restore", done["id"],
+                             "--cgroup", str(big.path), env=runtime_env)
+            assert result.returncode == 0, result.stderr
+            assert guard.wait_event("restore.done")
+            pid = int(result.stdout.strip())
+            viewer = Terminal([*oomguard_argv(store), "attach", done["id"]], runtime_env,
+                              tmp_path)
+        else:
+            holder = holder_pid(socket_path)
+            kill_pid(holder)  # the original terminal's holder is killed too (its socket stays)
+            assert wait_until(lambda: not Path(f"/proc/{holder}").exists(), 10)
+            viewer = Terminal([*oomguard_argv(store), "restore", done["id"], "--cgroup",
+                               str(big.path)], runtime_env, tmp_path)
+            assert wait_until(lambda: Store(store).get(done["id"]).state == "restored", 60), \
+                viewer.text()
+            pid = Store(store).get(done["id"]).restored_pid or 0
     try:
         # The namespace's init took the terminal back as its controlling terminal.
         assert wait_until(lambda: controlling_tty(pid) != 0, 10)
