@@ -16,7 +16,7 @@ from oomguard.freezer import Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
-from oomguard.store import IMAGES, CheckpointMeta, Store
+from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.ttyclient import HolderError
 from oomguard.ttyext import TTYS
 from oomguard.ttyrestore import criu_tty_hint, gid_of, lease_ttys
@@ -111,7 +111,19 @@ class Restorer:
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
                 original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
-        """Restore into `target` (or the original cgroup, `original` being it when it exists)."""
+        """Restore into `target` (or the original cgroup, `original` being it when it exists).
+        One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
+        state is read again under the lock."""
+        try:
+            if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
+                self.store.complete(checkpoint_id)  # its commit failed earlier: finish it
+            with self.store.restore_lock(checkpoint_id):
+                return self._restore(checkpoint_id, target, original, force)
+        except StoreError as exc:
+            raise RestoreFailed(str(exc)) from exc
+
+    def _restore(self, checkpoint_id: str, target: MemoryCgroup | None,
+                 original: MemoryCgroup | None, force: bool) -> RestoreResult:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
         verify_start = self.clock()
