@@ -31,7 +31,7 @@ TTY_JOB = REPO / "tests" / "workloads" / "tty_job.py"
 def job_argv(log: Path, *, target: int = 160, count: int = 300, daemonize: bool = False,
              ) -> list[str]:
     return [sys.executable, str(TTY_JOB), "--log", str(log), "--target", str(target),
-            "--rate", "200", "--count", str(count), "--tick", "0.05",
+            "--rate", "60", "--count", str(count), "--tick", "0.05",
             *(["--daemonize"] if daemonize else [])]
 
 
