@@ -14,6 +14,7 @@ import sys
 import tempfile
 import termios
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -321,3 +322,36 @@ def test_failed_restore_leaves_checkpoint_and_terminal_restorable(
         assert counts(log) == list(range(1, 201))
     finally:
         kill_pid(pid)
+
+
+def test_holder_keeps_a_vacated_terminal_only_when_pinned(runtime_env: dict[str, str]) -> None:
+    """A holder whose terminal every process closed ends after its grace unless a checkpoint
+    pinned it; pinned, it waits for the restore and hands out the same terminal."""
+    from oomguard.ttyclient import listen_at, new_socket_path, request_slave, spawn_holder
+
+    directory = Path(runtime_env["XDG_RUNTIME_DIR"]) / "oomguard"
+    paths = []
+    for pin in (False, True):
+        master, slave = os.openpty()
+        path = new_socket_path(directory)
+        with listen_at(path, os.getuid(), os.getgid()) as listener:
+            spawn_holder(master, listener, grace=1.0)
+        os.close(master)
+        key = request(path, "info")["key"]
+        if pin:
+            assert request(path, "pin", id="cp-1") == {}
+        os.close(slave)  # the job is gone (ended, or dumped and killed)
+        paths.append((path, key))
+    unpinned, pinned = paths
+    assert wait_until(lambda: not unpinned[0].exists(), 30), "the holder never ended"
+    time.sleep(2)  # past the grace: the pinned one must still be there
+    info = request(pinned[0], "info")
+    assert info["pinned"] == "cp-1" and info["vacant"]
+    fd, answer = request_slave(pinned[0])
+    try:
+        st = os.fstat(fd)
+        assert answer["key"] == pinned[1] == f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
+    finally:
+        os.close(fd)
+    assert request(pinned[0], "done") == {}
+    assert wait_until(lambda: not pinned[0].exists(), 30)
