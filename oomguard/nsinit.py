@@ -82,9 +82,16 @@ class Init:
         """Wait for every process of the namespace; the job's own status is the answer."""
         while True:
             try:
-                pid, wait_status = os.wait()
+                pid, wait_status = os.waitpid(-1, os.WUNTRACED)
             except ChildProcessError:
                 return self.status
+            if os.WIFSTOPPED(wait_status):
+                # Ctrl-Z: no shell here could ever continue the job, so it goes on at once.
+                # (A freeze for a checkpoint is a SIGSTOP, and is left alone.)
+                if pid == self.job and os.WSTOPSIG(wait_status) == signal.SIGTSTP:
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGCONT)
+                continue
             if pid == self.job:
                 self.job = None
                 code = os.waitstatus_to_exitcode(wait_status)
