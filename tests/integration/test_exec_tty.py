@@ -259,12 +259,15 @@ def test_attach_without_a_holder_says_why(store: Path, runtime_env: dict[str, st
 
 def test_closing_the_terminal_leaves_the_job_running_and_attachable_by_pid(
         store: Path, tmp_path: Path, runtime_env: dict[str, str]) -> None:
-    """The terminal window is closed while the job runs: exec says it detached (76), the job
-    does not die of SIGHUP (its terminal is the holder's pty), and `attach PID` finds it."""
+    """Ctrl-Z does not leave the job stopped; the terminal window is closed while the job
+    runs: exec says it detached (76), the job does not die of SIGHUP (its terminal is the
+    holder's pty), and `attach PID` finds it."""
     log = tmp_path / "job.log"
     first = Terminal([*oomguard_argv(store), "exec", "--", *job_argv(log, target=8, count=400)],
                      runtime_env, tmp_path)
     first.wait_for("count 3")
+    first.type(b"\x1a")  # Ctrl-Z: nothing could continue the job, so it is not stopped
+    first.wait_for(f"count {len(counts(log)) + 3}")
     first.close()
     assert first.proc.wait(timeout=30) == EXIT_DETACHED
     init = int(next(p for p in os.listdir("/proc") if p.isdigit() and _is_init_of(p, log)))
