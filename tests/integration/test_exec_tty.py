@@ -265,13 +265,13 @@ def test_closing_the_terminal_leaves_the_job_running_and_attachable_by_pid(
     log = tmp_path / "job.log"
     first = Terminal([*oomguard_argv(store), "exec", "--", *job_argv(log, target=8, count=400)],
                      runtime_env, tmp_path)
-    first.wait_for("count 3")
-    first.type(b"\x1a")  # Ctrl-Z: nothing could continue the job, so it is not stopped
-    first.wait_for(f"count {len(counts(log)) + 3}")
-    first.close()
-    assert first.proc.wait(timeout=30) == EXIT_DETACHED
-    init = int(next(p for p in os.listdir("/proc") if p.isdigit() and _is_init_of(p, log)))
     try:
+        first.wait_for("count 3")
+        first.type(b"\x1a")  # Ctrl-Z: nothing could continue the job, so it is not stopped
+        first.wait_for(f"count {len(counts(log)) + 3}")
+        first.close()
+        assert first.proc.wait(timeout=30) == EXIT_DETACHED
+        init = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_init_of(p, log))
         seen = len(counts(log))
         assert wait_until(lambda: len(counts(log)) > seen + 5, 30), "the job stopped counting"
         viewer = Terminal([*oomguard_argv(store), "attach", str(init)], runtime_env, tmp_path)
@@ -282,7 +282,8 @@ def test_closing_the_terminal_leaves_the_job_running_and_attachable_by_pid(
         assert viewer.proc.wait(timeout=30) == 0
         assert wait_until(lambda: done_line(log), 60) == "done 400 ok"
     finally:
-        kill_pid(init)
+        for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_init_of(p, log)]:
+            kill_pid(pid)  # the init; its job dies with the namespace
 
 
 def _is_init_of(pid: str, log: Path) -> bool:
