@@ -32,6 +32,7 @@ from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
 from oomguard.selfguard import refuse_own_tree
 from oomguard.store import CheckpointMeta, Store, new_id
+from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
 
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
@@ -152,6 +153,9 @@ class Checkpointer:
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            ttys = external_ttys(self.proc.root, pids)
+            if ttys:
+                meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
             if hold is not None:
                 meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
                 meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
@@ -162,7 +166,7 @@ class Checkpointer:
                 self.store.write_private(images.parent / FILES_RECORD,
                                          fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-                self.criu.dump(tree.root.pid, images, hook, lock_fd)
+                self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys))
                 dumped = True  # CRIU has killed the tree: these images are all there is of it
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
@@ -170,10 +174,12 @@ class Checkpointer:
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta)
             done = self.clock()
+            pin_holders(ttys, meta.id, meta.uid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if dumped:
                 # Never deleted: the partial stays, listed as incomplete, completed at the next
                 # start (or restore) once the store can take the commit.
+                pin_holders(ttys, checkpoint_id, tree.root.uid)
                 raise CheckpointFailed(
                     f"checkpoint of {tree.root.pid}: the process was dumped and is gone, but "
                     f"the commit failed ({exc}); its images are intact and it is listed as "

@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--timeout", type=_duration_arg, metavar="DURATION",
                     help="with --wait: give up after this long (e.g. 10m)")
     rs.add_argument("--criu", help="path to criu (default: auto)")
+    rs.add_argument("--detach", action="store_true",
+                    help="do not attach to a terminal job after restoring it")
+    at = sub.add_parser("attach", help="show a terminal job's output and pass it input "
+                        "(Ctrl-\\ detaches)")
+    at.add_argument("target", metavar="ID|PID")
     gr = sub.add_parser("gpu-resume", help="put a process's CUDA state back on the GPU "
                         "(after a 'vram' action)")
     gr.add_argument("pid", type=int)
@@ -319,8 +324,21 @@ def cmd_restore(args: argparse.Namespace) -> int:
              gpu_pids=result.get("gpu_pids") or None)
     if result.get("gpu_error"):
         log.error("restore.gpu_failed", id=args.id, pid=result["pid"], error=result["gpu_error"])
-    print(result["pid"])
+    print(result["pid"], flush=True)
+    if not args.detach and os.isatty(0) and os.isatty(1):
+        from oomguard.ttycommands import attach_to, holder_of_checkpoint
+
+        with contextlib.suppress(OomguardError):
+            path = holder_of_checkpoint(_call(args, "Show", id=args.id)["checkpoint"])
+            if path:
+                return attach_to(path)
     return EXIT_OK
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from oomguard.ttycommands import attach
+
+    return attach(args.target, lambda method, **p: _call(args, method, **p))
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -373,18 +391,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from oomguard.execwrap import exec_argv
+    from oomguard.ttycommands import run_exec
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         print("oomguard: exec: no command given (oomguard exec -- CMD ...)", file=sys.stderr)
         return EXIT_USAGE
-    if args.cgroup:
-        cgroup = open_cgroup(args.cgroup, read_layout())
-        cgroup.add_proc(os.getpid())
-    argv = exec_argv(command)
-    os.execv(argv[0], argv)
-    return EXIT_FAILED  # not reached
+    procs = None
+    if args.cgroup:  # the job's init joins it; this process (not dumped) stays where it is
+        procs = open_cgroup(args.cgroup, read_layout()).path / "cgroup.procs"
+    return run_exec(command, procs, lambda method, **p: _call(args, method, **p))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -431,5 +447,5 @@ COMMANDS: dict[str, Any] = {
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config, "install-units": cmd_install_units,
     "notify-agent": cmd_notify_agent, "gpu-resume": cmd_gpu_resume,
-    "resume-job": cmd_resume_job,
+    "resume-job": cmd_resume_job, "attach": cmd_attach,
 }

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,10 +135,12 @@ class Criu:
             tmp.replace(path)
         return path
 
-    def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None) -> None:
+    def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None,
+             extra_args: Sequence[str] = ()) -> None:
         """`lock_fd` (an flock'd fd on the checkpoint directory) is inherited by CRIU, so the
-        lock says "a dump is writing here" for as long as CRIU lives, even if we die."""
-        argv = dump_argv(self.binary, pid, images_dir, self.options, hook)
+        lock says "a dump is writing here" for as long as CRIU lives, even if we die.
+        `extra_args`: this dump's own (e.g. `--external tty[...]`)."""
+        argv = [*dump_argv(self.binary, pid, images_dir, self.options, hook), *extra_args]
         result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
                                  pass_fds=() if lock_fd is None else (lock_fd,))
         if result.timed_out:
@@ -148,7 +151,8 @@ class Criu:
                             log_tail(images_dir / DUMP_LOG) or result.stderr.strip()[-2000:])
 
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
-                hook: Path | None = None) -> int:
+                hook: Path | None = None, extra_args: Sequence[str] = (),
+                pass_fds: Sequence[int] = ()) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
@@ -157,9 +161,10 @@ class Criu:
         # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
         (work_dir / RESTORE_LOG).unlink(missing_ok=True)
-        argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir,
-                            hook)
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
+        argv = [*restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root,
+                              work_dir, hook), *extra_args]
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
+                                 pass_fds=pass_fds)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"
             raise CriuError(f"criu restore {what}",

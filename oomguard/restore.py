@@ -21,6 +21,9 @@ from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
 from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.ttyclient import HolderError
+from oomguard.ttyext import TTYS
+from oomguard.ttyrestore import criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -149,13 +152,24 @@ class Restorer:
         work_dir = self.store.path_of(checkpoint_id)
         since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
         try:
+            ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
+        except (HolderError, OSError, ValueError, KeyError) as exc:
+            raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
+                                f"({exc}); the checkpoint is intact") from exc
+        try:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
-                                    hook)
+                                    hook, ttys.args, ttys.fds)
         except CriuError as exc:
+            ttys.failed()
+            hint = criu_tty_hint(str(exc))
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {one_line(exc)}") from exc
+                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
+                                ) from exc
+        ttys.succeeded()
+        if ttys.entries:
+            meta.extra[TTYS] = ttys.entries
         restored = self.proc.descendants(pid)
         self.freezer.thaw(restored)
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
