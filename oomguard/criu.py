@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,9 @@ MIN_CRIU_VERSION = (4, 2)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 HOOK_MODULE = Path(__file__).with_name("criu_hook.py")
+# The hook's post-resume leaves these tasks stopped (pids in the tree's own PID namespace,
+# comma-separated): CRIU passes its environment on to its action scripts.
+KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -148,16 +152,18 @@ class Criu:
                             log_tail(images_dir / DUMP_LOG) or result.stderr.strip()[-2000:])
 
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
-                hook: Path | None = None) -> int:
+                hook: Path | None = None, keep_stopped: Sequence[int] = ()) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
-        group it leaves orphaned in its session gets SIGHUP from the kernel, and dies."""
+        group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
+        `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so."""
         pidfile = work_dir / "restore.pid"
         pidfile.unlink(missing_ok=True)
         argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir,
                             hook)
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
+        env = {KEEP_STOPPED_ENV: ",".join(map(str, keep_stopped))} if keep_stopped else None
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout, env=env)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"
             raise CriuError(f"criu restore {what}",

@@ -1,5 +1,6 @@
 """Bringing a checkpoint back: checks first (PIDs free, room in the target cgroup), then CRIU
-restore detached in its own session, then SIGCONT (trees are dumped stopped)."""
+restore detached in its own session, then SIGCONT (trees are dumped stopped), except the
+tasks the user had stopped before the checkpoint: they come back stopped."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class RestoreResult:
     verify_s: float = 0.0  # checking the images against SHA256SUMS first
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
+    stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
@@ -123,12 +125,14 @@ class Restorer:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
-                                    hook)
+                                    hook, keep_stopped=meta.stopped_nspids)
         except CriuError as exc:
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
                                 f"intact: {exc}") from exc
         restored = self.proc.descendants(pid)
-        self.freezer.thaw(restored)
+        keep = self._user_stopped(meta, restored)
+        self.freezer.thaw([p for p in restored if p not in keep])
+        still = {p.pid for p in self.proc.processes(sorted(keep)) if p.state == "T"}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
         seconds = self.clock() - start
         # Reading the images charged their page cache to the target cgroup: give it back.
@@ -141,7 +145,16 @@ class Restorer:
         meta.restored_cgroup = into.rel_path if into is not None else None
         self.store.update(meta)
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
-                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error)
+                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
+                             stopped_pids=tuple(sorted(still)))
+
+    def _user_stopped(self, meta: CheckpointMeta, restored: list[int]) -> set[int]:
+        """Host pids of the restored tasks the user had stopped (the hook continues one whose
+        process group CRIU's exit would otherwise hang up: the kernel would continue it)."""
+        if not meta.stopped_nspids:
+            return set()
+        infos = self.proc.processes(restored)
+        return set(restored_host_pids(meta.stopped_nspids, infos, meta.pidns)) & set(restored)
 
     def _back_to_gpu(self, meta: CheckpointMeta, restored: list[int],
                      ) -> tuple[list[int], str | None]:
