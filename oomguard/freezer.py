@@ -129,12 +129,10 @@ class SigstopFreezer:
         return again
 
     def thaw(self, pids: Iterable[int]) -> None:
-        """SIGCONT each task, except one stopped again by someone else meanwhile."""
-        listed = list(pids)
-        again = set(self.stopped_again(listed))
-        for pid in listed:
-            if pid not in again:
-                _signal(pid, signal.SIGCONT)
+        """SIGCONT each task. (No second look at pending stops here: CRIU, giving back a task
+        it found stopped, stops it again itself.)"""
+        for pid in pids:
+            _signal(pid, signal.SIGCONT)
 
 
 def kill_tree(pids: Iterable[int]) -> None:

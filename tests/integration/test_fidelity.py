@@ -1,0 +1,205 @@
+"""What a restore must give back besides memory: a task the user had stopped stays stopped
+(through a checkpoint, a failed dump and a restore, with no continue seen by its parent), a
+TCP server under connection load checkpoints and answers again, and a log file others appended
+to meanwhile is appended to after their lines."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomguard.procfs import ProcReader
+from oomguard.store import Store
+from tests.helpers import (
+    REPO,
+    CgroupFactory,
+    MiB,
+    daemon,
+    kill_pid,
+    last_count,
+    oomguard_argv,
+    proc_state,
+    read_counts,
+    run_oomguard,
+    start_in_cgroup,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+FAMILY = REPO / "tests" / "workloads" / "family.py"
+
+
+def family_argv(log: Path, *, hold: int = 0, go: Path | None = None) -> list[str]:
+    argv = [sys.executable, str(FAMILY), "--log", str(log), "--hold", str(hold)]
+    return argv + (["--go", str(go)] if go is not None else [])
+
+
+class Family:
+    """The files of one family.py run: children's counts and pids, the parent's events."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.kids = [Path(f"{log}.child{i}") for i in range(2)]
+        self.events_file = Path(f"{log}.events")
+
+    def kid_pid(self, index: int) -> int:
+        """The child's pid as it sees it (its PID namespace's)."""
+        return int(Path(f"{self.kids[index]}.pid").read_text())
+
+    def started(self) -> bool:
+        return (all(Path(f"{k}.pid").exists() and last_count(k) > 5 for k in self.kids)
+                and self.events_file.exists())
+
+    def events(self) -> list[str]:
+        return self.events_file.read_text().splitlines() if self.events_file.exists() else []
+
+
+def host_pid(root: int, ns_pid: int) -> int | None:
+    """The host pid of the task of `root`'s tree whose innermost pid is `ns_pid`."""
+    proc = ProcReader()
+    for info in proc.processes(proc.descendants(root)):
+        if info.nspid[-1] == ns_pid:
+            return info.pid
+    return None
+
+
+def counts_without_gap(path: Path) -> bool:
+    counts = read_counts(path)
+    return counts == list(range(1, len(counts) + 1))
+
+
+def stop_child(family: Family, pid: int, ns_pid: int) -> int:
+    """SIGSTOP a child as the user would; returns its count once its parent has seen it stop."""
+    os.kill(pid, signal.SIGSTOP)
+    assert wait_until(lambda: proc_state(pid) == "T"
+                      and f"stopped {ns_pid}" in family.events(), 10), family.events()
+    return last_count(family.kids[0])
+
+
+def assert_stays_stopped(family: Family, pid: int, ns_pid: int, mark: int) -> None:
+    """Still stopped, not counting while its sibling counts on, never continued in the eyes of
+    its parent; then continued by hand it goes on from where it was."""
+    running = last_count(family.kids[1])
+    assert wait_until(lambda: last_count(family.kids[1]) > running + 25, 20), "sibling stuck"
+    assert proc_state(pid) == "T"
+    assert last_count(family.kids[0]) == mark
+    assert f"continued {ns_pid}" not in family.events(), family.events()
+    os.kill(pid, signal.SIGCONT)
+    assert wait_until(lambda: last_count(family.kids[0]) > mark + 5, 10), "did not go on"
+    assert counts_without_gap(family.kids[0])
+    # The parent's waitpid works: it does report the real continue.
+    assert wait_until(lambda: f"continued {ns_pid}" in family.events(), 10), family.events()
+
+
+def test_a_task_the_user_stopped_is_restored_stopped(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("userstop", None)
+    family = Family(tmp_path / "family.log")
+    parent = start_in_cgroup(cg, family_argv(family.log))
+    pids: list[int] = [parent.pid]
+    try:
+        assert wait_until(family.started, 20)
+        stopped = family.kid_pid(0)
+        mark = stop_child(family, stopped, stopped)
+
+        done = run_oomguard(store, "checkpoint", str(parent.pid))
+        assert done.returncode == 0, done.stderr
+        assert parent.wait(timeout=10) == -signal.SIGKILL
+        meta = Store(store).get(done.stdout.strip())
+        pids = meta.pids
+        assert meta.stopped_nspids == [stopped]
+        assert last_count(family.kids[0]) == mark
+
+        back = run_oomguard(store, "restore", meta.id)
+        assert back.returncode == 0, back.stderr
+        assert int(back.stdout.strip()) == parent.pid
+        assert proc_state(stopped) == "T"
+        assert_stays_stopped(family, stopped, stopped, mark)
+        assert counts_without_gap(family.kids[1])  # the other child went on without a gap
+    finally:
+        for pid in pids:
+            kill_pid(pid)
+
+
+def _with_outside_peer(cgroup: object, argv: list[str]) -> tuple[subprocess.Popen[bytes],
+                                                                 socket.socket]:
+    """Started holding a UNIX stream socket whose peer is this test: CRIU cannot dump that,
+    so the checkpoint fails for real."""
+    ours, theirs = socket.socketpair()
+    cmd = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"),  # type: ignore[attr-defined]
+           *argv]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                            start_new_session=True)
+    theirs.close()
+    return proc, ours
+
+
+def test_a_failed_dump_leaves_the_user_stopped_task_stopped(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("userstopfail", None)
+    family = Family(tmp_path / "family.log")
+    parent, peer = _with_outside_peer(cg, family_argv(family.log))
+    kids: list[int] = []
+    try:
+        assert wait_until(family.started, 20)
+        kids = [family.kid_pid(0), family.kid_pid(1)]
+        mark = stop_child(family, kids[0], kids[0])
+        failed = run_oomguard(store, "checkpoint", str(parent.pid))
+        assert failed.returncode == 1
+        assert '"outcome": "thawed"' in failed.stderr, failed.stderr
+        assert proc_state(parent.pid) not in ("T", "t") and proc_state(kids[1]) not in ("T", "t")
+        assert_stays_stopped(family, kids[0], kids[0], mark)
+        assert not Store(store).list()
+    finally:
+        peer.close()
+        for pid in [parent.pid, *kids]:
+            kill_pid(pid)
+        parent.wait()
+
+
+def test_exec_job_at_the_threshold_keeps_its_stopped_task_stopped(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Through the daemon at the threshold, in the job's own PID namespace (`oomguard exec`):
+    restored with new host pids, the task is found by its namespace pid."""
+    small = cgroups.make("userstopexec", 256 * MiB)
+    big = cgroups.make("userstopexecbig", 768 * MiB)
+    family = Family(tmp_path / "family.log")
+    go = tmp_path / "go"
+    restored = 0
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
+        guard.wait_event("guard.armed")
+        wrapper = start_in_cgroup(None, [*oomguard_argv(store), "exec", "--cgroup",
+                                         str(small.path), "--",
+                                         *family_argv(family.log, hold=300, go=go)],
+                                  cwd=tmp_path)
+        try:
+            assert wait_until(family.started, 20)
+            root = next(p for p in ProcReader().processes(small.procs()) if p.is_pidns_init)
+            ns_stopped = family.kid_pid(0)
+            mark = stop_child(family, host_pid(root.pid, ns_stopped) or 0, ns_stopped)
+            go.touch()  # the parent grows past the threshold
+            done = guard.wait_event("checkpoint.done", timeout=60)[0]
+            wrapper.wait(timeout=10)
+        finally:
+            kill_pid(wrapper.pid)
+    meta = Store(store).get(done["id"])
+    assert meta.pidns and meta.stopped_nspids == [ns_stopped]
+    assert small.snapshot().oom_kills == 0
+    back = run_oomguard(store, "restore", meta.id, "--cgroup", str(big.path))
+    assert back.returncode == 0, back.stderr
+    restored = int(back.stdout.strip())
+    try:
+        stopped = host_pid(restored, ns_stopped)
+        assert stopped is not None
+        assert_stays_stopped(family, stopped, ns_stopped, mark)
+        assert counts_without_gap(family.kids[1])
+    finally:
+        kill_pid(restored)
