@@ -56,6 +56,10 @@ class CriuOptions:
     seize_timeout: int = 10  # CRIU's --timeout for collecting tasks
     shell_job: bool = True  # victims are rarely session leaders
     tcp_close: bool = True  # restore-later: peers time out anyway; no firewall rules left behind
+    # A server under connection load has connections in its listening socket's accept queue,
+    # which CRIU refuses ("In-flight connection (l)") unless told to drop them: a half-open
+    # connection is the client's to retry. Dump only (restore has nothing to skip).
+    skip_in_flight: bool = True
     ext_unix_sk: bool = True
     file_locks: bool = True
     log_level: int = 4
@@ -84,6 +88,8 @@ def dump_argv(criu: str, pid: int, images_dir: Path, opts: CriuOptions,
     argv = [criu, "dump", "--tree", str(pid), "--images-dir", str(images_dir),
             "--log-file", DUMP_LOG, "--ghost-limit", str(opts.ghost_limit),
             "--timeout", str(opts.seize_timeout), *_common_args(opts)]
+    if opts.skip_in_flight:
+        argv.append("--skip-in-flight")
     if action_script is not None:
         argv += ["--action-script", str(action_script)]
     return argv + list(opts.extra_dump_args)
