@@ -274,3 +274,41 @@ def test_a_server_under_connection_load_checkpoints_and_answers_again(
             clients.join(timeout=5)
         kill_pid(restored or server.pid)
         server.wait()
+
+
+def test_a_log_others_appended_to_meanwhile_is_appended_to_after_their_lines(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A job writing to `>> log` (O_APPEND): CRIU does not pin the size of such a file, so
+    lines other writers added while the job was checkpointed stay, and the job writes after
+    them."""
+    cg = cgroups.make("append", None)
+    log = tmp_path / "shared.log"
+    script = 'i=0; while :; do i=$((i+1)); echo "job $i"; sleep 0.02; done >> "$0"'
+    job = start_in_cgroup(cg, ["/bin/bash", "-c", script, str(log)])
+    meta_pids: list[int] = [job.pid]
+
+    def job_counts() -> list[int]:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return [int(line.split()[1]) for line in lines if line.startswith("job ")]
+
+    try:
+        assert wait_until(lambda: len(job_counts()) > 10, 10)
+        done = run_oomguard(store, "checkpoint", str(job.pid))
+        assert done.returncode == 0, done.stderr
+        assert job.wait(timeout=10) == -signal.SIGKILL
+        meta_pids = Store(store).get(done.stdout.strip()).pids
+        last = job_counts()[-1]
+        with open(log, "a") as other:  # another writer, while the job is on disk
+            other.writelines(f"other {n}\n" for n in range(1, 6))
+        back = run_oomguard(store, "restore", done.stdout.strip())
+        assert back.returncode == 0, back.stderr
+        assert wait_until(lambda: job_counts()[-1] > last + 10, 10), "the job stopped writing"
+        lines = log.read_text().splitlines()
+        others = [i for i, line in enumerate(lines) if line.startswith("other ")]
+        assert [lines[i] for i in others] == [f"other {n}" for n in range(1, 6)]
+        assert lines[others[0] - 1] == f"job {last}"
+        assert lines[others[-1] + 1] == f"job {last + 1}"  # after their lines, not over them
+        assert job_counts() == list(range(1, len(job_counts()) + 1))
+    finally:
+        for pid in meta_pids:
+            kill_pid(pid)
