@@ -494,6 +494,32 @@ def test_freeze_step_calls_callbacks_once_then_not_the_checkpoint(tmp_path: Path
     assert call["on_frozen"] is None and call["after_signal"] is None
 
 
+@pytest.mark.parametrize("how", ["found-stopped", "stopped-again"])
+def test_freeze_step_never_continues_a_task_the_user_stopped(tmp_path: Path, how: str) -> None:
+    """Found stopped by the freeze, or stopped again while the chain held it: the checkpoint
+    is told which tasks the chain holds (the others it finds stopped are the user's), and no
+    thaw, here after a failed checkpoint, continues it; the ledger forgets it."""
+    user = {"user_stopped": [CHILD]} if how == "found-stopped" else {"again": [CHILD]}
+    failed = CheckpointFailed("criu dump failed", "thawed")
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], **user), error=failed)
+    outcome = run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD))
+    assert outcome.result == "thawed"
+    [call] = rig.checkpointer.calls
+    assert call["held"] == [ROOT]
+    assert CHILD not in rig.freezer.thawed_pids
+    assert ("clear", [CHILD]) in rig.ledger.calls
+
+
+def test_freeze_step_then_kill_kills_the_users_stopped_task_too(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]),
+                   free=SHORT)
+    killed: list[list[int]] = []
+    rig.runner._kill = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
+    outcome = run(rig, chain("freeze", "checkpoint", "kill"), make_tree(ROOT, CHILD))
+    assert outcome.result == "killed"
+    assert killed == [[ROOT, CHILD]]
+
+
 def test_freeze_records_the_tree_then_what_was_stopped(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD]), free=SHORT)
     run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD))
