@@ -129,6 +129,45 @@ def test_a_task_the_user_stopped_is_restored_stopped(
             kill_pid(pid)
 
 
+def test_a_shell_job_with_a_stopped_task_survives_its_restore(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A job started by a shell with job control leads its process group but not its session:
+    restored into CRIU's session, its group is orphaned when CRIU exits, and the kernel sends
+    an orphaned group with a stopped task SIGHUP, then SIGCONT. Keeping the task stopped would
+    kill the whole job: it is continued instead (what the kernel would do), and the job lives."""
+    cg = cgroups.make("userstopjob", None)
+    family = Family(tmp_path / "family.log")
+    pidfile = tmp_path / "job.pid"
+    script = 'set -m; "$@" & echo $! > "$0"; while :; do sleep 0.2; done'
+    shell = start_in_cgroup(cg, ["/bin/bash", "-c", script, str(pidfile),
+                                 *family_argv(family.log)])
+    pids: list[int] = []
+    try:
+        assert wait_until(lambda: pidfile.exists() and family.started(), 20)
+        job = int(pidfile.read_text())
+        assert os.getpgid(job) == job and os.getsid(job) != job
+        pids = [job]
+        stopped = family.kid_pid(0)
+        mark = stop_child(family, stopped, stopped)
+        done = run_oomguard(store, "checkpoint", str(job))
+        assert done.returncode == 0, done.stderr
+        meta = Store(store).get(done.stdout.strip())
+        pids = meta.pids
+        assert meta.stopped_nspids == [stopped]
+        target = cgroups.make("userstopjobback", None)
+        back = run_oomguard(store, "restore", meta.id, "--cgroup", str(target.path))
+        assert back.returncode == 0, back.stderr
+        running = last_count(family.kids[1])
+        assert wait_until(lambda: last_count(family.kids[1]) > running + 10
+                          and last_count(family.kids[0]) > mark + 10, 20), "the job died"
+        assert all(proc_state(pid) not in (None, "Z", "T") for pid in meta.pids)
+        assert counts_without_gap(family.kids[0]) and counts_without_gap(family.kids[1])
+    finally:
+        for pid in (*pids, shell.pid):
+            kill_pid(pid)
+        shell.wait(timeout=10)
+
+
 def _with_outside_peer(cgroup: object, argv: list[str]) -> tuple[subprocess.Popen[bytes],
                                                                  socket.socket]:
     """Started holding a UNIX stream socket whose peer is this test: CRIU cannot dump that,
