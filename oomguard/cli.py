@@ -36,7 +36,7 @@ from oomguard.errors import (
 )
 from oomguard.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
-from oomguard.units import format_size, parse_duration, parse_fraction
+from oomguard.units import bounded_duration, format_size, parse_fraction
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -50,7 +50,7 @@ def _fraction_arg(text: str) -> float:
 
 def _duration_arg(text: str) -> float:
     try:
-        return parse_duration(text)
+        return bounded_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -259,7 +259,11 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    metas = _call(args, "List")["checkpoints"]
+    listing = _call(args, "List")
+    metas = listing["checkpoints"]
+    for bad in listing.get("skipped") or []:
+        print(f"oomguard: warning: store entry {bad['entry']} skipped: {bad['reason']}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(metas, indent=2))
         return EXIT_OK

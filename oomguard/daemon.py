@@ -60,7 +60,7 @@ from oomguard.policy import (
     with_vram,
 )
 from oomguard.prediction import forecast
-from oomguard.procfs import ProcReader
+from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
 from oomguard.store import CheckpointMeta
@@ -474,7 +474,7 @@ class Daemon:
                 members = self.proc.processes(subtree_procs(cgroup.path))
             except CgroupGone:
                 return []
-            return rank_victims(with_vram(build_trees(members, self.protected_pids()),
+            return rank_victims(with_vram(build_trees(members, self.protected_among(members)),
                                           self._vram()))
 
         assert guard.parts is not None
@@ -517,6 +517,11 @@ class Daemon:
     def protected_pids(self) -> frozenset[int]:
         return frozenset(self.proc.descendants(self.self_pid))
 
+    def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
+        """The daemon and what it started, among `processes`: cheap whatever the number of
+        the daemon's own threads (one per control connection)."""
+        return self.proc.descended_from(self.self_pid, processes)
+
     # -- system-wide rules --------------------------------------------------------------------
 
     def _examine_system(self, guard: SystemGuard, woke: float, source: str) -> None:
@@ -543,7 +548,8 @@ class Daemon:
             if guard.spec.victim_cgroups:
                 processes = [p for p in processes
                              if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
-            return rank_victims(with_vram(system_candidates(processes, self.protected_pids()),
+            return rank_victims(with_vram(system_candidates(processes,
+                                                            self.protected_among(processes)),
                                           self._vram()))
 
         def still_pressing() -> bool:

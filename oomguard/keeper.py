@@ -39,6 +39,7 @@ class StoreKeeper:
         self._restoring: threading.Thread | None = None
         self._restore_backoff: dict[str, float] = {}
         self._partials_busy = False
+        self._skipped_warned: set[str] = set()  # store entries already warned about
         self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
 
     def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
@@ -89,7 +90,13 @@ class StoreKeeper:
 
     def prune(self) -> None:
         self._next_prune = self.clock() + PRUNE_INTERVAL
-        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in self.store.list()]
+        scan = self.store.scan()
+        for name, why in scan.skipped:
+            if name not in self._skipped_warned:
+                self._skipped_warned.add(name)
+                self.log.warning("store.entry_skipped", entry=name, reason=why,
+                                 explanation="left as it is: not listed, restored or pruned")
+        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in scan.checkpoints]
         for prune in choose_prunes(items, self.wall_clock(), self.config.store_max_size,
                                    self.config.store_max_age):
             try:

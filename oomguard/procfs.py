@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,6 +184,40 @@ class ProcReader:
             return parse_status((self.root / str(pid) / "status").read_text(errors="replace"))
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
+
+    def ppid(self, pid: int) -> int:
+        try:
+            return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).ppid
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
+    def descended_from(self, root: int, processes: Iterable[ProcessInfo],
+                       max_depth: int = 256) -> frozenset[int]:
+        """Those of `processes` that are `root` or descend from it, found by walking each one's
+        parent chain: the cost grows with the candidates, not with root's threads (a daemon
+        with thousands of connection threads would make descendants(root) slow)."""
+        members = list(processes)
+        parent = {p.pid: p.ppid for p in members}
+        known: dict[int, bool] = {root: True, 0: False, 1: False, 2: False}
+
+        def reaches(pid: int) -> bool:
+            chain, current = [], pid
+            for _ in range(max_depth):
+                if current in known:
+                    break
+                chain.append(current)
+                if current not in parent:
+                    try:
+                        parent[current] = self.ppid(current)
+                    except ProcessGone:
+                        parent[current] = 0
+                current = parent[current]
+            verdict = known.get(current, False)
+            for pid_on_way in chain:
+                known[pid_on_way] = verdict
+            return verdict
+
+        return frozenset(p.pid for p in members if reaches(p.pid))
 
     def all_pids(self) -> list[int]:
         return sorted(int(name) for name in os.listdir(self.root) if name.isdigit())

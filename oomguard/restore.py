@@ -110,7 +110,17 @@ class Restorer:
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
                 original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
-        """Restore into `target` (or the original cgroup, `original` being it when it exists)."""
+        """Restore into `target` (or the original cgroup, `original` being it when it exists).
+        One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
+        state is read again under the lock."""
+        try:
+            with self.store.restore_lock(checkpoint_id):
+                return self._restore(checkpoint_id, target, original, force)
+        except StoreError as exc:
+            raise RestoreFailed(str(exc)) from exc
+
+    def _restore(self, checkpoint_id: str, target: MemoryCgroup | None,
+                 original: MemoryCgroup | None, force: bool) -> RestoreResult:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
         verify_start = self.clock()

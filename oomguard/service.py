@@ -8,6 +8,7 @@ checkpoint a user may not see is reported as not found (its existence is not lea
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 from collections.abc import Callable
@@ -58,6 +59,8 @@ class Service:
         try:
             meta = self.store.get(checkpoint_id)
         except StoreError:
+            if uid == ROOT and os.path.lexists(self.store.root / checkpoint_id):
+                raise  # root is told why it is skipped (a symlink, a malformed meta.json...)
             meta = None
         if meta is None or (uid != ROOT and meta.uid != uid):
             raise StoreError(f"no checkpoint {checkpoint_id!r}"
@@ -93,6 +96,13 @@ class Service:
 
     def list(self, uid: int) -> list[dict[str, Any]]:
         return [asdict(m) for m in self.store.list() if uid == ROOT or m.uid == uid]
+
+    def skipped(self, uid: int) -> builtins.list[dict[str, str]]:
+        """Store entries skipped as malformed or symlinks, with why: for root only (another
+        user learns nothing of entries that are not theirs)."""
+        if uid != ROOT:
+            return []
+        return [{"entry": name, "reason": why} for name, why in self.store.scan().skipped]
 
     def show(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
         return asdict(self._visible(uid, checkpoint_id))

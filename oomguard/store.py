@@ -6,20 +6,25 @@ and its meta.json written, so a crash never leaves a half checkpoint that looks 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 import time
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterator
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import StoreError
 from oomguard.integrity import CHECKSUMS, compute, format_sums, verify
+from oomguard.metaschema import check_value
 
 DEFAULT_STORE = Path("/var/lib/oomguard")
 META = "meta.json"
@@ -29,6 +34,7 @@ STATE_DUMPING = "dumping"
 STATE_CHECKPOINTED = "checkpointed"
 STATE_RESTORED = "restored"
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
+META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
 
@@ -67,11 +73,25 @@ class CheckpointMeta:
 
     @classmethod
     def from_json(cls, text: str) -> CheckpointMeta:
-        data = json.loads(text)
+        """Raises ValueError saying what is wrong: not JSON, nested too deep, a field missing,
+        of the wrong type or out of range. Unknown keys (a newer oomguard's) are ignored."""
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("meta.json is nested too deeply") from None
         if not isinstance(data, dict):
             raise ValueError("meta.json is not a JSON object")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {}
+        for spec in fields(cls):
+            if spec.name not in data:
+                if spec.default is MISSING and spec.default_factory is MISSING:
+                    raise ValueError(f"meta.json lacks {spec.name!r}")
+                continue
+            problem = check_value(spec.name, str(spec.type), data[spec.name])
+            if problem is not None:
+                raise ValueError(f"meta.json: {problem}")
+            values[spec.name] = data[spec.name]
+        return cls(**values)
 
 
 def validate_id(checkpoint_id: str) -> str:
@@ -108,6 +128,12 @@ def _fsync_dir(path: Path) -> None:
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@dataclass(frozen=True)
+class StoreScan:
+    checkpoints: list[CheckpointMeta]
+    skipped: list[tuple[str, str]]  # (entry name, why it was skipped)
 
 
 class Store:
@@ -209,32 +235,86 @@ class Store:
         return sorted(p for p in self.root.iterdir() if p.name.startswith(PARTIAL_PREFIX))
 
     def list(self) -> list[CheckpointMeta]:
+        """Every well-formed checkpoint, oldest first (see scan() for the others)."""
+        return self.scan().checkpoints
+
+    def scan(self) -> StoreScan:
+        """The checkpoints, and the entries skipped with the reason: a symlink (never followed:
+        a user could point one anywhere), or a missing, unreadable or malformed meta.json."""
         if not self.root.is_dir():
-            return []
-        metas = []
+            return StoreScan([], [])
+        metas, skipped = [], []
         for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(".") or not (entry / META).is_file():
+            if entry.name.startswith("."):
                 continue
             try:
-                metas.append(CheckpointMeta.from_json((entry / META).read_text()))
-            except (ValueError, TypeError):
-                continue
-        return sorted(metas, key=lambda m: m.created)
+                metas.append(self._read_meta(entry.name))
+            except StoreError as exc:
+                skipped.append((entry.name, str(exc)))
+        return StoreScan(sorted(metas, key=lambda m: m.created), skipped)
+
+    def _read_meta(self, name: str) -> CheckpointMeta:
+        """meta.json of store entry `name`, following no symlink on the way."""
+        try:
+            dir_fd = os.open(self.root / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                             | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise StoreError(f"no checkpoint {name!r} in {self.root}") from None
+        except OSError as exc:
+            what = "a symlink (not followed)" if (self.root / name).is_symlink() else \
+                "not a checkpoint directory" if exc.errno == errno.ENOTDIR else exc.strerror
+            raise StoreError(f"store entry {name!r} is {what}") from None
+        try:
+            try:
+                fd = os.open(META, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise StoreError(f"no checkpoint {name!r} in {self.root} (no {META})") from None
+            except OSError as exc:
+                raise StoreError(f"store entry {name!r}: {META} cannot be opened "
+                                 f"({exc.strerror}; a symlink is never followed)") from None
+            with os.fdopen(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                    raise StoreError(f"store entry {name!r}: {META} is not a regular file")
+                raw = handle.read(META_MAX + 1)
+        finally:
+            os.close(dir_fd)
+        if len(raw) > META_MAX:
+            raise StoreError(f"store entry {name!r}: {META} is larger than {META_MAX} bytes")
+        try:
+            meta = CheckpointMeta.from_json(raw.decode("utf-8", errors="replace"))
+        except (ValueError, TypeError) as exc:
+            raise StoreError(f"checkpoint {name!r} has an unreadable meta.json: {exc}") from None
+        if meta.id != name:
+            raise StoreError(f"store entry {name!r}: its meta.json names {meta.id!r}")
+        return meta
 
     def get(self, checkpoint_id: str) -> CheckpointMeta:
-        path = self.path_of(checkpoint_id) / META
+        return self._read_meta(validate_id(checkpoint_id))
+
+    @contextlib.contextmanager
+    def restore_lock(self, checkpoint_id: str) -> Iterator[None]:
+        """Held while a checkpoint is restored, by whichever path (the daemon's socket, its
+        auto-restore, the CLI without a daemon): a second restore at the same time is refused
+        instead of running the process twice. An flock: it dies with its holder."""
+        path = self.path_of(checkpoint_id)
         try:
-            return CheckpointMeta.from_json(path.read_text())
-        except FileNotFoundError:
-            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from None
-        except (ValueError, TypeError) as exc:
-            raise StoreError(f"checkpoint {checkpoint_id!r} has an unreadable meta.json") from exc
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(f"checkpoint {checkpoint_id} is being restored right now "
+                                 "(by the daemon or another oomguard)") from None
+            yield
+        finally:
+            os.close(fd)
 
     def update(self, meta: CheckpointMeta) -> None:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
 
     def forget(self, checkpoint_id: str) -> None:
-        path = self.path_of(checkpoint_id)
-        if not (path / META).is_file():
-            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}")
-        shutil.rmtree(path)
+        """Delete a checkpoint; a symlink or malformed entry is refused, never followed."""
+        self._read_meta(validate_id(checkpoint_id))
+        shutil.rmtree(self.path_of(checkpoint_id))

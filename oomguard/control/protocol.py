@@ -20,12 +20,13 @@ ERROR_INVALID = f"{INTERFACE}.InvalidRequest"
 ERROR_DENIED = f"{INTERFACE}.PermissionDenied"
 ERROR_NOT_FOUND = f"{INTERFACE}.NotFound"
 ERROR_FAILED = f"{INTERFACE}.Failed"
+ERROR_LIMIT = f"{INTERFACE}.TooManyConnections"
 ERROR_METHOD = "org.varlink.service.MethodNotFound"
 
 INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
 
 method Status() -> (status: object)
-method List() -> (checkpoints: []object)
+method List() -> (checkpoints: []object, skipped: []object)
 method Show(id: string) -> (checkpoint: object)
 method Restore(id: string, cgroup: ?string, force: ?bool)
   -> (id: string, pid: int, seconds: float, verify_s: float, cgroup: ?string)
@@ -37,6 +38,7 @@ error InvalidRequest (message: string)
 error PermissionDenied (message: string)
 error NotFound (message: string)
 error Failed (message: string)
+error TooManyConnections (message: string)
 """
 
 
@@ -59,6 +61,8 @@ def decode_call(raw: bytes) -> Call:
         message = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError("message is not JSON") from exc
+    except RecursionError:
+        raise ProtocolError("message is nested too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     method = message.get("method")
