@@ -13,7 +13,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, RestoreFailed, StoreError
-from oomguard.freezer import Freezer
+from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
@@ -142,7 +142,8 @@ class Restorer:
         restored = self.proc.descendants(pid)
         keep = self._user_stopped(meta, restored)
         self.freezer.thaw([p for p in restored if p not in keep])
-        still = {p.pid for p in self.proc.processes(sorted(keep)) if p.state == "T"}
+        still = {p.pid for p in self.proc.processes(sorted(keep))
+                 if p.state == USER_STOPPED_STATE}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
         seconds = self.clock() - start
         # Reading the images charged their page cache to the target cgroup: give it back.

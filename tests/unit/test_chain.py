@@ -510,6 +510,15 @@ def test_freeze_step_never_continues_a_task_the_user_stopped(tmp_path: Path, how
     assert ("clear", [CHILD]) in rig.ledger.calls
 
 
+def test_standing_down_after_the_freeze_does_not_continue_the_users_task(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]))
+    outcome = run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD),
+                  pressing=Pressure((False,)))
+    assert outcome.result == "stood-down"
+    assert rig.freezer.thawed == [[ROOT]]
+
+
 def test_freeze_step_then_kill_kills_the_users_stopped_task_too(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]),
                    free=SHORT)
