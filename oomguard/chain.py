@@ -20,7 +20,7 @@ from typing import Any
 
 from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.checkpoint import Checkpointer, CheckpointResult
+from oomguard.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
 from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.cudackpt import CudaCheckpointError
@@ -41,6 +41,7 @@ class ChainSettings:
 @dataclass(frozen=True)
 class ChainOutcome:
     result: str  # checkpointed | signalled | vram-freed | killed | thawed | stood-down | gone
+    # | incomplete (dumped, the commit failed: the memory is free, the images kept)
     step: str
     detail: str
     checkpoint: CheckpointResult | None = None
@@ -49,7 +50,7 @@ class ChainOutcome:
     def settled(self) -> bool:
         """The pressure was dealt with (no need to try another victim)."""
         return self.result in ("checkpointed", "signalled", "vram-freed", "killed",
-                               "stood-down")
+                               "stood-down", "incomplete")
 
 
 def free_space(path: Path) -> int:
@@ -215,6 +216,8 @@ class ChainRunner:
                 on_failure="thaw", after_signal=after_signal, held=held)
         except CheckpointFailed as exc:
             self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
+            if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
+                return ChainOutcome("incomplete", str(step), str(exc))
             return ChainOutcome("thawed" if exc.outcome != "untouched" else "refused", str(step),
                                 str(exc))
         return ChainOutcome("checkpointed", str(step), reason, result)

@@ -36,6 +36,7 @@ ON_FAILURE_KILL = "kill"
 FROZEN_LEDGER = ".frozen.json"
 DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
+OUTCOME_INCOMPLETE = "dumped, commit pending"  # gone, images intact, commit to be finished
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class Checkpointer:
             after_signal()
         undo_limit: Callable[[], None] | None = None
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
-        began = False
+        began = dumped = False
         lock_fd: int | None = None
         try:
             if cgroup is not None:
@@ -164,6 +165,7 @@ class Checkpointer:
                 began = True
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
                 self.criu.dump(tree.root.pid, images, hook, lock_fd)
+                dumped = True  # CRIU has killed the tree: these images are all there is of it
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
                 dumped_at = self.clock()
@@ -171,6 +173,14 @@ class Checkpointer:
             path = self.store.commit(meta)
             done = self.clock()
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
+            if dumped:
+                # Never deleted: the partial stays, listed as incomplete, completed at the next
+                # start (or restore) once the store can take the commit.
+                raise CheckpointFailed(
+                    f"checkpoint of {tree.root.pid}: the process was dumped and is gone, but "
+                    f"the commit failed ({exc}); its images are intact and it is listed as "
+                    f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
+                    "or when restored", OUTCOME_INCOMPLETE) from exc
             if began:
                 self.store.abort(checkpoint_id)
             outcome = self._fail(frozen, on_failure or self.on_failure)

@@ -17,7 +17,7 @@ from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
-from oomguard.store import IMAGES, CheckpointMeta, Store
+from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -114,6 +114,8 @@ class Restorer:
         One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
         state is read again under the lock."""
         try:
+            if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
+                self.store.complete(checkpoint_id)  # its commit failed earlier: finish it
             with self.store.restore_lock(checkpoint_id):
                 return self._restore(checkpoint_id, target, original, force)
         except StoreError as exc:

@@ -33,6 +33,7 @@ PARTIAL_PREFIX = ".partial-"
 STATE_DUMPING = "dumping"
 STATE_CHECKPOINTED = "checkpointed"
 STATE_RESTORED = "restored"
+STATE_INCOMPLETE = "incomplete"  # dumped (the process is gone), but the commit did not finish
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
 META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
@@ -126,6 +127,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
@@ -216,7 +221,12 @@ class Store:
                     meta = None
                 if finished and meta is not None and meta.id == checkpoint_id:
                     meta.extra["recovered"] = True
-                    self.commit(meta)
+                    try:
+                        self.commit(meta)
+                    except (OSError, StoreError) as exc:
+                        # Never deleted: its process is gone and these images are all of it.
+                        done.append((checkpoint_id, f"incomplete: {_reason(exc)}"))
+                        continue
                     done.append((checkpoint_id, "completed"))
                 else:
                     shutil.rmtree(partial, ignore_errors=True)
@@ -238,6 +248,58 @@ class Store:
         """Every well-formed checkpoint, oldest first (see scan() for the others)."""
         return self.scan().checkpoints
 
+    def complete(self, checkpoint_id: str) -> CheckpointMeta:
+        """Finish the commit of an incomplete checkpoint (dumped, but its commit failed: a full
+        disk...). Raises StoreError saying why it still cannot be finished."""
+        meta = self._finished_partial(validate_id(checkpoint_id))
+        if meta is None:
+            raise StoreError(f"checkpoint {checkpoint_id} has no finished dump to complete")
+        partial = self.root / (PARTIAL_PREFIX + checkpoint_id)
+        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(f"checkpoint {checkpoint_id} is being completed right now") \
+                    from None
+            try:
+                self.commit(meta)
+            except (OSError, StoreError) as exc:
+                raise StoreError(f"checkpoint {checkpoint_id} cannot be completed yet "
+                                 f"({_reason(exc)}); its images are intact in {partial}") \
+                    from exc
+        finally:
+            os.close(fd)
+        return meta
+
+    def _finished_partial(self, checkpoint_id: str) -> CheckpointMeta | None:
+        """The provisional meta of a partial whose dump finished (CRIU logged success, so its
+        process is gone) and that no CRIU or oomguard holds now, as state "incomplete"."""
+        partial = self.root / (PARTIAL_PREFIX + checkpoint_id)
+        try:
+            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # a dump still writing, or its oomguard still deciding
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            log = partial / IMAGES / "dump.log"
+            if log.is_symlink() or not log.is_file() or \
+                    DUMP_SUCCESS not in log.read_text(errors="replace"):
+                return None
+            meta = CheckpointMeta.from_json((partial / META).read_text())
+        except (OSError, ValueError, TypeError):
+            return None
+        finally:
+            os.close(fd)
+        if meta.id != checkpoint_id:
+            return None
+        meta.state = STATE_INCOMPLETE
+        return meta
+
     def scan(self) -> StoreScan:
         """The checkpoints, and the entries skipped with the reason: a symlink (never followed:
         a user could point one anywhere), or a missing, unreadable or malformed meta.json."""
@@ -245,6 +307,11 @@ class Store:
             return StoreScan([], [])
         metas, skipped = [], []
         for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith(PARTIAL_PREFIX) and not entry.is_symlink():
+                incomplete = self._finished_partial(entry.name[len(PARTIAL_PREFIX):])
+                if incomplete is not None:
+                    metas.append(incomplete)
+                continue
             if entry.name.startswith("."):
                 continue
             try:
@@ -289,7 +356,13 @@ class Store:
         return meta
 
     def get(self, checkpoint_id: str) -> CheckpointMeta:
-        return self._read_meta(validate_id(checkpoint_id))
+        """A checkpoint's meta; an incomplete one (its commit failed) as state "incomplete"."""
+        validate_id(checkpoint_id)
+        if not os.path.lexists(self.root / checkpoint_id):
+            incomplete = self._finished_partial(checkpoint_id)
+            if incomplete is not None:
+                return incomplete
+        return self._read_meta(checkpoint_id)
 
     @contextlib.contextmanager
     def restore_lock(self, checkpoint_id: str) -> Iterator[None]:
