@@ -209,7 +209,7 @@ def test_exec_job_at_the_threshold_keeps_its_stopped_task_stopped(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     """Through the daemon at the threshold, in the job's own PID namespace (`oomguard exec`):
     restored with new host pids, the task is found by its namespace pid."""
-    small = cgroups.make("userstopexec", 256 * MiB)
+    small = cgroups.make("userstopexec", 160 * MiB)
     big = cgroups.make("userstopexecbig", 768 * MiB)
     family = Family(tmp_path / "family.log")
     go = tmp_path / "go"
@@ -218,7 +218,7 @@ def test_exec_job_at_the_threshold_keeps_its_stopped_task_stopped(
         guard.wait_event("guard.armed")
         wrapper = start_in_cgroup(None, [*oomguard_argv(store), "exec", "--cgroup",
                                          str(small.path), "--",
-                                         *family_argv(family.log, hold=300, go=go)],
+                                         *family_argv(family.log, hold=200, go=go)],
                                   cwd=tmp_path)
         try:
             assert wait_until(family.started, 20)
@@ -226,7 +226,8 @@ def test_exec_job_at_the_threshold_keeps_its_stopped_task_stopped(
             ns_stopped = family.kid_pid(0)
             mark = stop_child(family, host_pid(root.pid, ns_stopped) or 0, ns_stopped)
             go.touch()  # the parent grows past the threshold
-            done = guard.wait_event("checkpoint.done", timeout=60)[0]
+            # The v2 lane's emulated VM dumps at a few MB/s: give it time.
+            done = guard.wait_event("checkpoint.done", timeout=240)[0]
             wrapper.wait(timeout=10)
         finally:
             kill_pid(wrapper.pid)
@@ -302,8 +303,10 @@ def test_a_server_under_connection_load_checkpoints_and_answers_again(
         assert restored == server.pid
         assert wait_until(lambda: len(clients.answers) > len(before) + 20, 20), "no answer"
         after = clients.answers[len(before):]
-        # One connection may have been accepted and not answered when it was stopped.
-        assert after[0] in (before[-1] + 1, before[-1] + 2), (before[-5:], after[:5])
+        # The count went on (a fresh server would start at 1). Counts the client never saw
+        # went to connections it gave up on (a slow answer, or one accepted just before the
+        # stop): no more of them than its failures.
+        assert before[-1] < after[0] <= before[-1] + 1 + clients.failures, (before[-3:], after[:3])
         assert after == list(range(after[0], after[0] + len(after)))
         with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
             assert conn.recv(64).split()[1] == b"64"  # its memory came back with it
