@@ -12,23 +12,26 @@ import os
 import pwd
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
-from oomguard.cgroup.base import MemoryCgroup
+from oomguard import fileids
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
+from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
+from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
+from oomguard.selfguard import refuse_own_tree
 from oomguard.store import CheckpointMeta, Store, new_id
 
 ON_FAILURE_THAW = "thaw"
@@ -70,6 +73,7 @@ class Checkpointer:
                  wall_clock: Callable[[], float] = time.time,
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
+                 lifts: LimitLifts | None = None,
                  ) -> None:
         self.criu = criu
         self.gpu = gpu
@@ -86,10 +90,9 @@ class Checkpointer:
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
-        # Cgroups whose limit a dump has lifted for headroom right now: the daemon must not
-        # take the lifted limit for the cgroup's own and re-arm its thresholds on it.
-        self._lifted: Counter[Path] = Counter()
-        self._lifted_lock = threading.Lock()
+        # Limits lifted for a dump's headroom: recorded durably first, bounded, put back by
+        # whoever can; the daemon never takes a lifted limit for the cgroup's own.
+        self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -97,15 +100,17 @@ class Checkpointer:
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
-                   held: Collection[int] = (),
+                   requester: int | None = None, held: Collection[int] = (),
                    ) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
         the victim before it runs another instruction). `held`: tasks a chain's freeze step has
         stopped already (any other task found stopped is the user's). Raises ProcessGone if the
-        tree vanished before it could be stopped."""
+        tree vanished before it could be stopped, CheckpointFailed (untouched) if it holds
+        oomguard or the `requester` (the process that asked for it)."""
         start = self.clock()
+        refuse_own_tree(tree.root.pid, self.proc, requester)
         outside = [p.pid for p in tree.members if p.session == 0]
         if outside:
             # /proc shows session 0 when the session leader lives in an outer PID namespace
@@ -142,12 +147,12 @@ class Checkpointer:
         began = dumped = False
         lock_fd: int | None = None
         try:
-            if cgroup is not None:
-                snap = cgroup.snapshot()
-                raised_limit = headroom_needed(
-                    snap, self.headroom if headroom is None else headroom)
+            room = self.headroom if headroom is None else headroom
+            if cgroup is not None and room > 0:
+                snap = self.own_snapshot(cgroup)
+                raised_limit = headroom_needed(snap, room)
                 if raised_limit is not None:
-                    undo_limit = self._lift(cgroup, raised_limit)
+                    undo_limit = self._lift(cgroup, raised_limit, cap=room)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
             # Stopped by the user too while (or just before) oomguard stopped them.
             frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
@@ -163,6 +168,9 @@ class Checkpointer:
             with self.dump_slots:
                 images, lock_fd = self.store.begin(meta)
                 began = True
+                # What the stopped tree has open, to be checked again before a restore.
+                self.store.write_private(images.parent / FILES_RECORD,
+                                         fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
                 self.criu.dump(tree.root.pid, images, hook, lock_fd)
                 dumped = True  # CRIU has killed the tree: these images are all there is of it
@@ -225,31 +233,24 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
 
     def limit_lifted(self, path: Path) -> bool:
-        """Whether a dump has lifted this cgroup's limit for headroom at the moment."""
-        with self._lifted_lock:
-            return self._lifted[path] > 0
+        """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
+        return self.lifts.lifted(path)
 
-    def _lift(self, cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
-        with self._lifted_lock:
-            self._lifted[cgroup.path] += 1
-        try:
-            undo = cgroup.raise_limit(new_limit)
-        except BaseException:
-            self._drop_lift(cgroup.path)
-            raise
+    def own_snapshot(self, cgroup: MemoryCgroup) -> MemorySnapshot:
+        """A snapshot with the cgroup's own limit, not one oomguard lifted for a dump."""
+        snap = cgroup.snapshot()
+        lifted, own = self.lifts.own_limit(cgroup.path)
+        return replace(snap, limit_bytes=own) if lifted else snap
+
+    def _lift(self, cgroup: MemoryCgroup, new_limit: int,
+              cap: int | None = None) -> Callable[[], None]:
+        release = self.lifts.lift(cgroup, new_limit, cap)
 
         def put_back() -> None:
-            try:
-                undo()
-            finally:
-                self._drop_lift(cgroup.path)
+            # A limit that cannot be put back yet stays pending in the ledger: the daemon
+            # retries it on every rescan and acts on what grew into the lifted room.
+            release()
         return put_back
-
-    def _drop_lift(self, path: Path) -> None:
-        with self._lifted_lock:
-            self._lifted[path] -= 1
-            if self._lifted[path] <= 0:
-                del self._lifted[path]
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout

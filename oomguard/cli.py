@@ -36,6 +36,7 @@ from oomguard.errors import (
 )
 from oomguard.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
+from oomguard.restorewait import restore_when_it_fits
 from oomguard.units import bounded_duration, format_size, parse_fraction
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -104,13 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     ls = sub.add_parser("list", help="list checkpoints")
     ls.add_argument("--json", action="store_true")
-    show = sub.add_parser("show", help="show one checkpoint")
+    show = sub.add_parser("show", help="show one checkpoint (its meta.json, as JSON)")
     show.add_argument("id")
+    show.add_argument("--json", action="store_true", help="the same JSON (for symmetry with "
+                      "list and status)")
     rs = sub.add_parser("restore", help="bring a checkpoint back")
     rs.add_argument("id")
     rs.add_argument("--cgroup", metavar="PATH", help="restore into this memory cgroup")
     rs.add_argument("--force", action="store_true",
                     help="restore even if already restored or the cgroup looks too small")
+    rs.add_argument("--wait", action="store_true", help="if it does not fit under the "
+                    "cgroup's guard (or limit) now, wait until it does (Ctrl-C gives up)")
+    rs.add_argument("--timeout", type=_duration_arg, metavar="DURATION",
+                    help="with --wait: give up after this long (e.g. 10m)")
     rs.add_argument("--criu", help="path to criu (default: auto)")
     gr = sub.add_parser("gpu-resume", help="put a process's CUDA state back on the GPU "
                         "(after a 'vram' action)")
@@ -285,16 +292,25 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     log = get_logger()
+    if args.timeout is not None and not args.wait:
+        print("oomguard: restore: --timeout goes with --wait", file=sys.stderr)
+        return EXIT_USAGE
     shown: dict[str, Any] = {}
     if sys.stderr.isatty():
         with contextlib.suppress(OomguardError):
             shown = _call(args, "Show", id=args.id)["checkpoint"]
     pids = [] if shown.get("pidns") else list(shown.get("pids", []))
-    try:
+
+    def attempt() -> dict[str, Any]:
         with progress(f"restore of {args.id}", lambda: resident_bytes(pids), sys.stderr,
-                      total=shown.get("rss_bytes")):
-            result = _call(args, "Restore", id=args.id, cgroup=args.cgroup,
-                           force=args.force or None)
+                      total=shown.get("rss_bytes"), delay=0.5 if args.wait else 0.0):
+            return _call(args, "Restore", id=args.id, cgroup=args.cgroup,
+                         force=args.force or None)
+
+    try:
+        result = restore_when_it_fits(attempt, wait=args.wait, timeout=args.timeout,
+                                      tell=lambda text: print(f"oomguard: {text}",
+                                                              file=sys.stderr, flush=True))
     except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise

@@ -80,6 +80,7 @@ class GuardConfig:
     cgroups: tuple[str, ...]
     threshold: float = 0.85
     headroom: int = 64 << 20
+    user_headroom: bool = False  # on-demand checkpoints by non-root users get headroom too
     on_failure: str = ON_FAILURE_THAW
     events: bool = True  # kernel notifications; False: poll only
     memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
@@ -406,7 +407,7 @@ def _guard_array(value: Any) -> list[dict[str, Any]]:
 # Every [[guard]] key but cgroups/system/min_available (read first: they depend on each
 # other), with its converter; defaults come from GuardConfig.
 GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
-    "threshold": parse_fraction, "headroom": _size(), "on_failure": _on_failure,
+    "threshold": parse_fraction, "headroom": _size(), "user_headroom": _bool, "on_failure": _on_failure,
     "events": _bool, "memory_high": _bool, "freeze_cgroup": _bool, "psi": _bool,
     "oom_kill_disable": _bool,
     "victim_cgroups": _cgroup_list, "psi_full_avg10": parse_fraction, "auto_restore": _bool,

@@ -165,7 +165,9 @@ class Criu:
         group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
         `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so."""
         pidfile = work_dir / "restore.pid"
+        # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
+        (work_dir / RESTORE_LOG).unlink(missing_ok=True)
         argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir,
                             hook)
         env = {KEEP_STOPPED_ENV: ",".join(map(str, keep_stopped))} if keep_stopped else None

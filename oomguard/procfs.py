@@ -44,6 +44,7 @@ class StatusFields:
     rss_bytes: int
     nspid: tuple[int, ...]  # PID in each nested PID namespace, outermost first
     tracer_pid: int = 0  # a ptrace tracer (CRIU while it dumps), 0 if none
+    uids: tuple[int, ...] = ()  # real, effective, saved set and file system uid
     pending_signals: int = 0  # SigPnd | ShdPnd: signals queued to the thread or its group
 
     @property
@@ -67,6 +68,7 @@ class ProcessInfo:
     nspid: tuple[int, ...]
     oom_score_adj: int = 0
     tracer_pid: int = 0
+    uids: tuple[int, ...] = ()  # real, effective, saved set, file system (empty: unknown)
 
     @property
     def is_pidns_init(self) -> bool:
@@ -101,6 +103,7 @@ def parse_stat(text: str) -> StatFields:
 def parse_status(text: str) -> StatusFields:
     """Parse /proc/PID/status (VmRSS is absent for kernel threads and zombies: 0)."""
     uid = -1
+    uids: tuple[int, ...] = ()
     rss_kib = 0
     tracer = 0
     nspid: tuple[int, ...] = ()
@@ -108,7 +111,8 @@ def parse_status(text: str) -> StatusFields:
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key == "Uid":
-            uid = int(value.split()[0])
+            uids = tuple(int(v) for v in value.split())
+            uid = uids[0]
         elif key == "VmRSS":
             rss_kib = int(value.split()[0])
         elif key == "NSpid":
@@ -120,7 +124,7 @@ def parse_status(text: str) -> StatusFields:
     if uid < 0:
         raise ValueError("malformed /proc/PID/status: no Uid line")
     return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid, tracer_pid=tracer,
-                        pending_signals=pending)
+                        uids=uids, pending_signals=pending)
 
 
 def parse_cmdline(raw: bytes) -> tuple[str, ...]:
@@ -161,6 +165,7 @@ class ProcReader:
             nspid=status.nspid or (stat.pid,),
             oom_score_adj=oom_score_adj,
             tracer_pid=status.tracer_pid,
+            uids=status.uids or (status.uid,),
         )
 
     def processes(self, pids: list[int]) -> list[ProcessInfo]:

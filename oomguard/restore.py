@@ -5,14 +5,18 @@ tasks the user had stopped before the checkpoint: they come back stopped."""
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
-from oomguard.errors import CgroupGone, CriuError, RestoreFailed, StoreError
+from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
+from oomguard.exitwatch import ExitWatch
+from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
@@ -39,6 +43,15 @@ def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
 
+def one_line(exc: CriuError) -> str:
+    """CRIU's failure in one line: what it said first (the cause; later errors follow from
+    it), without its timestamp and source location."""
+    first = next((line for line in exc.log_tail.splitlines() if "Error" in line), "")
+    cause = re.sub(r"^\(\s*[\d.]+\)\s*(\d+:\s*)?Error \([^)]*\):\s*", "", first.strip())
+    head = str(exc).splitlines()[0] if str(exc) else "criu restore failed"
+    return f"{head}: {cause}" if cause else head
+
+
 def cgroup_root_arg(cgroup: MemoryCgroup) -> str:
     """CRIU's --cgroup-root for the memory controller (v1 names it; v2 has one hierarchy)."""
     return f"memory:{cgroup.rel_path}" if cgroup.version == 1 else cgroup.rel_path
@@ -49,8 +62,9 @@ class Restorer:
                  proc: ProcReader | None = None, *, pid_wait: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 gpu: GpuSupport | None = None) -> None:
+                 gpu: GpuSupport | None = None, exits: ExitWatch | None = None) -> None:
         self.criu = criu
+        self.exits = exits  # the daemon watches restored roots until they exit
         self.gpu = gpu
         self.store = store
         self.freezer = freezer
@@ -103,10 +117,11 @@ class Restorer:
         need = memory_pages_bytes(self.store, meta.id) + RESTORE_MARGIN
         free = snap.limit_bytes - snap.usage_bytes
         if free < need:
-            raise RestoreFailed(
+            raise NoRoom(
                 f"target cgroup {target.path} has {free >> 20} MiB free under its limit but the "
                 f"checkpoint needs {need >> 20} MiB: the kernel would OOM-kill it during restore. "
-                "Raise the limit, restore with --cgroup into a bigger one, or pass --force")
+                "Raise the limit, restore with --cgroup into a bigger one, wait until it fits "
+                "with --wait, or pass --force")
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
                 original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
@@ -130,9 +145,11 @@ class Restorer:
             self.store.verify(checkpoint_id)
         except StoreError as exc:
             raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        self._check_files(meta, force)
         start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
+        since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
         try:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
@@ -140,7 +157,7 @@ class Restorer:
                                     hook, keep_stopped=meta.stopped_nspids)
         except CriuError as exc:
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {exc}") from exc
+                                f"intact: {one_line(exc)}") from exc
         restored = self.proc.descendants(pid)
         keep = self._user_stopped(meta, restored)
         self.freezer.thaw([p for p in restored if p not in keep])
@@ -154,9 +171,12 @@ class Restorer:
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
+        meta.exited_at, meta.exit_status, meta.exit_signal = None, None, None  # a new run
         into = target or original
         meta.restored_cgroup = into.rel_path if into is not None else None
         self.store.update(meta)
+        if self.exits is not None:
+            self.exits.watch(meta.id, pid, since)
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
                              stopped_pids=tuple(sorted(still)))
@@ -168,6 +188,28 @@ class Restorer:
             return set()
         infos = self.proc.processes(restored)
         return set(restored_host_pids(meta.stopped_nspids, infos, meta.pidns)) & set(restored)
+
+    def _check_files(self, meta: CheckpointMeta, force: bool) -> None:
+        """Each file the tree had open must still be the same file: CRIU opens them by path,
+        as root. A non-root user's checkpoint is never restored onto another file (a swapped
+        path could hand their process a root-only file); root may --force its own."""
+        record = self.store.path_of(meta.id) / FILES_RECORD
+        try:
+            files = fileids.from_json(record.read_text()) if not record.is_symlink() else None
+        except FileNotFoundError:
+            return  # a checkpoint from before the record was kept
+        except (OSError, ValueError) as exc:
+            raise RestoreFailed(f"refusing to restore {meta.id}: its {FILES_RECORD} is "
+                                f"unreadable ({exc})") from exc
+        if files is None:
+            raise RestoreFailed(f"refusing to restore {meta.id}: its {FILES_RECORD} is a "
+                                "symlink")
+        problems = fileids.changed(files)
+        if problems and (meta.uid != 0 or not force):
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            hint = "" if meta.uid != 0 else "; --force restores it anyway"
+            raise RestoreFailed(f"refusing to restore {meta.id}: {problems[0]}{more}: the "
+                                f"restored process would get another file than its own{hint}")
 
     def _back_to_gpu(self, meta: CheckpointMeta, restored: list[int],
                      ) -> tuple[list[int], str | None]:

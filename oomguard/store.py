@@ -61,6 +61,11 @@ class CheckpointMeta:
     restored_at: float | None = None
     restored_pid: int | None = None
     restored_cgroup: str | None = None
+    # When the restored tree's root exited (the daemon watches it), and how: exit_status (its
+    # exit code) or exit_signal (the signal's name); both None with exited_at set: unknown.
+    exited_at: float | None = None
+    exit_status: int | None = None
+    exit_signal: str | None = None
     gpu_pids: list[int] = field(default_factory=list)  # CUDA processes (pids in the tree's
     # own PID namespace): their state was moved off the GPU with cuda-checkpoint before the dump
     gpu_engine: str = ""  # what checkpointed their CUDA state: cuda-checkpoint | criu-plugin
@@ -108,8 +113,12 @@ def new_id(pid: int, now: float) -> str:
 
 
 def _write_durably(path: Path, text: str) -> None:
+    """Write-new-then-rename; the new file is made with O_EXCL and never through a symlink."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover (or a planted symlink): removed, never followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
         os.write(fd, text.encode())
         os.fsync(fd)
@@ -383,6 +392,21 @@ class Store:
             yield
         finally:
             os.close(fd)
+
+    def write_private(self, path: Path, text: str) -> None:
+        """A file of oomguard's own inside a checkpoint directory: made anew (O_EXCL, never
+        through a symlink), durable."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(path)
 
     def update(self, meta: CheckpointMeta) -> None:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())

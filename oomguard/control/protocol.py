@@ -21,6 +21,7 @@ ERROR_DENIED = f"{INTERFACE}.PermissionDenied"
 ERROR_NOT_FOUND = f"{INTERFACE}.NotFound"
 ERROR_FAILED = f"{INTERFACE}.Failed"
 ERROR_LIMIT = f"{INTERFACE}.TooManyConnections"
+ERROR_NO_ROOM = f"{INTERFACE}.NoRoom"  # a restore that does not fit now (may fit later)
 ERROR_METHOD = "org.varlink.service.MethodNotFound"
 
 INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
@@ -39,6 +40,7 @@ error PermissionDenied (message: string)
 error NotFound (message: string)
 error Failed (message: string)
 error TooManyConnections (message: string)
+error NoRoom (message: string)
 """
 
 

@@ -28,6 +28,7 @@ from oomguard.control.protocol import (
     ERROR_INVALID,
     ERROR_LIMIT,
     ERROR_METHOD,
+    ERROR_NO_ROOM,
     ERROR_NOT_FOUND,
     INTERFACE,
     INTERFACE_DESCRIPTION,
@@ -39,7 +40,7 @@ from oomguard.control.protocol import (
     param,
     reply,
 )
-from oomguard.errors import CheckpointFailed, OomguardError, StoreError
+from oomguard.errors import CheckpointFailed, NoRoom, OomguardError, StoreError
 from oomguard.service import PermissionDenied, Service
 
 
@@ -50,8 +51,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any]]:
-    """One call -> (method name for the log, reply message). Never raises."""
+def dispatch(service: Service, raw: bytes, uid: int, pid: int | None = None,
+             ) -> tuple[str, dict[str, Any]]:
+    """One call from process `pid` of user `uid` -> (method name for the log, reply message).
+    Never raises."""
     method = "?"
     try:
         call = decode_call(raw)
@@ -77,8 +80,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
             return method, reply(service.forget(uid, param(p, "id", str)))
         if method == "Checkpoint":
             reason = param(p, "reason", str, required=False) or "on demand (control socket)"
-            return method, reply({"checkpoint": service.checkpoint(uid, param(p, "pid", int),
-                                                                    reason)})
+            return method, reply({"checkpoint": service.checkpoint(
+                uid, param(p, "pid", int), reason, requester=pid)})
         if method == "GpuResume":
             return method, reply(service.gpu_resume(uid, param(p, "pid", int)))
         return method, error(ERROR_METHOD, f"no method {method!r}")
@@ -92,6 +95,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
         return method, error(kind, str(exc))
     except CheckpointFailed as exc:
         return method, error(ERROR_FAILED, f"{exc} (process {exc.outcome})")
+    except NoRoom as exc:
+        return method, error(ERROR_NO_ROOM, str(exc))
     except OomguardError as exc:
         return method, error(ERROR_FAILED, str(exc))
 
@@ -134,7 +139,7 @@ class _Handler(socketserver.BaseRequestHandler):
             elif calls or pending_since is None:
                 pending_since = time.monotonic()
             for raw in calls:
-                method, message = self.server.dispatcher(self.server.service, raw, uid)
+                method, message = self.server.dispatcher(self.server.service, raw, uid, pid)
                 failed = message.get("error")
                 if failed == ERROR_INVALID:
                     bad += 1
@@ -175,7 +180,8 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     def __init__(self, path: Path, service: Service,
                  note: Callable[..., None] | None = None,
-                 dispatcher: Callable[[Service, bytes, int], tuple[str, dict[str, Any]]] = dispatch,
+                 dispatcher: Callable[[Service, bytes, int, int],
+                                      tuple[str, dict[str, Any]]] = dispatch,
                  mode: int = 0o666) -> None:
         self.service = service
         self.dispatcher = dispatcher

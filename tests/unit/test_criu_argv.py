@@ -241,12 +241,18 @@ def test_restore_without_pidfile(tmp_path: Path) -> None:
 
 
 def test_restore_failure(tmp_path: Path) -> None:
-    (tmp_path / RESTORE_LOG).write_text("(00.1) Error (criu/cr-restore.c:1): Can't fork for 4242: "
-                                        "File exists\n(00.2) Restoring FAILED.\n")
-    runner = FakeRunner({"criu": CommandResult(("criu",), 1, "", "")})
+    (tmp_path / RESTORE_LOG).symlink_to(tmp_path / "elsewhere")  # removed, never followed
+
+    def criu_writes_its_log(argv: Sequence[str]) -> None:
+        (tmp_path / RESTORE_LOG).write_text("(00.1) Error (criu/cr-restore.c:1): Can't fork "
+                                            "for 4242: File exists\n(00.2) Restoring FAILED.\n")
+
+    runner = FakeRunner({"criu": CommandResult(("criu",), 1, "", "")},
+                        side_effect=criu_writes_its_log)
     with pytest.raises(CriuError, match="criu restore exited with status 1") as info:
         Criu("criu", (4, 2), runner=runner).restore(tmp_path / "images", tmp_path, None)
     assert "Can't fork for 4242" in info.value.log_tail
+    assert not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.parametrize(
