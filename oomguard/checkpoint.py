@@ -1,7 +1,8 @@
 """Freeze -> headroom -> dump -> durable -> free: one checkpoint of one process tree.
 
 On any failure the tree is thawed and keeps running (or, only if configured, killed), and the
-raised CheckpointFailed says which and why. A process is never left stopped.
+raised CheckpointFailed says which and why. A process is never left stopped, and one the user
+had stopped is never continued (meta.json names it: restore leaves it stopped too).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import pwd
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import Freezer, kill_tree
+from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
@@ -100,13 +101,15 @@ class Checkpointer:
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
-                   requester: int | None = None) -> CheckpointResult:
+                   requester: int | None = None, held: Collection[int] = (),
+                   ) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
-        the victim before it runs another instruction). Raises ProcessGone if the tree vanished
-        before it could be stopped, CheckpointFailed (untouched) if it holds oomguard or the
-        `requester` (the process that asked for it)."""
+        the victim before it runs another instruction). `held`: tasks a chain's freeze step has
+        stopped already (any other task found stopped is the user's). Raises ProcessGone if the
+        tree vanished before it could be stopped, CheckpointFailed (untouched) if it holds
+        oomguard or the `requester` (the process that asked for it)."""
         start = self.clock()
         refuse_own_tree(tree.root.pid, self.proc, requester)
         outside = [p.pid for p in tree.members if p.session == 0]
@@ -122,19 +125,22 @@ class Checkpointer:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
-            self.ledger.record(list(tree.pids))
+            self.ledger.record([p.pid for p in tree.members
+                                if p.state != USER_STOPPED_STATE or p.pid in held])
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
-        hold = self._off_gpu(tree, cgroup)
+        hold = self._off_gpu(tree, cgroup, held)
         try:
-            pids = self.freezer.freeze(tree.root.pid)
+            frozen = self.freezer.freeze(tree.root.pid, held)
         except ProcessGone:
             self.ledger.clear(list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
             raise
-        self.ledger.record(pids)
+        pids = frozen.pids
+        self.ledger.record(frozen.ours)
+        self._unrecord(frozen.user_stopped)
         if after_signal is not None:
             after_signal()
         undo_limit: Callable[[], None] | None = None
@@ -149,6 +155,9 @@ class Checkpointer:
                 if raised_limit is not None:
                     undo_limit = self._lift(cgroup, raised_limit, cap=room)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
+            # Stopped by the user too while (or just before) oomguard stopped them.
+            frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
+            self._unrecord(frozen.user_stopped)
             frozen_at = self.clock()
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
@@ -156,6 +165,7 @@ class Checkpointer:
             ttys = external_ttys(self.proc.root, pids)
             if ttys:
                 meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
+            meta.stopped_nspids = self._ns_pids(frozen.user_stopped)
             if hold is not None:
                 meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
                 meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
@@ -187,7 +197,7 @@ class Checkpointer:
                     "or when restored", OUTCOME_INCOMPLETE) from exc
             if began:
                 self.store.abort(checkpoint_id)
-            outcome = self._fail(pids, on_failure or self.on_failure)
+            outcome = self._fail(frozen, on_failure or self.on_failure)
             gpu_note = ""
             if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
                 trouble = back_to_gpu(self.gpu, hold.pids)
@@ -209,15 +219,19 @@ class Checkpointer:
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
 
-    def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None) -> GpuHold | None:
+    def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None,
+                 held: Collection[int]) -> GpuHold | None:
         """A tree holding GPU memory: its CUDA state into host memory first (the ledger has
         the pids already); refused, untouched, when that is not possible."""
         if self.gpu is None or not self.gpu.accounting:
             return None
+
+        def thaw_ours(pids: list[int]) -> None:  # a task the user had stopped stays stopped
+            self.freezer.thaw([pid for pid in pids if pid in held or not self._stopped(pid)])
         try:
             return move_off_gpu(self.gpu, tree, cgroup, margin=self.gpu_margin,
                                 mem_available=self.mem_available, lift=self._lift,
-                                thaw=self.freezer.thaw)
+                                thaw=thaw_ours)
         except GpuRefused as exc:
             with contextlib.suppress(OSError):
                 self.ledger.clear(list(tree.pids))
@@ -255,13 +269,32 @@ class Checkpointer:
                     break
                 time.sleep(0.002)
 
-    def _fail(self, pids: list[int], on_failure: str) -> str:
-        """After a failed dump CRIU has resumed the tree (stopped, as it found it)."""
+    def _fail(self, frozen: Frozen, on_failure: str) -> str:
+        """After a failed dump CRIU has resumed the tree (stopped, as it found it); the tasks
+        the user had stopped stay stopped."""
         if on_failure == ON_FAILURE_KILL:
-            kill_tree(pids)
+            kill_tree(frozen.pids)
             return "killed"
-        self.freezer.thaw(pids)
+        self.freezer.thaw(frozen.ours)
         return "thawed"
+
+    def _unrecord(self, user_stopped: list[int]) -> None:
+        """Tasks the user had stopped leave the ledger: a restart after a crash thaws what the
+        ledger names, and these are never continued."""
+        if user_stopped:
+            with contextlib.suppress(OSError):
+                self.ledger.clear(user_stopped)
+
+    def _stopped(self, pid: int) -> bool:
+        try:
+            return self.proc.state(pid) == USER_STOPPED_STATE
+        except ProcessGone:
+            return False
+
+    def _ns_pids(self, pids: list[int]) -> list[int]:
+        """PIDs in the tree's own PID namespace (NSpid's last field): what a restore maps back
+        to host PIDs (a tree started by `oomguard exec` gets new host PIDs)."""
+        return sorted(info.nspid[-1] for info in self.proc.processes(pids))
 
     def _meta(self, checkpoint_id: str, tree: ProcessTree, cgroup: MemoryCgroup | None,
               reason: str, dump_seconds: float) -> CheckpointMeta:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,10 @@ from pathlib import Path
 from oomguard.errors import ProcessGone
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h
+# SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU as bits of SigPnd/ShdPnd (bit n-1 is signal n). A stop
+# signal sent to a task that is already stopped stays pending there until a SIGCONT discards it.
+STOP_SIGNALS_MASK = sum(1 << (int(sig) - 1) for sig in (
+    signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU))
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,12 @@ class StatusFields:
     nspid: tuple[int, ...]  # PID in each nested PID namespace, outermost first
     tracer_pid: int = 0  # a ptrace tracer (CRIU while it dumps), 0 if none
     uids: tuple[int, ...] = ()  # real, effective, saved set and file system uid
+    pending_signals: int = 0  # SigPnd | ShdPnd: signals queued to the thread or its group
+
+    @property
+    def stop_pending(self) -> bool:
+        """A stop signal waits: sent while the task was already stopped."""
+        return bool(self.pending_signals & STOP_SIGNALS_MASK)
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,7 @@ def parse_status(text: str) -> StatusFields:
     rss_kib = 0
     tracer = 0
     nspid: tuple[int, ...] = ()
+    pending = 0
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key == "Uid":
@@ -107,10 +119,12 @@ def parse_status(text: str) -> StatusFields:
             nspid = tuple(int(v) for v in value.split())
         elif key == "TracerPid":
             tracer = int(value.split()[0])
+        elif key in ("SigPnd", "ShdPnd"):
+            pending |= int(value.strip(), 16)
     if uid < 0:
         raise ValueError("malformed /proc/PID/status: no Uid line")
     return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid, tracer_pid=tracer,
-                        uids=uids)
+                        uids=uids, pending_signals=pending)
 
 
 def parse_cmdline(raw: bytes) -> tuple[str, ...]:
@@ -167,6 +181,12 @@ class ProcReader:
     def state(self, pid: int) -> str:
         try:
             return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).state
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
+    def status(self, pid: int) -> StatusFields:
+        try:
+            return parse_status((self.root / str(pid) / "status").read_text(errors="replace"))
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
 

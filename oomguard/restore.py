@@ -1,5 +1,6 @@
 """Bringing a checkpoint back: checks first (PIDs free, room in the target cgroup), then CRIU
-restore detached in its own session, then SIGCONT (trees are dumped stopped)."""
+restore detached in its own session, then SIGCONT (trees are dumped stopped), except the
+tasks the user had stopped before the checkpoint: they come back stopped."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.exitwatch import ExitWatch
 from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import Freezer
+from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
@@ -36,6 +37,7 @@ class RestoreResult:
     verify_s: float = 0.0  # checking the images against SHA256SUMS first
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
+    stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
@@ -160,7 +162,8 @@ class Restorer:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
-                                    hook, ttys.args, ttys.fds)
+                                    hook, ttys.args, ttys.fds,
+                                    keep_stopped=meta.stopped_nspids)
         except CriuError as exc:
             ttys.failed()
             hint = criu_tty_hint(str(exc))
@@ -171,7 +174,10 @@ class Restorer:
         if ttys.entries:
             meta.extra[TTYS] = ttys.entries
         restored = self.proc.descendants(pid)
-        self.freezer.thaw(restored)
+        keep = self._user_stopped(meta, restored)
+        self.freezer.thaw([p for p in restored if p not in keep])
+        still = {p.pid for p in self.proc.processes(sorted(keep))
+                 if p.state == USER_STOPPED_STATE}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
         seconds = self.clock() - start
         # Reading the images charged their page cache to the target cgroup: give it back.
@@ -187,7 +193,16 @@ class Restorer:
         if self.exits is not None:
             self.exits.watch(meta.id, pid, since)
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
-                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error)
+                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
+                             stopped_pids=tuple(sorted(still)))
+
+    def _user_stopped(self, meta: CheckpointMeta, restored: list[int]) -> set[int]:
+        """Host pids of the restored tasks the user had stopped (the hook continues one whose
+        process group CRIU's exit would otherwise hang up: the kernel would continue it)."""
+        if not meta.stopped_nspids:
+            return set()
+        infos = self.proc.processes(restored)
+        return set(restored_host_pids(meta.stopped_nspids, infos, meta.pidns)) & set(restored)
 
     def _check_files(self, meta: CheckpointMeta, force: bool) -> None:
         """Each file the tree had open must still be the same file: CRIU opens them by path,

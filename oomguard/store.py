@@ -70,6 +70,8 @@ class CheckpointMeta:
     # own PID namespace): their state was moved off the GPU with cuda-checkpoint before the dump
     gpu_engine: str = ""  # what checkpointed their CUDA state: cuda-checkpoint | criu-plugin
     vram_bytes: int = 0
+    stopped_nspids: list[int] = field(default_factory=list)  # tasks the user had stopped
+    # (pids in the tree's own PID namespace): restored stopped, never continued by oomguard
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -41,6 +41,7 @@ MALFORMED = {
     "pid-null": meta_with("pid-null", pid=None),
     "pid-huge": meta_with("pid-huge", pid=10**30),
     "pids-not-list": meta_with("pids-not-list", pids={"a": 1}),
+    "stopped-nspid-zero": meta_with("stopped-nspid-zero", stopped_nspids=[0]),
     "created-null": meta_with("created-null", created=None),
     "created-inf": '{"created": 1e999}',
     "rss-bool": meta_with("rss-bool", rss_bytes=True),
@@ -114,5 +115,6 @@ def test_a_plain_file_and_an_empty_directory_are_skipped(tmp_path: Path) -> None
 
 def test_meta_round_trip_still_accepts_what_oomguard_writes(tmp_path: Path) -> None:
     meta = make_meta(GOOD, restored_at=1_700_000_100.5, restored_pid=99, gpu_pids=[7],
+                     stopped_nspids=[3, 5],
                      extra={"slurm_job": "42"}, created=1_700_000_000)
     assert CheckpointMeta.from_json(meta.to_json()) == meta
