@@ -25,6 +25,7 @@ from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.procfs import ProcReader
 
 LIFTS_LEDGER = ".lifted.json"
+LIFT_CEILING = 2  # a lift never exceeds the own limit + this many times the headroom
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,11 @@ class LimitLifts:
 
     def lift(self, cgroup: MemoryCgroup, new_limit: int, cap: int | None = None,
              ) -> Callable[[], str | None]:
-        """Lift the limit to `new_limit` (at most the cgroup's own limit + `cap` when given),
-        recorded first. Returns the release: the own limit is put back once no live holder is
-        left; it returns None, or why it could not be put back yet (the entry stays pending)."""
+        """Lift the limit to `new_limit`, recorded first; with `cap` (the rule's headroom), never
+        above the cgroup's own limit + 2 x cap: room for one dump, and for one more to seize a
+        task parked at a limit that something grew into meanwhile, however many dumps ask.
+        Returns the release: the own limit is put back once no live holder is left; it returns
+        None, or why it could not be put back yet (the entry stays pending)."""
         key = str(cgroup.path)
         token = secrets.token_hex(4)
         with self._locked() as entries:
@@ -119,7 +122,7 @@ class LimitLifts:
             own = entry["state"].get("max")
         # Written (fsync'd) before the limit changes; the raise itself outside the file lock.
         if own is not None and cap is not None:
-            new_limit = min(new_limit, own + cap)
+            new_limit = min(new_limit, own + LIFT_CEILING * cap)
         current = cgroup.limit()
         if current is not None and current < new_limit:
             try:
