@@ -104,6 +104,8 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
                           'oom_kill_disable = true\n')
         daemon_log = workdir / "daemon.log"
         daemon = DaemonProcess(store, daemon_log, "--config", str(config))
+        # Jobs start once every guard is armed (the invariant is about armed guards).
+        daemon.wait_event("guard.armed", count=GROUPS + 1, timeout=60)
         deadline = time.monotonic() + minutes * 60
         next_kill = time.monotonic() + rng.uniform(20, 60)
         while time.monotonic() < deadline:
