@@ -237,3 +237,21 @@ def run_vm_lane(command: list[str], timeout: int, skip_codes: tuple[int, ...] = 
         reason = next((line for line in output.splitlines() if "SKIP" in line), output[-300:])
         pytest.skip(f"VM lane unavailable: {reason}")
     return result, time.monotonic() - start
+
+
+def unprivileged_user(name: str, uid: int) -> int:
+    """A real unprivileged user for attack tests: made with useradd (no home, no login shell)
+    the first time, kept afterwards; where /etc is read-only (the VM lane) the bare uid, which
+    the kernel treats the same. Returns the uid."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        pass
+    made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                           "/usr/sbin/nologin", "--uid", str(uid), "--user-group", name],
+                          capture_output=True, text=True, check=False)
+    if made.returncode == 0:
+        return pwd.getpwnam(name).pw_uid
+    return uid

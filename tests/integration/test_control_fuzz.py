@@ -19,7 +19,15 @@ from hypothesis import strategies as st
 
 from oomguard.control.client import ControlClient
 from oomguard.control.protocol import INTERFACE, METHODS
-from tests.helpers import CgroupFactory, MiB, daemon, hog_argv, short_socket_path, start_in_cgroup
+from tests.helpers import (
+    CgroupFactory,
+    MiB,
+    daemon,
+    hog_argv,
+    short_socket_path,
+    start_in_cgroup,
+    unprivileged_user,
+)
 
 pytestmark = pytest.mark.integration
 FUZZER = 40021
@@ -82,7 +90,7 @@ class FuzzClient:
     def send(self, frame: bytes) -> dict[str, Any] | None:
         """One frame -> the reply, or None when the daemon closed the connection for cause."""
         if self.sock is None:
-            self.sock = connect_as(self.path, FUZZER)
+            self.sock = connect_as(self.path, unprivileged_user("oomguard-t-fuzzer", FUZZER))
         data = b""
         try:
             self.sock.sendall(frame + b"\0")

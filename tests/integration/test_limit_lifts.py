@@ -28,6 +28,7 @@ from tests.helpers import (
     last_count,
     short_socket_path,
     start_in_cgroup,
+    unprivileged_user,
     wait_until,
 )
 
@@ -44,7 +45,8 @@ def test_unprivileged_on_demand_checkpoints_lift_no_limit(
     cg = cgroups.make("userlift", 200 * MiB)
     sock = short_socket_path()
     sock.parent.chmod(0o755)
-    as_mallory = ["setpriv", f"--reuid={MALLORY}", f"--regid={MALLORY}", "--clear-groups", "--"]
+    mallory = unprivileged_user("oomguard-t-mallory", MALLORY)
+    as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
     idle = start_in_cgroup(cg, [*as_mallory, *hog_argv(workdir / "idle.log", target=16,
                                                        rate=200, count=100_000)], cwd=workdir)
     # The other process takes nearly all the room there is (with the interpreters: ~185 of 200).

@@ -24,6 +24,7 @@ from tests.helpers import (
     hog_argv,
     short_socket_path,
     start_in_cgroup,
+    unprivileged_user,
     wait_until,
 )
 
@@ -85,7 +86,8 @@ def test_connection_flood_is_bounded_and_the_guard_still_acts(
         assert wait_until(sock.exists, 10)
         before = threads_of(guard.handle.pid)
         floods = [as_user_popen(uid, [sys.executable, "-c", FLOODER, str(sock), "300", "60"])
-                  for uid in (MALLORY, TRUDY)]
+                  for uid in (unprivileged_user("oomguard-t-flood1", MALLORY),
+                              unprivileged_user("oomguard-t-flood2", TRUDY))]
         try:
             for flood in floods:
                 assert flood.stdout is not None

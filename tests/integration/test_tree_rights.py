@@ -24,6 +24,7 @@ from tests.helpers import (
     run_oomguard,
     short_socket_path,
     start_in_cgroup,
+    unprivileged_user,
     wait_until,
 )
 
@@ -49,7 +50,8 @@ def test_a_users_tree_with_a_setuid_root_child_is_refused_untouched(
     os.chown(suid_sleep, 0, 0)
     suid_sleep.chmod(0o4755)
     cg = cgroups.make("suid", None)
-    as_mallory = ["setpriv", f"--reuid={MALLORY}", f"--regid={MALLORY}", "--clear-groups", "--"]
+    mallory = unprivileged_user("oomguard-t-mallory2", MALLORY)
+    as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
     parent = start_in_cgroup(cg, [*as_mallory, sys.executable, "-c", PARENT_OF_SUID,
                                   str(suid_sleep)])
     reader = ProcReader()
