@@ -128,7 +128,7 @@ class ChainRunner:
                     outcome = self._checkpoint(step, tree, cgroup, reason, settings, fields,
                                                on_frozen, after_signal, frozen)
                     after_signal = None
-                    if outcome.result in ("checkpointed", "gone", "killed"):
+                    if outcome.result in ("checkpointed", "gone", "killed", "incomplete"):
                         frozen = []
                         return outcome
                     if outcome.result == "thawed":  # the checkpoint failed and thawed it

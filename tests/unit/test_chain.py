@@ -373,6 +373,11 @@ CASES = [
     Case("checkpoint-untouched", ("checkpoint",), "thawed", "checkpoint", "no action settled it",
          error=CheckpointFailed("store unwritable", "untouched"), checkpoint_calls=1,
          logs=("checkpoint.failed",)),
+    # dumped (the tree is dead) but the commit failed: settled, the kill never runs
+    Case("checkpoint-incomplete-ends-the-chain", ("checkpoint", "kill"), "incomplete",
+         "checkpoint", "dumped; commit pending",
+         error=CheckpointFailed("dumped; commit pending", "dumped, commit pending"),
+         checkpoint_calls=1, logs=("checkpoint.failed",)),
     Case("checkpoint-gone", ("checkpoint",), "gone", "", "the victim exited",
          error=ProcessGone("process is gone"), checkpoint_calls=1),
     Case("store-refused", ("checkpoint",), "thawed", "checkpoint", "no action settled it",
