@@ -396,17 +396,7 @@ class Store:
     def write_private(self, path: Path, text: str) -> None:
         """A file of oomguard's own inside a checkpoint directory: made anew (O_EXCL, never
         through a symlink), durable."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.write(fd, text.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        tmp.replace(path)
+        _write_durably(path, text)
 
     def update(self, meta: CheckpointMeta) -> None:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
