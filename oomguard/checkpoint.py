@@ -142,6 +142,13 @@ class Checkpointer:
                 if raised_limit is not None:
                     undo_limit = self._lift(cgroup, raised_limit)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
+            if cgroup is not None:
+                # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
+                # out, and may have used up the limit (or the headroom given above) by then.
+                raised_limit = headroom_needed(
+                    cgroup.snapshot(), self.headroom if headroom is None else headroom)
+                if raised_limit is not None:
+                    undo_limit = _both(self._lift(cgroup, raised_limit), undo_limit)
             frozen_at = self.clock()
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
@@ -163,6 +170,10 @@ class Checkpointer:
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if began:
                 self.store.abort(checkpoint_id)
+            if undo_limit is not None:  # while the tree is stopped: it cannot grow meanwhile
+                with contextlib.suppress(OSError, CgroupGone):
+                    undo_limit()
+                undo_limit = None
             outcome = self._fail(pids, on_failure or self.on_failure)
             gpu_note = ""
             if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
@@ -267,3 +278,15 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
+
+
+def _both(last: Callable[[], None], first: Callable[[], None] | None) -> Callable[[], None]:
+    """One undo for two limit lifts: the later one first."""
+    if first is None:
+        return last
+
+    def undo() -> None:
+        with contextlib.suppress(OSError, CgroupGone):
+            last()
+        first()
+    return undo

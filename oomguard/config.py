@@ -79,7 +79,8 @@ class GuardConfig:
     memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
     freeze_cgroup: bool = True  # v2: cgroup.freeze the whole cgroup first (growth stops at once)
     psi: bool = True  # v2 / system: a PSI trigger on the pressure file wakes the daemon
-    oom_kill_disable: bool = False  # v1: tasks at the limit wait for oomguard, never OOM-killed
+    oom_kill_disable: bool = True  # v1: tasks at the limit wait for oomguard, never OOM-killed
+    park_deadline: float = 30.0  # v1: ...but for this long at most (the park watchdog)
     system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
     min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
     victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
@@ -347,6 +348,18 @@ def _positive_duration(value: Any) -> float:
     return seconds
 
 
+PARK_DEADLINE_RANGE = (1.0, 3600.0)
+
+
+def _park_deadline(value: Any) -> float:
+    seconds = parse_duration(value)
+    low, high = PARK_DEADLINE_RANGE
+    if not low <= seconds <= high:
+        raise ValueError(f"must be between {low:.0f}s and {high:.0f}s (a task must never stay "
+                         f"parked for long), got {value!r}")
+    return seconds
+
+
 def _regex_list(value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
@@ -392,7 +405,7 @@ def _guard_array(value: Any) -> list[dict[str, Any]]:
 GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "threshold": parse_fraction, "headroom": parse_size, "on_failure": _on_failure,
     "events": _bool, "memory_high": _bool, "freeze_cgroup": _bool, "psi": _bool,
-    "oom_kill_disable": _bool,
+    "oom_kill_disable": _bool, "park_deadline": _park_deadline,
     "victim_cgroups": _cgroup_list, "psi_full_avg10": parse_fraction, "auto_restore": _bool,
     "restore_quiet": parse_duration, "restore_margin": parse_size, "actions": parse_chain,
     "prefer": _regex_list, "avoid": _regex_list, "protect": _regex_list,
