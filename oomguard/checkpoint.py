@@ -19,12 +19,14 @@ from pathlib import Path
 import psutil
 
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.freezer import Freezer, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
+from oomguard.oomshield import OomShield
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
@@ -33,6 +35,7 @@ from oomguard.store import CheckpointMeta, Store, new_id
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
 FROZEN_LEDGER = ".frozen.json"
+OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
 
@@ -68,7 +71,7 @@ class Checkpointer:
                  wall_clock: Callable[[], float] = time.time,
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
-                 ) -> None:
+                 shield: OomShield | None = None) -> None:
         self.criu = criu
         self.gpu = gpu
         self.gpu_margin = gpu_margin
@@ -81,6 +84,7 @@ class Checkpointer:
         self.on_failure = on_failure
         self.hook_dir = hook_dir
         self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
+        self.shield = shield or OomShield(store.root / OOM_SHIELD, self.proc)
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
@@ -119,15 +123,23 @@ class Checkpointer:
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
+        # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
+        # (memory taken inside one system call fails there instead of killing the job).
+        shielding = isinstance(cgroup, V2MemoryCgroup)
+        if shielding:
+            self.shield.shield(list(tree.pids))
         hold = self._off_gpu(tree, cgroup)
         try:
             pids = self.freezer.freeze(tree.root.pid)
         except ProcessGone:
+            self.shield.unshield(list(tree.pids))
             self.ledger.clear(list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
             raise
         self.ledger.record(pids)
+        if shielding:  # children forked before the stop inherited -1000
+            self.shield.shield(pids, inherited=self.shield.original_of(tree.root.pid))
         if after_signal is not None:
             after_signal()
         undo_limit: Callable[[], None] | None = None
@@ -142,6 +154,8 @@ class Checkpointer:
                 if raised_limit is not None:
                     undo_limit = self._lift(cgroup, raised_limit)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
+            if shielding:  # stopped: back to the originals, which CRIU saves with the images
+                self.shield.unshield(pids + list(tree.pids))
             if cgroup is not None:
                 # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
                 # out, and may have used up the limit (or the headroom given above) by then.
@@ -183,6 +197,8 @@ class Checkpointer:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
                                    outcome) from exc
         finally:
+            if shielding:
+                self.shield.unshield(pids + list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
             if lock_fd is not None:

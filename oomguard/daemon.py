@@ -409,6 +409,9 @@ class Daemon:
                 lambda path: open_cgroup(path, self.layout)):
             self.log.info("guard.setting_restored", cgroup=cgroup, setting=setting,
                           explanation="put back after a previous run that did not stop cleanly")
+        for pid in self.checkpointer.shield.recover():
+            self.log.info("guard.setting_restored", pid=pid, setting="oom_score_adj",
+                          explanation="put back after a previous run that did not stop cleanly")
 
     def _park_reason(self, name: str) -> str:
         """Why tasks waited at the limit of `name` without oomguard acting (the watchdog's
