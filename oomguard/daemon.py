@@ -51,7 +51,7 @@ from oomguard.guards import (
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
 from oomguard.ledger import SavedLimits
-from oomguard.parkwatch import ParkWatchdog
+from oomguard.parkwatch import ParkWatchdog, park_reason
 from oomguard.policy import (
     ProcessTree,
     Verdict,
@@ -413,16 +413,9 @@ class Daemon:
             self.log.info("guard.setting_restored", pid=pid, setting="oom_score_adj",
                           explanation="put back after a previous run that did not stop cleanly")
 
-    def _park_reason(self, name: str) -> str:
-        """Why tasks waited at the limit of `name` without oomguard acting (the watchdog's
-        thread asks)."""
-        stale = self.clock() - self.last_turn
-        if stale > STALE_LOOP_TURNS * self.config.rescan_interval:
-            return f"the daemon's event loop has not turned for {stale:.0f}s"
-        if self.actor.busy(name):
-            return "the action on this cgroup (a dump, a grace period) has not ended"
-        return ("no action freed memory here: no victim could be checkpointed, and no action "
-                "of the rule kills")
+    def _park_reason(self, name: str) -> str:  # asked from the watchdog's thread
+        return park_reason(self.clock() - self.last_turn,
+                           STALE_LOOP_TURNS * self.config.rescan_interval, self.actor.busy(name))
 
     def _cgroup_gone(self, guard: CgroupGuard) -> None:
         if guard.present:

@@ -17,6 +17,16 @@ from oomguard.errors import CgroupGone
 CHECK_INTERVAL = 1.0
 
 
+def park_reason(loop_idle: float, loop_stale_after: float, acting: bool) -> str:
+    """Why tasks waited at a cgroup's limit without oomguard ending it (for `oom.released`)."""
+    if loop_idle > loop_stale_after:
+        return f"the daemon's event loop has not turned for {loop_idle:.0f}s"
+    if acting:
+        return "the action on this cgroup (a dump, a grace period) has not ended"
+    return ("no action freed memory here: no victim could be checkpointed, and no action of "
+            "the rule kills")
+
+
 class ParkableCgroup(Protocol):
     def oom_control(self) -> dict[str, int]: ...
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from oomguard.errors import CgroupGone
-from oomguard.parkwatch import ParkWatchdog
+from oomguard.parkwatch import ParkWatchdog, park_reason
 
 
 class Log:
@@ -170,3 +170,14 @@ def test_the_thread_releases_without_the_event_loop() -> None:
         watchdog.stop()
     assert cgroup.writes[:1] == [False]
     assert log.names()[:1] == ["oom.released"]
+
+
+@pytest.mark.parametrize(("idle", "acting", "reason"), [
+    (7.0, False, "the daemon's event loop has not turned for 7s"),
+    (7.0, True, "the daemon's event loop has not turned for 7s"),
+    (1.0, True, "the action on this cgroup (a dump, a grace period) has not ended"),
+    (6.0, False, "no action freed memory here: no victim could be checkpointed, and no action "
+                 "of the rule kills"),
+])
+def test_park_reason(idle: float, acting: bool, reason: str) -> None:
+    assert park_reason(idle, 6.0, acting) == reason
