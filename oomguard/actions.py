@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from oomguard.units import parse_duration
+from oomguard.units import MAX_WAIT, parse_duration
 
 FREEZE, CHECKPOINT, SIGNAL, KILL = "freeze", "checkpoint", "signal", "kill"
 VRAM = "vram"  # cuda-checkpoint alone: CUDA state into host memory, the process stays alive
@@ -56,6 +56,8 @@ def parse_step(text: str) -> Step:
         grace = parse_duration(parts[2])
         if grace <= 0:
             raise ValueError(f"the grace period must be above 0, got {parts[2]!r}")
+        if grace > MAX_WAIT:
+            raise ValueError(f"the grace period must be at most 1d, got {parts[2]!r}")
         return Step(SIGNAL, number, grace)
     raise ValueError(f"unknown action {parts[0]!r}: expected freeze, checkpoint, "
                      "signal:SIG:GRACE, vram or kill")

@@ -56,7 +56,7 @@ class LocalBackend:
         uid = os.geteuid()
         service = self._get_service(needs_criu=method in ("Restore", "Checkpoint"))
         if method == "List":
-            return {"checkpoints": service.list(uid)}
+            return {"checkpoints": service.list(uid), "skipped": service.skipped(uid)}
         if method == "Show":
             return {"checkpoint": service.show(uid, p["id"])}
         if method == "Forget":

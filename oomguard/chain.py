@@ -2,8 +2,8 @@
 
 Every step is bounded in time (CRIU's timeout, a signal's grace, the kill grace), a frozen tree
 is never left frozen (the chain ends by dumping, thawing or killing it, and gives up a freeze
-past `freeze_deadline`), and before each step the pressure is re-read: if it has passed, the
-chain stands down and thaws.
+past `freeze_deadline`), a task the user had stopped is never continued, and before each step
+the pressure is re-read: if it has passed, the chain stands down and thaws.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.checkpoint import Checkpointer, CheckpointResult
+from oomguard.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
-from oomguard.freezer import Freezer
+from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.kubelet import ContainerCheckpointer, KubeletError
 from oomguard.policy import ProcessTree
@@ -41,6 +41,7 @@ class ChainSettings:
 @dataclass(frozen=True)
 class ChainOutcome:
     result: str  # checkpointed | signalled | vram-freed | killed | thawed | stood-down | gone
+    # | incomplete (dumped, the commit failed: the memory is free, the images kept)
     step: str
     detail: str
     checkpoint: CheckpointResult | None = None
@@ -49,7 +50,7 @@ class ChainOutcome:
     def settled(self) -> bool:
         """The pressure was dealt with (no need to try another victim)."""
         return self.result in ("checkpointed", "signalled", "vram-freed", "killed",
-                               "stood-down")
+                               "stood-down", "incomplete")
 
 
 def free_space(path: Path) -> int:
@@ -91,17 +92,25 @@ class ChainRunner:
                     return ChainOutcome("thawed", str(step),
                                         f"freeze deadline ({settings.freeze_deadline:g}s) passed")
                 if step.kind == FREEZE:
-                    ledger.record(list(tree.pids))
-                    frozen = self.freezer.freeze(tree.root.pid)
+                    ledger.record([p.pid for p in tree.members
+                                   if p.state != USER_STOPPED_STATE])
+                    held = self.freezer.freeze(tree.root.pid)
+                    frozen = held.ours
                     ledger.record(frozen)
-                    recorded += frozen
+                    recorded += held.pids
                     if after_signal is not None:
                         after_signal()
                         after_signal = None
-                    self.freezer.wait_frozen(frozen, 5.0)
+                    self.freezer.wait_frozen(held.pids, 5.0)
+                    # Stopped by the user too: left stopped, like those found stopped.
+                    again = self.freezer.stopped_again(frozen)
+                    frozen = [pid for pid in frozen if pid not in again]
+                    if held.user_stopped or again:
+                        with contextlib.suppress(OSError):
+                            ledger.clear(held.user_stopped + again)
                     frozen_at = self.clock()
                     if on_frozen is not None:
-                        on_frozen(frozen, frozen_at)
+                        on_frozen(held.pids, frozen_at)
                         on_frozen = None
                 elif step.kind == SIGNAL:
                     outcome = self._signal(step, tree, frozen, still_pressing, fields)
@@ -117,7 +126,7 @@ class ChainRunner:
                         return outcome
                 elif step.kind == CHECKPOINT:
                     outcome = self._checkpoint(step, tree, cgroup, reason, settings, fields,
-                                               on_frozen, after_signal)
+                                               on_frozen, after_signal, frozen)
                     after_signal = None
                     if outcome.result in ("checkpointed", "gone", "killed"):
                         frozen = []
@@ -189,7 +198,8 @@ class ChainRunner:
     def _checkpoint(self, step: Step, tree: ProcessTree, cgroup: MemoryCgroup | None,
                     reason: str, settings: ChainSettings, fields: dict[str, Any],
                     on_frozen: Callable[[list[int], float], None] | None,
-                    after_signal: Callable[[], None] | None) -> ChainOutcome:
+                    after_signal: Callable[[], None] | None,
+                    held: list[int]) -> ChainOutcome:
         container = self._container_of(tree)
         if container is not None:
             return self._checkpoint_container(step, tree, container, settings, fields)
@@ -203,9 +213,11 @@ class ChainRunner:
         try:
             result = self.checkpointer.checkpoint(
                 tree, cgroup, reason, on_frozen=on_frozen, headroom=settings.headroom,
-                on_failure="thaw", after_signal=after_signal)
+                on_failure="thaw", after_signal=after_signal, held=held)
         except CheckpointFailed as exc:
             self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
+            if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
+                return ChainOutcome("incomplete", str(step), str(exc))
             return ChainOutcome("thawed" if exc.outcome != "untouched" else "refused", str(step),
                                 str(exc))
         return ChainOutcome("checkpointed", str(step), reason, result)

@@ -1,7 +1,8 @@
 """Freeze -> headroom -> dump -> durable -> free: one checkpoint of one process tree.
 
 On any failure the tree is thawed and keeps running (or, only if configured, killed), and the
-raised CheckpointFailed says which and why. A process is never left stopped.
+raised CheckpointFailed says which and why. A process is never left stopped, and one the user
+had stopped is never continued (meta.json names it: restore leaves it stopped too).
 """
 
 from __future__ import annotations
@@ -11,26 +12,30 @@ import os
 import pwd
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
-from oomguard.cgroup.base import MemoryCgroup
+from oomguard import fileids
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
-from oomguard.freezer import Freezer, kill_tree
+from oomguard.fileids import FILES_RECORD
+from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
+from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.oomshield import OomShield
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
+from oomguard.selfguard import refuse_own_tree
 from oomguard.store import CheckpointMeta, Store, new_id
+from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
 
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
@@ -38,6 +43,7 @@ FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
+OUTCOME_INCOMPLETE = "dumped, commit pending"  # gone, images intact, commit to be finished
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Checkpointer:
                  wall_clock: Callable[[], float] = time.time,
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
+                 lifts: LimitLifts | None = None,
                  shield: OomShield | None = None) -> None:
         self.criu = criu
         self.gpu = gpu
@@ -88,10 +95,9 @@ class Checkpointer:
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
-        # Cgroups whose limit a dump has lifted for headroom right now: the daemon must not
-        # take the lifted limit for the cgroup's own and re-arm its thresholds on it.
-        self._lifted: Counter[Path] = Counter()
-        self._lifted_lock = threading.Lock()
+        # Limits lifted for a dump's headroom: recorded durably first, bounded, put back by
+        # whoever can; the daemon never takes a lifted limit for the cgroup's own.
+        self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
         self.clock = clock
         self.wall_clock = wall_clock
 
@@ -99,13 +105,17 @@ class Checkpointer:
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
+                   requester: int | None = None, held: Collection[int] = (),
                    ) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
-        the victim before it runs another instruction). Raises ProcessGone if the tree vanished
-        before it could be stopped."""
+        the victim before it runs another instruction). `held`: tasks a chain's freeze step has
+        stopped already (any other task found stopped is the user's). Raises ProcessGone if the
+        tree vanished before it could be stopped, CheckpointFailed (untouched) if it holds
+        oomguard or the `requester` (the process that asked for it)."""
         start = self.clock()
+        refuse_own_tree(tree.root.pid, self.proc, requester)
         outside = [p.pid for p in tree.members if p.session == 0]
         if outside:
             # /proc shows session 0 when the session leader lives in an outer PID namespace
@@ -119,7 +129,8 @@ class Checkpointer:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
-            self.ledger.record(list(tree.pids))
+            self.ledger.record([p.pid for p in tree.members
+                                if p.state != USER_STOPPED_STATE or p.pid in held])
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
@@ -128,67 +139,89 @@ class Checkpointer:
         shielding = isinstance(cgroup, V2MemoryCgroup)
         if shielding:
             self.shield.shield(list(tree.pids))
-        hold = self._off_gpu(tree, cgroup)
+        hold = self._off_gpu(tree, cgroup, held)
         try:
-            pids = self.freezer.freeze(tree.root.pid)
+            frozen = self.freezer.freeze(tree.root.pid, held)
         except ProcessGone:
             self.shield.unshield(list(tree.pids))
             self.ledger.clear(list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
             raise
-        self.ledger.record(pids)
+        pids = frozen.pids
+        self.ledger.record(frozen.ours)
+        self._unrecord(frozen.user_stopped)
         if shielding:  # children forked before the stop inherited -1000
             self.shield.shield(pids, inherited=self.shield.original_of(tree.root.pid))
         if after_signal is not None:
             after_signal()
         undo_limit: Callable[[], None] | None = None
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
-        began = False
+        began = dumped = False
         lock_fd: int | None = None
         try:
-            if cgroup is not None:
-                snap = cgroup.snapshot()
-                raised_limit = headroom_needed(
-                    snap, self.headroom if headroom is None else headroom)
+            room = self.headroom if headroom is None else headroom
+            if cgroup is not None and room > 0:
+                snap = self.own_snapshot(cgroup)
+                raised_limit = headroom_needed(snap, room)
                 if raised_limit is not None:
-                    undo_limit = self._lift(cgroup, raised_limit)
+                    undo_limit = self._lift(cgroup, raised_limit, cap=room)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
+            # Stopped by the user too while (or just before) oomguard stopped them.
+            frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
+            self._unrecord(frozen.user_stopped)
             if shielding:  # stopped: back to the originals, which CRIU saves with the images
                 self.shield.unshield(pids + list(tree.pids))
-            if cgroup is not None:
+            if cgroup is not None and room > 0:
                 # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
                 # out, and may have used up the limit (or the headroom given above) by then.
-                raised_limit = headroom_needed(
-                    cgroup.snapshot(), self.headroom if headroom is None else headroom)
+                raised_limit = headroom_needed(cgroup.snapshot(), room)
                 if raised_limit is not None:
-                    undo_limit = _both(self._lift(cgroup, raised_limit), undo_limit)
+                    undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
             frozen_at = self.clock()
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            ttys = external_ttys(self.proc.root, pids)
+            if ttys:
+                meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
+            meta.stopped_nspids = self._ns_pids(frozen.user_stopped)
             if hold is not None:
                 meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
                 meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
             with self.dump_slots:
                 images, lock_fd = self.store.begin(meta)
                 began = True
+                # What the stopped tree has open, to be checked again before a restore.
+                self.store.write_private(images.parent / FILES_RECORD,
+                                         fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-                self.criu.dump(tree.root.pid, images, hook, lock_fd)
+                self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys))
+                dumped = True  # CRIU has killed the tree: these images are all there is of it
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
                 dumped_at = self.clock()
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta)
             done = self.clock()
+            pin_holders(ttys, meta.id, meta.uid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
+            if dumped:
+                # Never deleted: the partial stays, listed as incomplete, completed at the next
+                # start (or restore) once the store can take the commit.
+                pin_holders(ttys, checkpoint_id, tree.root.uid)
+                raise CheckpointFailed(
+                    f"checkpoint of {tree.root.pid}: the process was dumped and is gone, but "
+                    f"the commit failed ({exc}); its images are intact and it is listed as "
+                    f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
+                    "or when restored", OUTCOME_INCOMPLETE) from exc
             if began:
                 self.store.abort(checkpoint_id)
             if undo_limit is not None:  # while the tree is stopped: it cannot grow meanwhile
                 with contextlib.suppress(OSError, CgroupGone):
                     undo_limit()
                 undo_limit = None
-            outcome = self._fail(pids, on_failure or self.on_failure)
+            outcome = self._fail(frozen, on_failure or self.on_failure)
             gpu_note = ""
             if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
                 trouble = back_to_gpu(self.gpu, hold.pids)
@@ -212,15 +245,19 @@ class Checkpointer:
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
 
-    def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None) -> GpuHold | None:
+    def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None,
+                 held: Collection[int]) -> GpuHold | None:
         """A tree holding GPU memory: its CUDA state into host memory first (the ledger has
         the pids already); refused, untouched, when that is not possible."""
         if self.gpu is None or not self.gpu.accounting:
             return None
+
+        def thaw_ours(pids: list[int]) -> None:  # a task the user had stopped stays stopped
+            self.freezer.thaw([pid for pid in pids if pid in held or not self._stopped(pid)])
         try:
             return move_off_gpu(self.gpu, tree, cgroup, margin=self.gpu_margin,
                                 mem_available=self.mem_available, lift=self._lift,
-                                thaw=self.freezer.thaw)
+                                thaw=thaw_ours)
         except GpuRefused as exc:
             with contextlib.suppress(OSError):
                 self.ledger.clear(list(tree.pids))
@@ -228,31 +265,24 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
 
     def limit_lifted(self, path: Path) -> bool:
-        """Whether a dump has lifted this cgroup's limit for headroom at the moment."""
-        with self._lifted_lock:
-            return self._lifted[path] > 0
+        """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
+        return self.lifts.lifted(path)
 
-    def _lift(self, cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
-        with self._lifted_lock:
-            self._lifted[cgroup.path] += 1
-        try:
-            undo = cgroup.raise_limit(new_limit)
-        except BaseException:
-            self._drop_lift(cgroup.path)
-            raise
+    def own_snapshot(self, cgroup: MemoryCgroup) -> MemorySnapshot:
+        """A snapshot with the cgroup's own limit, not one oomguard lifted for a dump."""
+        snap = cgroup.snapshot()
+        lifted, own = self.lifts.own_limit(cgroup.path)
+        return replace(snap, limit_bytes=own) if lifted else snap
+
+    def _lift(self, cgroup: MemoryCgroup, new_limit: int,
+              cap: int | None = None) -> Callable[[], None]:
+        release = self.lifts.lift(cgroup, new_limit, cap)
 
         def put_back() -> None:
-            try:
-                undo()
-            finally:
-                self._drop_lift(cgroup.path)
+            # A limit that cannot be put back yet stays pending in the ledger: the daemon
+            # retries it on every rescan and acts on what grew into the lifted room.
+            release()
         return put_back
-
-    def _drop_lift(self, path: Path) -> None:
-        with self._lifted_lock:
-            self._lifted[path] -= 1
-            if self._lifted[path] <= 0:
-                del self._lifted[path]
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout
@@ -265,13 +295,32 @@ class Checkpointer:
                     break
                 time.sleep(0.002)
 
-    def _fail(self, pids: list[int], on_failure: str) -> str:
-        """After a failed dump CRIU has resumed the tree (stopped, as it found it)."""
+    def _fail(self, frozen: Frozen, on_failure: str) -> str:
+        """After a failed dump CRIU has resumed the tree (stopped, as it found it); the tasks
+        the user had stopped stay stopped."""
         if on_failure == ON_FAILURE_KILL:
-            kill_tree(pids)
+            kill_tree(frozen.pids)
             return "killed"
-        self.freezer.thaw(pids)
+        self.freezer.thaw(frozen.ours)
         return "thawed"
+
+    def _unrecord(self, user_stopped: list[int]) -> None:
+        """Tasks the user had stopped leave the ledger: a restart after a crash thaws what the
+        ledger names, and these are never continued."""
+        if user_stopped:
+            with contextlib.suppress(OSError):
+                self.ledger.clear(user_stopped)
+
+    def _stopped(self, pid: int) -> bool:
+        try:
+            return self.proc.state(pid) == USER_STOPPED_STATE
+        except ProcessGone:
+            return False
+
+    def _ns_pids(self, pids: list[int]) -> list[int]:
+        """PIDs in the tree's own PID namespace (NSpid's last field): what a restore maps back
+        to host PIDs (a tree started by `oomguard exec` gets new host PIDs)."""
+        return sorted(info.nspid[-1] for info in self.proc.processes(pids))
 
     def _meta(self, checkpoint_id: str, tree: ProcessTree, cgroup: MemoryCgroup | None,
               reason: str, dump_seconds: float) -> CheckpointMeta:

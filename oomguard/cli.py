@@ -36,7 +36,8 @@ from oomguard.errors import (
 )
 from oomguard.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
-from oomguard.units import format_size, parse_duration, parse_fraction
+from oomguard.restorewait import restore_when_it_fits
+from oomguard.units import bounded_duration, format_size, parse_fraction
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -50,7 +51,7 @@ def _fraction_arg(text: str) -> float:
 
 def _duration_arg(text: str) -> float:
     try:
-        return parse_duration(text)
+        return bounded_duration(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -104,14 +105,25 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     ls = sub.add_parser("list", help="list checkpoints")
     ls.add_argument("--json", action="store_true")
-    show = sub.add_parser("show", help="show one checkpoint")
+    show = sub.add_parser("show", help="show one checkpoint (its meta.json, as JSON)")
     show.add_argument("id")
+    show.add_argument("--json", action="store_true", help="the same JSON (for symmetry with "
+                      "list and status)")
     rs = sub.add_parser("restore", help="bring a checkpoint back")
     rs.add_argument("id")
     rs.add_argument("--cgroup", metavar="PATH", help="restore into this memory cgroup")
     rs.add_argument("--force", action="store_true",
                     help="restore even if already restored or the cgroup looks too small")
+    rs.add_argument("--wait", action="store_true", help="if it does not fit under the "
+                    "cgroup's guard (or limit) now, wait until it does (Ctrl-C gives up)")
+    rs.add_argument("--timeout", type=_duration_arg, metavar="DURATION",
+                    help="with --wait: give up after this long (e.g. 10m)")
     rs.add_argument("--criu", help="path to criu (default: auto)")
+    rs.add_argument("--detach", action="store_true",
+                    help="do not attach to a terminal job after restoring it")
+    at = sub.add_parser("attach", help="show a terminal job's output and pass it input "
+                        "(Ctrl-\\ detaches)")
+    at.add_argument("target", metavar="ID|PID")
     gr = sub.add_parser("gpu-resume", help="put a process's CUDA state back on the GPU "
                         "(after a 'vram' action)")
     gr.add_argument("pid", type=int)
@@ -259,7 +271,11 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    metas = _call(args, "List")["checkpoints"]
+    listing = _call(args, "List")
+    metas = listing["checkpoints"]
+    for bad in listing.get("skipped") or []:
+        print(f"oomguard: warning: store entry {bad['entry']} skipped: {bad['reason']}",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(metas, indent=2))
         return EXIT_OK
@@ -281,16 +297,25 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_restore(args: argparse.Namespace) -> int:
     log = get_logger()
+    if args.timeout is not None and not args.wait:
+        print("oomguard: restore: --timeout goes with --wait", file=sys.stderr)
+        return EXIT_USAGE
     shown: dict[str, Any] = {}
     if sys.stderr.isatty():
         with contextlib.suppress(OomguardError):
             shown = _call(args, "Show", id=args.id)["checkpoint"]
     pids = [] if shown.get("pidns") else list(shown.get("pids", []))
-    try:
+
+    def attempt() -> dict[str, Any]:
         with progress(f"restore of {args.id}", lambda: resident_bytes(pids), sys.stderr,
-                      total=shown.get("rss_bytes")):
-            result = _call(args, "Restore", id=args.id, cgroup=args.cgroup,
-                           force=args.force or None)
+                      total=shown.get("rss_bytes"), delay=0.5 if args.wait else 0.0):
+            return _call(args, "Restore", id=args.id, cgroup=args.cgroup,
+                         force=args.force or None)
+
+    try:
+        result = restore_when_it_fits(attempt, wait=args.wait, timeout=args.timeout,
+                                      tell=lambda text: print(f"oomguard: {text}",
+                                                              file=sys.stderr, flush=True))
     except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
@@ -299,8 +324,21 @@ def cmd_restore(args: argparse.Namespace) -> int:
              gpu_pids=result.get("gpu_pids") or None)
     if result.get("gpu_error"):
         log.error("restore.gpu_failed", id=args.id, pid=result["pid"], error=result["gpu_error"])
-    print(result["pid"])
+    print(result["pid"], flush=True)
+    if not args.detach and os.isatty(0) and os.isatty(1):
+        from oomguard.ttycommands import attach_to, holder_of_checkpoint
+
+        with contextlib.suppress(OomguardError):
+            path = holder_of_checkpoint(_call(args, "Show", id=args.id)["checkpoint"])
+            if path:
+                return attach_to(path)
     return EXIT_OK
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    from oomguard.ttycommands import attach
+
+    return attach(args.target, lambda method, **p: _call(args, method, **p))
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -353,18 +391,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from oomguard.execwrap import exec_argv
+    from oomguard.ttycommands import run_exec
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:
         print("oomguard: exec: no command given (oomguard exec -- CMD ...)", file=sys.stderr)
         return EXIT_USAGE
-    if args.cgroup:
-        cgroup = open_cgroup(args.cgroup, read_layout())
-        cgroup.add_proc(os.getpid())
-    argv = exec_argv(command)
-    os.execv(argv[0], argv)
-    return EXIT_FAILED  # not reached
+    procs = None
+    if args.cgroup:  # the job's init joins it; this process (not dumped) stays where it is
+        procs = open_cgroup(args.cgroup, read_layout()).path / "cgroup.procs"
+    return run_exec(command, procs, lambda method, **p: _call(args, method, **p))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -411,5 +447,5 @@ COMMANDS: dict[str, Any] = {
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config, "install-units": cmd_install_units,
     "notify-agent": cmd_notify_agent, "gpu-resume": cmd_gpu_resume,
-    "resume-job": cmd_resume_job,
+    "resume-job": cmd_resume_job, "attach": cmd_attach,
 }

@@ -17,7 +17,13 @@ from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.preferences import compile_patterns
-from oomguard.units import parse_duration, parse_fraction, parse_size
+from oomguard.units import (
+    HOUR,
+    MAX_AGE,
+    bounded_duration,
+    bounded_size,
+    parse_fraction,
+)
 
 DEFAULT_CONFIG_PATH = Path("/etc/oomguard/oomguard.toml")
 EMBEDDED_CONFIG = "<embedded default>"
@@ -74,6 +80,7 @@ class GuardConfig:
     cgroups: tuple[str, ...]
     threshold: float = 0.85
     headroom: int = 64 << 20
+    user_headroom: bool = False  # on-demand checkpoints by non-root users get headroom too
     on_failure: str = ON_FAILURE_THAW
     events: bool = True  # kernel notifications; False: poll only
     memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
@@ -203,8 +210,10 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
 
     base = DaemonConfig(source=source)
     store = read.take(daemon, "daemon.", "store", lambda v: Path(_str(v)), base.store)
-    poll = read.take(daemon, "daemon.", "poll_interval", parse_duration, base.poll_interval)
-    rescan = read.take(daemon, "daemon.", "rescan_interval", parse_duration, base.rescan_interval)
+    poll = read.take(daemon, "daemon.", "poll_interval", _wait(positive=True, high=HOUR),
+                     base.poll_interval)
+    rescan = read.take(daemon, "daemon.", "rescan_interval", _wait(positive=True),
+                       base.rescan_interval)
     dry_run = read.take(daemon, "daemon.", "dry_run", _bool, base.dry_run)
     socket = read.take(daemon, "daemon.", "socket", lambda v: Path(_str(v)), base.socket)
     max_size = read.take(daemon, "daemon.", "store_max_size", _size_or_none, base.store_max_size)
@@ -219,25 +228,23 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                         lambda v: Path(_str(v)) if v != "" else None, None)
     read.leftovers(daemon, "daemon.")
     hooks_t = read.take(data_hooks, "", "hooks", lambda v: _table(v, "hooks"), dict(empty))
-    hook_timeout = read.take(hooks_t, "hooks.", "timeout", parse_duration, base.hook_timeout)
+    hook_timeout = read.take(hooks_t, "hooks.", "timeout", _wait(positive=True),
+                             base.hook_timeout)
     hooks = []
     for event in ("on_checkpoint", "on_restore", "on_kill"):
         command = read.take(hooks_t, "hooks.", event, _str, "")
         if command:
             hooks.append((event, command))
     read.leftovers(hooks_t, "hooks.")
-    if poll <= 0:
-        issues.append(ConfigIssue(source, "daemon.poll_interval", "must be above 0"))
-    if rescan <= 0:
-        issues.append(ConfigIssue(source, "daemon.rescan_interval", "must be above 0"))
 
     c = CriuConfig()
     criu = CriuConfig(
         binary=read.take(criu_t, "criu.", "binary", _str, c.binary),
-        ghost_limit=read.take(criu_t, "criu.", "ghost_limit", parse_size, c.ghost_limit),
-        timeout=read.take(criu_t, "criu.", "timeout", parse_duration, c.timeout),
+        ghost_limit=read.take(criu_t, "criu.", "ghost_limit", _size(), c.ghost_limit),
+        timeout=read.take(criu_t, "criu.", "timeout", _wait(positive=True), c.timeout),
         tcp_close=read.take(criu_t, "criu.", "tcp_close", _bool, c.tcp_close),
-        cgroup_limit=read.take(criu_t, "criu.", "cgroup_limit", parse_size, c.cgroup_limit),
+        cgroup_limit=read.take(criu_t, "criu.", "cgroup_limit", _size(low=32 << 20),
+                               c.cgroup_limit),
     )
     read.leftovers(criu_t, "criu.")
     gpu = _gpu_config(read, gpu_t)
@@ -320,7 +327,7 @@ def _gpu_config(read: _Reader, table: dict[str, Any]) -> GpuConfig:
         timeout=read.take(table, "gpu.", "timeout", _positive_duration, d.timeout),
         poll_interval=read.take(table, "gpu.", "poll_interval", _positive_duration,
                                 d.poll_interval),
-        host_margin=read.take(table, "gpu.", "host_margin", parse_size, d.host_margin),
+        host_margin=read.take(table, "gpu.", "host_margin", _size(), d.host_margin),
     )
     read.leftovers(table, "gpu.")
     if gpu.lock_timeout >= gpu.timeout:
@@ -342,22 +349,25 @@ def _port(value: Any) -> int:
 
 
 def _positive_duration(value: Any) -> float:
-    seconds = parse_duration(value)
-    if seconds <= 0:
-        raise ValueError(f"must be above 0, got {value!r}")
-    return seconds
+    return bounded_duration(value, positive=True)
 
 
-PARK_DEADLINE_RANGE = (1.0, 3600.0)
+def _wait(*, positive: bool = False, high: float | None = None) -> Callable[[Any], float]:
+    """A duration the daemon waits or sleeps on: bounded (huge values overflow epoll's and
+    the thread waits' timeouts, and are typos anyway)."""
+    if high is None:
+        return lambda value: bounded_duration(value, positive=positive)
+    top = high
+    return lambda value: bounded_duration(value, positive=positive, high=top)
+
+
+def _size(*, low: int = 0) -> Callable[[Any], int]:
+    return lambda value: bounded_size(value, low=low)
 
 
 def _park_deadline(value: Any) -> float:
-    seconds = parse_duration(value)
-    low, high = PARK_DEADLINE_RANGE
-    if not low <= seconds <= high:
-        raise ValueError(f"must be between {low:.0f}s and {high:.0f}s (a task must never stay "
-                         f"parked for long), got {value!r}")
-    return seconds
+    """A task must never stay parked for long: 1s to 1h."""
+    return bounded_duration(value, low=1.0, high=HOUR)
 
 
 def _regex_list(value: Any) -> tuple[str, ...]:
@@ -372,14 +382,14 @@ def _size_or_none(value: Any) -> int | None:
     """A size; "0" or "none" means no limit."""
     if isinstance(value, str) and value.strip().lower() in ("none", "0"):
         return None
-    size = parse_size(value)
+    size = bounded_size(value)
     return size or None
 
 
 def _duration_or_none(value: Any) -> float | None:
     if isinstance(value, str) and value.strip().lower() in ("none", "0"):
         return None
-    seconds = parse_duration(value)
+    seconds = bounded_duration(value, high=MAX_AGE)
     return seconds or None
 
 
@@ -387,7 +397,7 @@ def _size_or_fraction(value: Any) -> float | int:
     """'10%' or 0.1 -> fraction of MemTotal; '2G' or an integer -> bytes (never 0)."""
     if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
         return parse_fraction(value)
-    size = parse_size(value)
+    size = bounded_size(value)
     if size <= 0:
         raise ValueError(f"must be above 0 (a size such as '2G' or a share such as '10%'), "
                          f"got {value!r}")
@@ -403,15 +413,15 @@ def _guard_array(value: Any) -> list[dict[str, Any]]:
 # Every [[guard]] key but cgroups/system/min_available (read first: they depend on each
 # other), with its converter; defaults come from GuardConfig.
 GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
-    "threshold": parse_fraction, "headroom": parse_size, "on_failure": _on_failure,
+    "threshold": parse_fraction, "headroom": _size(), "user_headroom": _bool, "on_failure": _on_failure,
     "events": _bool, "memory_high": _bool, "freeze_cgroup": _bool, "psi": _bool,
     "oom_kill_disable": _bool, "park_deadline": _park_deadline,
     "victim_cgroups": _cgroup_list, "psi_full_avg10": parse_fraction, "auto_restore": _bool,
-    "restore_quiet": parse_duration, "restore_margin": parse_size, "actions": parse_chain,
+    "restore_quiet": _wait(), "restore_margin": _size(), "actions": parse_chain,
     "prefer": _regex_list, "avoid": _regex_list, "protect": _regex_list,
-    "protect_session_leaders": _bool, "post_action_delay": parse_duration,
+    "protect_session_leaders": _bool, "post_action_delay": _wait(),
     "time_to_limit": _bool, "predict_from": parse_fraction, "freeze_deadline": _positive_duration,
-    "kill_grace": parse_duration, "store_margin": parse_size,
+    "kill_grace": _wait(), "store_margin": _size(),
     "gpu": lambda v: _choice(v, GPU_PREFERENCES), "gpu_threshold": parse_fraction,
 }
 

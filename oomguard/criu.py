@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,9 @@ MIN_CRIU_VERSION = (4, 2)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 HOOK_MODULE = Path(__file__).with_name("criu_hook.py")
+# The hook's post-resume leaves these tasks stopped (pids in the tree's own PID namespace,
+# comma-separated): CRIU passes its environment on to its action scripts.
+KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -52,6 +56,10 @@ class CriuOptions:
     seize_timeout: int = 10  # CRIU's --timeout for collecting tasks
     shell_job: bool = True  # victims are rarely session leaders
     tcp_close: bool = True  # restore-later: peers time out anyway; no firewall rules left behind
+    # A server under connection load has connections in its listening socket's accept queue,
+    # which CRIU refuses ("In-flight connection (l)") unless told to drop them: a half-open
+    # connection is the client's to retry. Dump only (restore has nothing to skip).
+    skip_in_flight: bool = True
     ext_unix_sk: bool = True
     file_locks: bool = True
     log_level: int = 4
@@ -80,6 +88,8 @@ def dump_argv(criu: str, pid: int, images_dir: Path, opts: CriuOptions,
     argv = [criu, "dump", "--tree", str(pid), "--images-dir", str(images_dir),
             "--log-file", DUMP_LOG, "--ghost-limit", str(opts.ghost_limit),
             "--timeout", str(opts.seize_timeout), *_common_args(opts)]
+    if opts.skip_in_flight:
+        argv.append("--skip-in-flight")
     if action_script is not None:
         argv += ["--action-script", str(action_script)]
     return argv + list(opts.extra_dump_args)
@@ -134,10 +144,12 @@ class Criu:
             tmp.replace(path)
         return path
 
-    def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None) -> None:
+    def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None,
+             extra_args: Sequence[str] = ()) -> None:
         """`lock_fd` (an flock'd fd on the checkpoint directory) is inherited by CRIU, so the
-        lock says "a dump is writing here" for as long as CRIU lives, even if we die."""
-        argv = dump_argv(self.binary, pid, images_dir, self.options, hook)
+        lock says "a dump is writing here" for as long as CRIU lives, even if we die.
+        `extra_args`: this dump's own (e.g. `--external tty[...]`)."""
+        argv = [*dump_argv(self.binary, pid, images_dir, self.options, hook), *extra_args]
         result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
                                  pass_fds=() if lock_fd is None else (lock_fd,))
         if result.timed_out:
@@ -148,16 +160,22 @@ class Criu:
                             log_tail(images_dir / DUMP_LOG) or result.stderr.strip()[-2000:])
 
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
-                hook: Path | None = None) -> int:
+                hook: Path | None = None, extra_args: Sequence[str] = (),
+                pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = ()) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
-        group it leaves orphaned in its session gets SIGHUP from the kernel, and dies."""
+        group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
+        `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so."""
         pidfile = work_dir / "restore.pid"
+        # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
-        argv = restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root, work_dir,
-                            hook)
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout)
+        (work_dir / RESTORE_LOG).unlink(missing_ok=True)
+        argv = [*restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root,
+                              work_dir, hook), *extra_args]
+        env = {KEEP_STOPPED_ENV: ",".join(map(str, keep_stopped))} if keep_stopped else None
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout, env=env,
+                                 pass_fds=pass_fds)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"
             raise CriuError(f"criu restore {what}",

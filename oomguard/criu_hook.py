@@ -69,16 +69,49 @@ def tree_pids(root: int, proc: str = "/proc") -> list[int]:
     return found
 
 
-def continue_tree(root: int) -> int:
-    """SIGCONT the restored tree (it was dumped stopped, so CRIU restored it stopped)."""
-    count = 0
+def ns_pid(pid: int, proc: str = "/proc") -> int | None:
+    """The task's pid in its own (innermost) PID namespace: NSpid's last field."""
+    try:
+        with open(f"{proc}/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid
+
+
+def parse_keep(text: str) -> set[int]:
+    """OOMGUARD_KEEP_STOPPED: comma-separated namespace pids (anything else is ignored)."""
+    return {int(part) for part in text.split(",") if part.strip().isdigit()}
+
+
+def hung_up_at_exit(pid: int, root: int) -> bool:
+    """Whether the kernel would hang up (SIGHUP, then SIGCONT) this task when CRIU exits were
+    it left stopped: it is in the restored root's process group, which CRIU's exit orphans in
+    CRIU's own session (a job that led its process group but not its session)."""
+    try:
+        return (os.getsid(root) == os.getsid(0) and os.getpgid(pid) == os.getpgid(root)
+                and os.getpgid(root) != os.getpgid(0))
+    except OSError:
+        return False
+
+
+def continue_tree(root: int, keep_ns: set[int] | None = None) -> tuple[int, list[int]]:
+    """SIGCONT the restored tree (it was dumped stopped, so CRIU restored it stopped), except
+    the tasks the user had stopped (`keep_ns`: pids in the tree's own PID namespace). Returns
+    (tasks continued, host pids left stopped)."""
+    count, kept = 0, []
     for pid in tree_pids(root):
+        if keep_ns and ns_pid(pid) in keep_ns and not hung_up_at_exit(pid, root):
+            kept.append(pid)
+            continue
         try:
             os.kill(pid, signal.SIGCONT)
             count += 1
         except OSError:
             continue
-    return count
+    return count, kept
 
 
 def main() -> int:
@@ -87,8 +120,12 @@ def main() -> int:
         # Never fail a restore from here: the tree is restored; at worst it stays stopped
         # and oomguard continues it (and CRIU's exit may then hang it up).
         root = os.environ.get("CRTOOLS_INIT_PID", "")
+        keep = parse_keep(os.environ.get("OOMGUARD_KEEP_STOPPED", ""))
         if root.isdigit():
-            continue_tree(int(root))
+            _, kept = continue_tree(int(root), keep)
+            if keep:  # CRIU writes this into restore.log
+                print(f"oomguard criu hook: left stopped as the user had them: "
+                      f"{', '.join(map(str, kept)) or 'none'}", file=sys.stderr)
         return 0
     if action != "post-dump":
         return 0

@@ -63,9 +63,10 @@ from oomguard.policy import (
     with_vram,
 )
 from oomguard.prediction import forecast
-from oomguard.procfs import ProcReader
+from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
+from oomguard.selfguard import ancestors_of, own_family
 from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
@@ -112,6 +113,7 @@ class Daemon:
         self.heartbeat: Callable[[], None] | None = None
         self.max_sleep: float | None = None
         self._examine_on_arm = True  # False while arm() builds the guards at start
+        self._limit_busy: set[str] = set()  # cgroups whose lifted limit could not be put back yet
         self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
                                   self.proc, self.log, protected=self.protected_pids,
                                   in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
@@ -136,6 +138,7 @@ class Daemon:
         self._put_back_leftovers()
         self.park_watch.start()
         self.keeper.thaw_leftovers()
+        self._settle_lifts()  # limits a dead run lifted for a dump's headroom
         for guard in self.guards:
             if isinstance(guard, CgroupGuard) and guard.present and guard.armed_limit is not None:
                 self._examine_cgroup(guard, self.clock(), source="arm")
@@ -189,7 +192,7 @@ class Daemon:
     def _arm_cgroup(self, guard: CgroupGuard) -> None:
         self._disarm(guard)
         try:
-            snap = guard.cgroup.snapshot()
+            snap = self.checkpointer.own_snapshot(guard.cgroup)  # never a limit we lifted
         except CgroupGone:
             if guard.present:
                 self.log.warning("guard.cgroup_missing", cgroup=guard.name)
@@ -390,6 +393,8 @@ class Daemon:
                 self._examine_cgroup(guard, self.clock(), "rescan")
             if guard.spec.auto_restore and guard.present:
                 self.keeper.consider_restore(guard, snap)
+        if self.checkpointer.lifts.pending() or self._limit_busy:
+            self._settle_lifts()
         self.keeper.tick()
 
     def _park_at_limit(self, guard: CgroupGuard, cgroup: V1MemoryCgroup) -> None:
@@ -416,6 +421,37 @@ class Daemon:
     def _park_reason(self, name: str) -> str:  # asked from the watchdog's thread
         return park_reason(self.clock() - self.last_turn,
                            STALE_LOOP_TURNS * self.config.rescan_interval, self.actor.busy(name))
+
+    def _settle_lifts(self) -> None:
+        """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
+        that cannot be put back (something grew into the lifted room) is retried on every
+        rescan, and its guard acts on the grower at once: the limit comes back, never stays."""
+        def cgroup_at(path: str) -> MemoryCgroup | None:
+            try:
+                return open_cgroup(path, self.layout)
+            except ValueError:
+                return None
+
+        for path in sorted(self._limit_busy):
+            if not self.checkpointer.lifts.lifted(Path(path)):  # put back by a later dump
+                self._limit_busy.discard(path)
+                self.log.info("limit.restored", cgroup=path,
+                              explanation="the limit lifted for a dump's headroom is back")
+        for settled in self.checkpointer.lifts.settle(cgroup_at):
+            if settled.outcome == "restored":
+                self.log.info("limit.restored", cgroup=settled.path,
+                              explanation="the limit lifted for a dump's headroom is back")
+                self._limit_busy.discard(settled.path)
+            elif settled.outcome == "busy":
+                if settled.path not in self._limit_busy:
+                    self._limit_busy.add(settled.path)
+                    self.log.error("limit.restore_failed", cgroup=settled.path,
+                                   error=settled.detail, explanation="the cgroup grew into the "
+                                   "room lifted for a dump; acting on it until the limit is back")
+                for guard in self.guards:
+                    if isinstance(guard, CgroupGuard) and guard.present \
+                            and str(guard.cgroup.path) == settled.path:
+                        self._examine_cgroup(guard, self.clock(), "limit-restore")
 
     def _cgroup_gone(self, guard: CgroupGuard) -> None:
         if guard.present:
@@ -463,7 +499,7 @@ class Daemon:
 
     def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None:
         try:
-            snap = guard.cgroup.snapshot()
+            snap = self.checkpointer.own_snapshot(guard.cgroup)  # never a limit we lifted
         except CgroupGone:
             self._cgroup_gone(guard)
             return
@@ -499,7 +535,7 @@ class Daemon:
 
         def still_pressing() -> bool:
             try:
-                now = cgroup.snapshot()
+                now = self.checkpointer.own_snapshot(cgroup)
             except CgroupGone:
                 return False
             if floor:
@@ -511,7 +547,7 @@ class Daemon:
                 members = self.proc.processes(subtree_procs(cgroup.path))
             except CgroupGone:
                 return []
-            return rank_victims(with_vram(build_trees(members, self.protected_pids()),
+            return rank_victims(with_vram(build_trees(members, self.protected_among(members)),
                                           self._vram()))
 
         assert guard.parts is not None
@@ -551,8 +587,24 @@ class Daemon:
         gpu = self.checkpointer.gpu
         return gpu.vram_by_pid() if gpu is not None and gpu.accounting else {}
 
+    def user_headroom(self, cgroup: MemoryCgroup) -> int:
+        """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its
+        rule says `user_headroom = true`."""
+        for guard in self.guards:
+            if isinstance(guard, CgroupGuard) and guard.cgroup.path == cgroup.path:
+                return guard.spec.headroom if guard.spec.user_headroom else 0
+        return 0
+
     def protected_pids(self) -> frozenset[int]:
-        return frozenset(self.proc.descendants(self.self_pid))
+        """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""
+        return own_family(self.proc, self.self_pid)
+
+    def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
+        """The daemon and what it started, among `processes`: cheap whatever the number of
+        the daemon's own threads (one per control connection); and its ancestors (a tree
+        rooted at one holds the daemon)."""
+        return self.proc.descended_from(self.self_pid, processes) | ancestors_of(
+            self.proc, self.self_pid)
 
     # -- system-wide rules --------------------------------------------------------------------
 
@@ -580,7 +632,8 @@ class Daemon:
             if guard.spec.victim_cgroups:
                 processes = [p for p in processes
                              if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
-            return rank_victims(with_vram(system_candidates(processes, self.protected_pids()),
+            return rank_victims(with_vram(system_candidates(processes,
+                                                            self.protected_among(processes)),
                                           self._vram()))
 
         def still_pressing() -> bool:

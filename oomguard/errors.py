@@ -57,5 +57,10 @@ class RestoreFailed(OomguardError):
     """A restore did not happen; the checkpoint is left intact."""
 
 
+class NoRoom(RestoreFailed):
+    """The target cgroup has no room for the checkpoint now (under its guard's threshold, or
+    under its limit); it may have later (`oomguard restore --wait`)."""
+
+
 class StoreError(OomguardError):
     """The checkpoint store cannot do what was asked (unknown id, bad id, unwritable...)."""

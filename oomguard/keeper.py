@@ -39,6 +39,8 @@ class StoreKeeper:
         self._restoring: threading.Thread | None = None
         self._restore_backoff: dict[str, float] = {}
         self._partials_busy = False
+        self._next_partials = 0.0  # incomplete checkpoints (a failed commit) are retried then
+        self._skipped_warned: set[str] = set()  # store entries already warned about
         self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
 
     def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
@@ -58,7 +60,7 @@ class StoreKeeper:
 
     def tick(self) -> None:
         """On every rescan: what could not be settled at start, and retention now and then."""
-        if self._partials_busy:
+        if self._partials_busy or self.clock() >= self._next_partials:
             self._recover_store()
         if self.ledger.pending():
             self._thaw_leftovers()
@@ -73,10 +75,17 @@ class StoreKeeper:
 
     def _recover_store(self) -> None:
         self._partials_busy = False
+        self._next_partials = self.clock() + PRUNE_INTERVAL
         for checkpoint_id, what in self.store.recover_partials():
             if what == "completed":
                 self.log.warning("checkpoint.recovered", id=checkpoint_id,
                                  explanation="the dump had finished when the last run died")
+            elif what.startswith("incomplete"):
+                self.log.error("checkpoint.incomplete", id=checkpoint_id,
+                               reason=what.partition(": ")[2],
+                               explanation="its process was dumped and is gone; the images "
+                               "are intact and kept; the commit is retried every minute and "
+                               "on restore")
             elif what == "removed":
                 self.log.warning("checkpoint.partial_removed", id=checkpoint_id,
                                  explanation="an unfinished dump of the last run; its process "
@@ -89,7 +98,13 @@ class StoreKeeper:
 
     def prune(self) -> None:
         self._next_prune = self.clock() + PRUNE_INTERVAL
-        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in self.store.list()]
+        scan = self.store.scan()
+        for name, why in scan.skipped:
+            if name not in self._skipped_warned:
+                self._skipped_warned.add(name)
+                self.log.warning("store.entry_skipped", entry=name, reason=why,
+                                 explanation="left as it is: not listed, restored or pruned")
+        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in scan.checkpoints]
         for prune in choose_prunes(items, self.wall_clock(), self.config.store_max_size,
                                    self.config.store_max_age):
             try:

@@ -147,11 +147,19 @@ def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:
     return snapshot.usage_bytes + headroom
 
 
+def free_under_threshold(snapshot: MemorySnapshot, threshold: float) -> int | None:
+    """Bytes between usage and the rule's threshold (negative when over it); None without a
+    limit (everything fits)."""
+    if snapshot.limit_bytes is None:
+        return None
+    return int(threshold * snapshot.limit_bytes) - snapshot.usage_bytes
+
+
 def restore_fits(snapshot: MemorySnapshot, image_bytes: int, margin: int,
                  threshold: float) -> bool:
-    """Auto-restore only when the checkpoint fits back with room to spare: usage plus the image
-    plus a margin stays under the threshold, so a restore never lands straight back in the
-    pressure that caused the checkpoint (hysteresis)."""
-    if snapshot.limit_bytes is None:
-        return True
-    return snapshot.usage_bytes + image_bytes + margin <= threshold * snapshot.limit_bytes
+    """A checkpoint goes back (auto-restore, or `oomguard restore` into a guarded cgroup) only
+    when it fits with room to spare: usage plus the image plus a margin stays under the
+    threshold, so a restore never lands straight back in the pressure that caused the
+    checkpoint (hysteresis)."""
+    free = free_under_threshold(snapshot, threshold)
+    return free is None or image_bytes + margin <= free

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.errors import ProcessGone
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h
+# SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU as bits of SigPnd/ShdPnd (bit n-1 is signal n). A stop
+# signal sent to a task that is already stopped stays pending there until a SIGCONT discards it.
+STOP_SIGNALS_MASK = sum(1 << (int(sig) - 1) for sig in (
+    signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU))
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,13 @@ class StatusFields:
     rss_bytes: int
     nspid: tuple[int, ...]  # PID in each nested PID namespace, outermost first
     tracer_pid: int = 0  # a ptrace tracer (CRIU while it dumps), 0 if none
+    uids: tuple[int, ...] = ()  # real, effective, saved set and file system uid
+    pending_signals: int = 0  # SigPnd | ShdPnd: signals queued to the thread or its group
+
+    @property
+    def stop_pending(self) -> bool:
+        """A stop signal waits: sent while the task was already stopped."""
+        return bool(self.pending_signals & STOP_SIGNALS_MASK)
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class ProcessInfo:
     nspid: tuple[int, ...]
     oom_score_adj: int = 0
     tracer_pid: int = 0
+    uids: tuple[int, ...] = ()  # real, effective, saved set, file system (empty: unknown)
 
     @property
     def is_pidns_init(self) -> bool:
@@ -89,22 +103,28 @@ def parse_stat(text: str) -> StatFields:
 def parse_status(text: str) -> StatusFields:
     """Parse /proc/PID/status (VmRSS is absent for kernel threads and zombies: 0)."""
     uid = -1
+    uids: tuple[int, ...] = ()
     rss_kib = 0
     tracer = 0
     nspid: tuple[int, ...] = ()
+    pending = 0
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key == "Uid":
-            uid = int(value.split()[0])
+            uids = tuple(int(v) for v in value.split())
+            uid = uids[0]
         elif key == "VmRSS":
             rss_kib = int(value.split()[0])
         elif key == "NSpid":
             nspid = tuple(int(v) for v in value.split())
         elif key == "TracerPid":
             tracer = int(value.split()[0])
+        elif key in ("SigPnd", "ShdPnd"):
+            pending |= int(value.strip(), 16)
     if uid < 0:
         raise ValueError("malformed /proc/PID/status: no Uid line")
-    return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid, tracer_pid=tracer)
+    return StatusFields(uid=uid, rss_bytes=rss_kib * 1024, nspid=nspid, tracer_pid=tracer,
+                        uids=uids, pending_signals=pending)
 
 
 def parse_cmdline(raw: bytes) -> tuple[str, ...]:
@@ -145,6 +165,7 @@ class ProcReader:
             nspid=status.nspid or (stat.pid,),
             oom_score_adj=oom_score_adj,
             tracer_pid=status.tracer_pid,
+            uids=status.uids or (status.uid,),
         )
 
     def processes(self, pids: list[int]) -> list[ProcessInfo]:
@@ -162,6 +183,46 @@ class ProcReader:
             return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).state
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
+
+    def status(self, pid: int) -> StatusFields:
+        try:
+            return parse_status((self.root / str(pid) / "status").read_text(errors="replace"))
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
+    def ppid(self, pid: int) -> int:
+        try:
+            return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).ppid
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
+    def descended_from(self, root: int, processes: Iterable[ProcessInfo],
+                       max_depth: int = 256) -> frozenset[int]:
+        """Those of `processes` that are `root` or descend from it, found by walking each one's
+        parent chain: the cost grows with the candidates, not with root's threads (a daemon
+        with thousands of connection threads would make descendants(root) slow)."""
+        members = list(processes)
+        parent = {p.pid: p.ppid for p in members}
+        known: dict[int, bool] = {root: True, 0: False, 1: False, 2: False}
+
+        def reaches(pid: int) -> bool:
+            chain, current = [], pid
+            for _ in range(max_depth):
+                if current in known:
+                    break
+                chain.append(current)
+                if current not in parent:
+                    try:
+                        parent[current] = self.ppid(current)
+                    except ProcessGone:
+                        parent[current] = 0
+                current = parent[current]
+            verdict = known.get(current, False)
+            for pid_on_way in chain:
+                known[pid_on_way] = verdict
+            return verdict
+
+        return frozenset(p.pid for p in members if reaches(p.pid))
 
     def all_pids(self) -> list[int]:
         return sorted(int(name) for name in os.listdir(self.root) if name.isdigit())

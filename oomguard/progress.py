@@ -56,8 +56,10 @@ def resident_bytes(pids: list[int], proc_root: str = "/proc") -> int | None:
 
 @contextlib.contextmanager
 def progress(label: str, measure: Callable[[], int | None], stream: TextIO,
-             total: int | None = None, interval: float = INTERVAL) -> Iterator[None]:
-    """Rewrites one line on `stream` while the block runs, if `stream` is a terminal."""
+             total: int | None = None, interval: float = INTERVAL,
+             delay: float = 0.0) -> Iterator[None]:
+    """Rewrites one line on `stream` while the block runs, if `stream` is a terminal; from
+    `delay` seconds on (a block over sooner shows nothing: a refused restore while waiting)."""
     if not stream.isatty():
         yield
         return
@@ -70,7 +72,12 @@ def progress(label: str, measure: Callable[[], int | None], stream: TextIO,
         done = f"{format_size(seen[0])}" + (f" of {format_size(total)}" if total else "")
         return f"\r{label}: {done} in {elapsed:.1f}s "
 
+    shown = [False]
+
     def run() -> None:
+        if delay and stop.wait(delay):
+            return
+        shown[0] = True
         while not stop.wait(interval):
             value = measure()
             if value is not None:
@@ -85,5 +92,6 @@ def progress(label: str, measure: Callable[[], int | None], stream: TextIO,
     finally:
         stop.set()
         thread.join()
-        stream.write(line() + os.linesep)
-        stream.flush()
+        if shown[0]:
+            stream.write(line() + os.linesep)
+            stream.flush()

@@ -1,22 +1,30 @@
 """Bringing a checkpoint back: checks first (PIDs free, room in the target cgroup), then CRIU
-restore detached in its own session, then SIGCONT (trees are dumped stopped)."""
+restore detached in its own session, then SIGCONT (trees are dumped stopped), except the
+tasks the user had stopped before the checkpoint: they come back stopped."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
 from oomguard.criu_hook import sync_and_drop
-from oomguard.errors import CgroupGone, CriuError, RestoreFailed, StoreError
-from oomguard.freezer import Freezer
+from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
+from oomguard.exitwatch import ExitWatch
+from oomguard.fileids import FILES_RECORD
+from oomguard.freezer import USER_STOPPED_STATE, Freezer
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.procfs import ProcReader
-from oomguard.store import IMAGES, CheckpointMeta, Store
+from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.ttyclient import HolderError
+from oomguard.ttyext import TTYS
+from oomguard.ttyrestore import criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -29,12 +37,22 @@ class RestoreResult:
     verify_s: float = 0.0  # checking the images against SHA256SUMS first
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
+    stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
     """Bytes of memory the restored tree will hold (CRIU's pages-*.img)."""
     images = store.images_of(checkpoint_id)
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
+
+
+def one_line(exc: CriuError) -> str:
+    """CRIU's failure in one line: what it said first (the cause; later errors follow from
+    it), without its timestamp and source location."""
+    first = next((line for line in exc.log_tail.splitlines() if "Error" in line), "")
+    cause = re.sub(r"^\(\s*[\d.]+\)\s*(\d+:\s*)?Error \([^)]*\):\s*", "", first.strip())
+    head = str(exc).splitlines()[0] if str(exc) else "criu restore failed"
+    return f"{head}: {cause}" if cause else head
 
 
 def cgroup_root_arg(cgroup: MemoryCgroup) -> str:
@@ -47,8 +65,9 @@ class Restorer:
                  proc: ProcReader | None = None, *, pid_wait: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 gpu: GpuSupport | None = None) -> None:
+                 gpu: GpuSupport | None = None, exits: ExitWatch | None = None) -> None:
         self.criu = criu
+        self.exits = exits  # the daemon watches restored roots until they exit
         self.gpu = gpu
         self.store = store
         self.freezer = freezer
@@ -101,14 +120,27 @@ class Restorer:
         need = memory_pages_bytes(self.store, meta.id) + RESTORE_MARGIN
         free = snap.limit_bytes - snap.usage_bytes
         if free < need:
-            raise RestoreFailed(
+            raise NoRoom(
                 f"target cgroup {target.path} has {free >> 20} MiB free under its limit but the "
                 f"checkpoint needs {need >> 20} MiB: the kernel would OOM-kill it during restore. "
-                "Raise the limit, restore with --cgroup into a bigger one, or pass --force")
+                "Raise the limit, restore with --cgroup into a bigger one, wait until it fits "
+                "with --wait, or pass --force")
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
                 original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
-        """Restore into `target` (or the original cgroup, `original` being it when it exists)."""
+        """Restore into `target` (or the original cgroup, `original` being it when it exists).
+        One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
+        state is read again under the lock."""
+        try:
+            if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
+                self.store.complete(checkpoint_id)  # its commit failed earlier: finish it
+            with self.store.restore_lock(checkpoint_id):
+                return self._restore(checkpoint_id, target, original, force)
+        except StoreError as exc:
+            raise RestoreFailed(str(exc)) from exc
+
+    def _restore(self, checkpoint_id: str, target: MemoryCgroup | None,
+                 original: MemoryCgroup | None, force: bool) -> RestoreResult:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
         verify_start = self.clock()
@@ -116,19 +148,36 @@ class Restorer:
             self.store.verify(checkpoint_id)
         except StoreError as exc:
             raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        self._check_files(meta, force)
         start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
+        since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
+        try:
+            ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
+        except (HolderError, OSError, ValueError, KeyError) as exc:
+            raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
+                                f"({exc}); the checkpoint is intact") from exc
         try:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
-                                    hook)
+                                    hook, ttys.args, ttys.fds,
+                                    keep_stopped=meta.stopped_nspids)
         except CriuError as exc:
+            ttys.failed()
+            hint = criu_tty_hint(str(exc))
             raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {exc}") from exc
+                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
+                                ) from exc
+        ttys.succeeded()
+        if ttys.entries:
+            meta.extra[TTYS] = ttys.entries
         restored = self.proc.descendants(pid)
-        self.freezer.thaw(restored)
+        keep = self._user_stopped(meta, restored)
+        self.freezer.thaw([p for p in restored if p not in keep])
+        still = {p.pid for p in self.proc.processes(sorted(keep))
+                 if p.state == USER_STOPPED_STATE}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
         seconds = self.clock() - start
         # Reading the images charged their page cache to the target cgroup: give it back.
@@ -137,11 +186,45 @@ class Restorer:
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
+        meta.exited_at, meta.exit_status, meta.exit_signal = None, None, None  # a new run
         into = target or original
         meta.restored_cgroup = into.rel_path if into is not None else None
         self.store.update(meta)
+        if self.exits is not None:
+            self.exits.watch(meta.id, pid, since)
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
-                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error)
+                             gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
+                             stopped_pids=tuple(sorted(still)))
+
+    def _user_stopped(self, meta: CheckpointMeta, restored: list[int]) -> set[int]:
+        """Host pids of the restored tasks the user had stopped (the hook continues one whose
+        process group CRIU's exit would otherwise hang up: the kernel would continue it)."""
+        if not meta.stopped_nspids:
+            return set()
+        infos = self.proc.processes(restored)
+        return set(restored_host_pids(meta.stopped_nspids, infos, meta.pidns)) & set(restored)
+
+    def _check_files(self, meta: CheckpointMeta, force: bool) -> None:
+        """Each file the tree had open must still be the same file: CRIU opens them by path,
+        as root. A non-root user's checkpoint is never restored onto another file (a swapped
+        path could hand their process a root-only file); root may --force its own."""
+        record = self.store.path_of(meta.id) / FILES_RECORD
+        try:
+            files = fileids.from_json(record.read_text()) if not record.is_symlink() else None
+        except FileNotFoundError:
+            return  # a checkpoint from before the record was kept
+        except (OSError, ValueError) as exc:
+            raise RestoreFailed(f"refusing to restore {meta.id}: its {FILES_RECORD} is "
+                                f"unreadable ({exc})") from exc
+        if files is None:
+            raise RestoreFailed(f"refusing to restore {meta.id}: its {FILES_RECORD} is a "
+                                "symlink")
+        problems = fileids.changed(files)
+        if problems and (meta.uid != 0 or not force):
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            hint = "" if meta.uid != 0 else "; --force restores it anyway"
+            raise RestoreFailed(f"refusing to restore {meta.id}: {problems[0]}{more}: the "
+                                f"restored process would get another file than its own{hint}")
 
     def _back_to_gpu(self, meta: CheckpointMeta, restored: list[int],
                      ) -> tuple[list[int], str | None]:

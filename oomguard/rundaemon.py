@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 from oomguard import __version__
@@ -14,12 +15,16 @@ from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.dbusnotify import SignalEmitter
+from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
+from oomguard.procconn import ProcessExit
 from oomguard.procfs import ProcReader
+from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
 from oomguard.slurm import SlurmNotifier, find_scontrol
+from oomguard.store import Store
 from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,
@@ -86,6 +91,21 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+def _exit_recorder(store: Store, log: Any, why_unknown: Callable[[], str | None],
+                   ) -> Callable[[str, int, float, ProcessExit | None], None]:
+    """A restored tree's root exited: into its meta.json, and the `restore.exited` event."""
+
+    def exited(checkpoint_id: str, pid: int, exited_at: float,
+               status: ProcessExit | None) -> None:
+        fields = record_exit(store, checkpoint_id, pid, exited_at, status)
+        if status is None:
+            fields["explanation"] = why_unknown() or (
+                "the kernel's exit event was not seen (it ended before it was watched, or "
+                "events were lost)")
+        log.warning("restore.exited", id=checkpoint_id, pid=pid, **fields)
+    return exited
+
+
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     open_files = raise_open_files_limit()
     metrics = Metrics()
@@ -101,6 +121,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     criu = build_criu(config.criu, layout, proc, gpu)
     checkpointer = build_checkpointer(config, criu, proc)
     restorer = build_restorer(config, criu, proc)
+    restorer.exits = exit_watch = ExitWatch(_exit_recorder(
+        restorer.store, log, lambda: exit_watch.why_no_status))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
@@ -118,8 +140,11 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     server = None
     try:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
-                                restorer=restorer, status=daemon.status)
+                                restorer=restorer, status=daemon.status,
+                                user_headroom=daemon.user_headroom)
         service.on_event = log.warning
+        service.on_failure = log.error
+        service.guard_of = daemon_lookup(lambda: daemon.guards)
         server = ControlServer(config.socket, service, note=log.info)
         server.start()
     except OSError as exc:
@@ -147,6 +172,11 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
                     "to the config or pass --cgroup")
     try:
         daemon.arm()
+        rewatched = rewatch_restored(restorer.store, exit_watch)
+        if rewatched:
+            log.info("restore.watching", ids=rewatched,
+                     explanation="restored by an earlier run and still running: their exit "
+                     "is recorded")
         # READY=1 only now: every guard is armed and the socket answers.
         notifier.ready(daemon.summary())
         beat()
@@ -157,6 +187,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
             if listener is not None:
                 listener.stop()
         daemon.close()
+        exit_watch.close()
         if metrics_server is not None:
             metrics_server.close()
         if hooks is not None:

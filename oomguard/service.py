@@ -8,6 +8,7 @@ checkpoint a user may not see is reported as not found (its existence is not lea
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.checkpoint import Checkpointer, tree_of
+from oomguard.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
 from oomguard.errors import (
     CgroupGone,
     CheckpointFailed,
@@ -27,7 +28,10 @@ from oomguard.errors import (
 )
 from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
-from oomguard.restore import Restorer
+from oomguard.restore import Restorer, memory_pages_bytes
+from oomguard.restorefit import GuardLookup, check_fits
+from oomguard.rights import foreign_task, untouchable_task
+from oomguard.selfguard import own_family
 from oomguard.store import CheckpointMeta, Store, validate_id
 
 ROOT = 0
@@ -40,16 +44,24 @@ class PermissionDenied(OomguardError):
 class Service:
     def __init__(self, store: Store, restorer: Restorer, checkpointer: Checkpointer,
                  layout: CgroupLayout, proc: ProcReader | None = None,
-                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 user_headroom: Callable[[MemoryCgroup], int] = lambda cgroup: 0) -> None:
         self.store = store
+        # Headroom for on-demand checkpoints by non-root users (none unless a rule says so:
+        # the room lifted for a dump could be taken by the user's other processes).
+        self.user_headroom = user_headroom
         self.restorer = restorer
         self.checkpointer = checkpointer
         self.layout = layout
         self.proc = proc or ProcReader()
         self._status = status
         self.restore_lock = threading.Lock()
-        # Told of what was done on request (the daemon logs it: metrics, hooks, D-Bus).
+        # Told of what was done on request (the daemon logs it: metrics, hooks, D-Bus), and
+        # of what failed (restore.failed).
         self.on_event: Callable[..., None] | None = None
+        self.on_failure: Callable[..., None] | None = None
+        # The daemon's rules: a restore into a guarded cgroup must fit under its threshold.
+        self.guard_of: GuardLookup | None = None
 
     # -- authorization ---------------------------------------------------------------------------
 
@@ -58,6 +70,8 @@ class Service:
         try:
             meta = self.store.get(checkpoint_id)
         except StoreError:
+            if uid == ROOT and os.path.lexists(self.store.root / checkpoint_id):
+                raise  # root is told why it is skipped (a symlink, a malformed meta.json...)
             meta = None
         if meta is None or (uid != ROOT and meta.uid != uid):
             raise StoreError(f"no checkpoint {checkpoint_id!r}"
@@ -94,6 +108,13 @@ class Service:
     def list(self, uid: int) -> list[dict[str, Any]]:
         return [asdict(m) for m in self.store.list() if uid == ROOT or m.uid == uid]
 
+    def skipped(self, uid: int) -> builtins.list[dict[str, str]]:
+        """Store entries skipped as malformed or symlinks, with why: for root only (another
+        user learns nothing of entries that are not theirs)."""
+        if uid != ROOT:
+            return []
+        return [{"entry": name, "reason": why} for name, why in self.store.scan().skipped]
+
     def show(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
         return asdict(self._visible(uid, checkpoint_id))
 
@@ -105,9 +126,18 @@ class Service:
     def restore(self, uid: int, checkpoint_id: str, cgroup: str | None = None,
                 force: bool = False) -> dict[str, Any]:
         meta = self._visible(uid, checkpoint_id)
-        target, original = self._target_cgroup(uid, cgroup, meta)
-        with self.restore_lock:
-            result = self.restorer.restore(meta.id, target=target, original=original, force=force)
+        try:
+            target, original = self._target_cgroup(uid, cgroup, meta)
+            with self.restore_lock:
+                if not force:
+                    self._check_guard(meta, target or original)
+                result = self.restorer.restore(meta.id, target=target, original=original,
+                                               force=force)
+        except (RestoreFailed, StoreError, CgroupGone) as exc:
+            if self.on_failure is not None:
+                self.on_failure("restore.failed", id=meta.id, auto=False, error=str(exc),
+                                cgroup=cgroup or meta.cgroup, uid=meta.uid, requested_by=uid)
+            raise
         if self.on_event is not None:
             self.on_event("restore.done", id=meta.id, pid=result.pid, auto=False,
                           seconds=round(result.seconds, 3), verify_s=round(result.verify_s, 3),
@@ -119,19 +149,43 @@ class Service:
             found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)
         return found
 
-    def checkpoint(self, uid: int, pid: int, reason: str = "on demand") -> dict[str, Any]:
+    def _check_guard(self, meta: CheckpointMeta, into: MemoryCgroup | None) -> None:
+        """A rule guards the target: the checkpoint must fit under its threshold with the
+        rule's restore_margin, as for auto-restore (else NoRoom, with the ways out)."""
+        guard = self.guard_of(into) if into is not None and self.guard_of is not None else None
+        if guard is None or into is None:
+            return
+        try:
+            snap = into.snapshot()
+        except CgroupGone:
+            raise RestoreFailed(f"target cgroup {into.path} does not exist") from None
+        check_fits(meta.id, into, snap, memory_pages_bytes(self.store, meta.id), guard)
+
+    def checkpoint(self, uid: int, pid: int, reason: str = "on demand",
+                   requester: int | None = None) -> dict[str, Any]:
+        """`requester`: the asking process (SO_PEERCRED): a tree holding it is refused."""
         try:
             tree = tree_of(pid, self.proc)
         except ProcessGone:
             raise ProcessGone(f"no process {pid}") from None
         if uid != ROOT and tree.root.uid != uid:
             raise PermissionDenied(f"process {pid} is not yours")
+        # The whole tree, as CRIU would dump it, before anything is stopped.
+        foreign = foreign_task(tree, uid)
+        if foreign is not None:
+            raise PermissionDenied(foreign)
+        untouchable = untouchable_task(tree, self.proc.descended_from(os.getpid(), tree.members))
+        if untouchable is not None:
+            raise CheckpointFailed(f"checkpoint of {pid} refused before stopping it: "
+                                   f"{untouchable}", OUTCOME_UNTOUCHED)
         try:
             rel = self.proc.memory_cgroup(pid)
         except ProcessGone:
             rel = None
         cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
-        result = self.checkpointer.checkpoint(tree, cgroup, reason)
+        headroom = None if uid == ROOT or cgroup is None else self.user_headroom(cgroup)
+        result = self.checkpointer.checkpoint(tree, cgroup, reason, headroom=headroom,
+                                              requester=requester)
         meta = result.meta
         t = result.timings
         timings = {"seconds": round(t.total_s, 3), "freeze_s": round(t.freeze_s, 4),
@@ -168,7 +222,7 @@ class Service:
             members = self.proc.processes(cgroup.procs())
         except (ValueError, CgroupGone) as exc:
             raise OomguardError(f"cgroup {cgroup_path}: {exc}") from None
-        protected = frozenset(self.proc.descendants(os.getpid()))
+        protected = own_family(self.proc)
         done, failed = [], []
         for tree in rank_victims(build_trees(members, protected)):
             try:

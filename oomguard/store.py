@@ -6,20 +6,25 @@ and its meta.json written, so a crash never leaves a half checkpoint that looks 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 import time
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Iterator
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import StoreError
 from oomguard.integrity import CHECKSUMS, compute, format_sums, verify
+from oomguard.metaschema import check_value
 
 DEFAULT_STORE = Path("/var/lib/oomguard")
 META = "meta.json"
@@ -28,7 +33,9 @@ PARTIAL_PREFIX = ".partial-"
 STATE_DUMPING = "dumping"
 STATE_CHECKPOINTED = "checkpointed"
 STATE_RESTORED = "restored"
+STATE_INCOMPLETE = "incomplete"  # dumped (the process is gone), but the commit did not finish
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
+META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
 
@@ -54,10 +61,17 @@ class CheckpointMeta:
     restored_at: float | None = None
     restored_pid: int | None = None
     restored_cgroup: str | None = None
+    # When the restored tree's root exited (the daemon watches it), and how: exit_status (its
+    # exit code) or exit_signal (the signal's name); both None with exited_at set: unknown.
+    exited_at: float | None = None
+    exit_status: int | None = None
+    exit_signal: str | None = None
     gpu_pids: list[int] = field(default_factory=list)  # CUDA processes (pids in the tree's
     # own PID namespace): their state was moved off the GPU with cuda-checkpoint before the dump
     gpu_engine: str = ""  # what checkpointed their CUDA state: cuda-checkpoint | criu-plugin
     vram_bytes: int = 0
+    stopped_nspids: list[int] = field(default_factory=list)  # tasks the user had stopped
+    # (pids in the tree's own PID namespace): restored stopped, never continued by oomguard
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -65,11 +79,25 @@ class CheckpointMeta:
 
     @classmethod
     def from_json(cls, text: str) -> CheckpointMeta:
-        data = json.loads(text)
+        """Raises ValueError saying what is wrong: not JSON, nested too deep, a field missing,
+        of the wrong type or out of range. Unknown keys (a newer oomguard's) are ignored."""
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("meta.json is nested too deeply") from None
         if not isinstance(data, dict):
             raise ValueError("meta.json is not a JSON object")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {}
+        for spec in fields(cls):
+            if spec.name not in data:
+                if spec.default is MISSING and spec.default_factory is MISSING:
+                    raise ValueError(f"meta.json lacks {spec.name!r}")
+                continue
+            problem = check_value(spec.name, str(spec.type), data[spec.name])
+            if problem is not None:
+                raise ValueError(f"meta.json: {problem}")
+            values[spec.name] = data[spec.name]
+        return cls(**values)
 
 
 def validate_id(checkpoint_id: str) -> str:
@@ -85,8 +113,12 @@ def new_id(pid: int, now: float) -> str:
 
 
 def _write_durably(path: Path, text: str) -> None:
+    """Write-new-then-rename; the new file is made with O_EXCL and never through a symlink."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover (or a planted symlink): removed, never followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
         os.write(fd, text.encode())
         os.fsync(fd)
@@ -104,8 +136,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@dataclass(frozen=True)
+class StoreScan:
+    checkpoints: list[CheckpointMeta]
+    skipped: list[tuple[str, str]]  # (entry name, why it was skipped)
 
 
 class Store:
@@ -188,7 +230,12 @@ class Store:
                     meta = None
                 if finished and meta is not None and meta.id == checkpoint_id:
                     meta.extra["recovered"] = True
-                    self.commit(meta)
+                    try:
+                        self.commit(meta)
+                    except (OSError, StoreError) as exc:
+                        # Never deleted: its process is gone and these images are all of it.
+                        done.append((checkpoint_id, f"incomplete: {_reason(exc)}"))
+                        continue
                     done.append((checkpoint_id, "completed"))
                 else:
                     shutil.rmtree(partial, ignore_errors=True)
@@ -207,32 +254,164 @@ class Store:
         return sorted(p for p in self.root.iterdir() if p.name.startswith(PARTIAL_PREFIX))
 
     def list(self) -> list[CheckpointMeta]:
+        """Every well-formed checkpoint, oldest first (see scan() for the others)."""
+        return self.scan().checkpoints
+
+    def complete(self, checkpoint_id: str) -> CheckpointMeta:
+        """Finish the commit of an incomplete checkpoint (dumped, but its commit failed: a full
+        disk...). Raises StoreError saying why it still cannot be finished."""
+        meta = self._finished_partial(validate_id(checkpoint_id))
+        if meta is None:
+            raise StoreError(f"checkpoint {checkpoint_id} has no finished dump to complete")
+        partial = self.root / (PARTIAL_PREFIX + checkpoint_id)
+        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(f"checkpoint {checkpoint_id} is being completed right now") \
+                    from None
+            try:
+                self.commit(meta)
+            except (OSError, StoreError) as exc:
+                raise StoreError(f"checkpoint {checkpoint_id} cannot be completed yet "
+                                 f"({_reason(exc)}); its images are intact in {partial}") \
+                    from exc
+        finally:
+            os.close(fd)
+        return meta
+
+    def _finished_partial(self, checkpoint_id: str) -> CheckpointMeta | None:
+        """The provisional meta of a partial whose dump finished (CRIU logged success, so its
+        process is gone) and that no CRIU or oomguard holds now, as state "incomplete"."""
+        partial = self.root / (PARTIAL_PREFIX + checkpoint_id)
+        try:
+            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # a dump still writing, or its oomguard still deciding
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            log = partial / IMAGES / "dump.log"
+            if log.is_symlink() or not log.is_file() or \
+                    DUMP_SUCCESS not in log.read_text(errors="replace"):
+                return None
+            meta = CheckpointMeta.from_json((partial / META).read_text())
+        except (OSError, ValueError, TypeError):
+            return None
+        finally:
+            os.close(fd)
+        if meta.id != checkpoint_id:
+            return None
+        meta.state = STATE_INCOMPLETE
+        return meta
+
+    def scan(self) -> StoreScan:
+        """The checkpoints, and the entries skipped with the reason: a symlink (never followed:
+        a user could point one anywhere), or a missing, unreadable or malformed meta.json."""
         if not self.root.is_dir():
-            return []
-        metas = []
+            return StoreScan([], [])
+        metas, skipped = [], []
         for entry in sorted(self.root.iterdir()):
-            if entry.name.startswith(".") or not (entry / META).is_file():
+            if entry.name.startswith(PARTIAL_PREFIX) and not entry.is_symlink():
+                incomplete = self._finished_partial(entry.name[len(PARTIAL_PREFIX):])
+                if incomplete is not None:
+                    metas.append(incomplete)
+                continue
+            if entry.name.startswith("."):
                 continue
             try:
-                metas.append(CheckpointMeta.from_json((entry / META).read_text()))
-            except (ValueError, TypeError):
-                continue
-        return sorted(metas, key=lambda m: m.created)
+                metas.append(self._read_meta(entry.name))
+            except StoreError as exc:
+                skipped.append((entry.name, str(exc)))
+        return StoreScan(sorted(metas, key=lambda m: m.created), skipped)
+
+    def _read_meta(self, name: str) -> CheckpointMeta:
+        """meta.json of store entry `name`, following no symlink on the way."""
+        try:
+            dir_fd = os.open(self.root / name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                             | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise StoreError(f"no checkpoint {name!r} in {self.root}") from None
+        except OSError as exc:
+            what = "a symlink (not followed)" if (self.root / name).is_symlink() else \
+                "not a checkpoint directory" if exc.errno == errno.ENOTDIR else exc.strerror
+            raise StoreError(f"store entry {name!r} is {what}") from None
+        try:
+            try:
+                fd = os.open(META, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise StoreError(f"no checkpoint {name!r} in {self.root} (no {META})") from None
+            except OSError as exc:
+                raise StoreError(f"store entry {name!r}: {META} cannot be opened "
+                                 f"({exc.strerror}; a symlink is never followed)") from None
+            with os.fdopen(fd, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                    raise StoreError(f"store entry {name!r}: {META} is not a regular file")
+                raw = handle.read(META_MAX + 1)
+        finally:
+            os.close(dir_fd)
+        if len(raw) > META_MAX:
+            raise StoreError(f"store entry {name!r}: {META} is larger than {META_MAX} bytes")
+        try:
+            meta = CheckpointMeta.from_json(raw.decode("utf-8", errors="replace"))
+        except (ValueError, TypeError) as exc:
+            raise StoreError(f"checkpoint {name!r} has an unreadable meta.json: {exc}") from None
+        if meta.id != name:
+            raise StoreError(f"store entry {name!r}: its meta.json names {meta.id!r}")
+        return meta
 
     def get(self, checkpoint_id: str) -> CheckpointMeta:
-        path = self.path_of(checkpoint_id) / META
+        """A checkpoint's meta; an incomplete one (its commit failed) as state "incomplete"."""
+        validate_id(checkpoint_id)
+        if not os.path.lexists(self.root / checkpoint_id):
+            incomplete = self._finished_partial(checkpoint_id)
+            if incomplete is not None:
+                return incomplete
+        return self._read_meta(checkpoint_id)
+
+    @contextlib.contextmanager
+    def restore_lock(self, checkpoint_id: str) -> Iterator[None]:
+        """Held while a checkpoint is restored, by whichever path (the daemon's socket, its
+        auto-restore, the CLI without a daemon): a second restore at the same time is refused
+        instead of running the process twice. An flock: it dies with its holder."""
+        path = self.path_of(checkpoint_id)
         try:
-            return CheckpointMeta.from_json(path.read_text())
-        except FileNotFoundError:
-            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from None
-        except (ValueError, TypeError) as exc:
-            raise StoreError(f"checkpoint {checkpoint_id!r} has an unreadable meta.json") from exc
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from exc
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StoreError(f"checkpoint {checkpoint_id} is being restored right now "
+                                 "(by the daemon or another oomguard)") from None
+            yield
+        finally:
+            os.close(fd)
+
+    def write_private(self, path: Path, text: str) -> None:
+        """A file of oomguard's own inside a checkpoint directory: made anew (O_EXCL, never
+        through a symlink), durable."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.new")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(path)
 
     def update(self, meta: CheckpointMeta) -> None:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
 
     def forget(self, checkpoint_id: str) -> None:
-        path = self.path_of(checkpoint_id)
-        if not (path / META).is_file():
-            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}")
-        shutil.rmtree(path)
+        """Delete a checkpoint; a symlink or malformed entry is refused, never followed."""
+        self._read_meta(validate_id(checkpoint_id))
+        shutil.rmtree(self.path_of(checkpoint_id))

@@ -47,6 +47,44 @@ def parse_duration(value: str | int | float) -> float:
     return float(number) * _DURATION_SCALE[unit]
 
 
+# Upper bounds for every duration and size a config or flag may hold: anything above them is a
+# typo, and some would not even run (an epoll timeout in ms overflows at about 24.8 days).
+MINUTE, HOUR, DAY = 60.0, 3600.0, 86400.0
+MAX_WAIT = DAY  # a wait, timeout, grace or interval the daemon sleeps on
+MAX_AGE = 3650 * DAY  # an age compared with timestamps, never slept on
+MAX_SIZE = 1 << 50  # 1 PiB: above any machine's memory or a store's disk
+
+
+def _describe_seconds(seconds: float) -> str:
+    if seconds == 0:
+        return "0s"
+    for unit, scale in (("d", DAY), ("h", HOUR), ("m", MINUTE), ("s", 1.0)):
+        if seconds >= scale and seconds % scale == 0:
+            return f"{seconds / scale:g}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
+def bounded_duration(value: str | int | float, *, low: float = 0.0, high: float = MAX_WAIT,
+                     positive: bool = False) -> float:
+    """parse_duration within [low, high] (above 0 too when `positive`)."""
+    seconds = parse_duration(value)
+    if positive and seconds <= 0:
+        raise ValueError(f"must be above 0, got {value!r}")
+    if not low <= seconds <= high:
+        raise ValueError(f"must be from {_describe_seconds(low)} to {_describe_seconds(high)}, "
+                         f"got {value!r}")
+    return seconds
+
+
+def bounded_size(value: str | int, *, low: int = 0, high: int = MAX_SIZE) -> int:
+    """parse_size within [low, high]."""
+    size = parse_size(value)
+    if not low <= size <= high:
+        raise ValueError(f"must be from {format_size(low)} to {format_size(high)}, "
+                         f"got {value!r}")
+    return size
+
+
 def parse_fraction(value: str | int | float) -> float:
     """'85%' or 0.85 -> 0.85. Must lie in (0, 1]."""
     if isinstance(value, bool):

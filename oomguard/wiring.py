@@ -119,7 +119,8 @@ def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
 def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
                   with_criu: bool = True, checkpointer: Checkpointer | None = None,
                   restorer: Restorer | None = None,
-                  status: Callable[[], dict[str, Any]] | None = None) -> Service:
+                  status: Callable[[], dict[str, Any]] | None = None,
+                  user_headroom: Callable[[MemoryCgroup], int] | None = None) -> Service:
     """The verbs of the control socket. CRIU is located only when a checkpointer or restorer
     has to be built for it (not for list/show/forget, nor when the daemon passes its own)."""
     if checkpointer is None or restorer is None:
@@ -127,7 +128,10 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
                 else Criu(binary="criu", version=()))
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc)
-    return Service(Store(config.store), restorer, checkpointer, layout, proc, status)
+    service = Service(Store(config.store), restorer, checkpointer, layout, proc, status)
+    if user_headroom is not None:
+        service.user_headroom = user_headroom
+    return service
 
 
 def build_containers(settings: KubernetesConfig) -> ContainerCheckpointer | None:

@@ -43,6 +43,10 @@ class MemorySnapshot:
         return self.anon_bytes / self.limit_bytes
 
 
+class LimitBusy(OSError):
+    """A limit cannot be put back: the cgroup uses more than it (and reclaim did not help)."""
+
+
 class MemoryCgroup(Protocol):
     """A memory cgroup: v1 (`memory` hierarchy) or v2 (unified, memory controller enabled)."""
 
@@ -59,6 +63,10 @@ class MemoryCgroup(Protocol):
     def set_limit(self, limit_bytes: int | None) -> None: ...
 
     def raise_limit(self, new_limit: int) -> Callable[[], None]: ...
+
+    def limits_state(self) -> dict[str, int | None]: ...
+
+    def put_back_limits(self, state: dict[str, int | None]) -> None: ...
 
     def procs(self) -> list[int]: ...
 

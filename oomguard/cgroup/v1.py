@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cgroupspy.controllers import MemoryController
 
-from oomguard.cgroup.base import MemorySnapshot, parse_flat_keyed, parse_procs
+from oomguard.cgroup.base import LimitBusy, MemorySnapshot, parse_flat_keyed, parse_procs
 from oomguard.errors import CgroupGone
 
 # The kernel reports "no limit" as PAGE_COUNTER_MAX rounded to pages: anything this big is unlimited.
@@ -112,6 +112,21 @@ class V1MemoryCgroup:
         old = self.limit()
         self.set_limit(new_limit)
         return lambda: self.set_limit(old)
+
+    def limits_state(self) -> dict[str, int | None]:
+        """What raise_limit changes, to be recorded and put back (even by another process)."""
+        return {"max": self.limit()}
+
+    def put_back_limits(self, state: dict[str, int | None]) -> None:
+        """The kernel reclaims what it can first; with usage still above the limit the write
+        fails with EBUSY: LimitBusy."""
+        try:
+            self.set_limit(state.get("max"))
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise LimitBusy(errno.EBUSY, f"usage {self.usage()} is above the limit "
+                                f"{state.get('max')} to put back") from exc
+            raise
 
     def procs(self) -> list[int]:
         return parse_procs(self._read("cgroup.procs"))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from oomguard.cgroup.base import MemorySnapshot, parse_flat_keyed, parse_procs
+from oomguard.cgroup.base import LimitBusy, MemorySnapshot, parse_flat_keyed, parse_procs
 from oomguard.errors import CgroupGone
 
 
@@ -86,6 +87,25 @@ class V2MemoryCgroup:
             self.set_limit(old_max)
             self.set_high(old_high)
         return undo
+
+    def limits_state(self) -> dict[str, int | None]:
+        """What raise_limit changes, to be recorded and put back (even by another process)."""
+        return {"max": self.limit(), "high": self.high()}
+
+    def put_back_limits(self, state: dict[str, int | None]) -> None:
+        """memory.max written below usage would make the kernel OOM-kill in the cgroup: reclaim
+        first (memory.reclaim), and with usage still above it raise LimitBusy instead."""
+        limit = state.get("max")
+        usage = int(self._read("memory.current"))
+        if limit is not None and usage > limit:
+            with contextlib.suppress(OSError):
+                self._write("memory.reclaim", str(usage - limit))
+            usage = int(self._read("memory.current"))
+            if usage > limit:
+                raise LimitBusy(errno.EBUSY, f"usage {usage} is above the limit {limit} to "
+                                "put back")
+        self.set_limit(limit)
+        self.set_high(state.get("high"))
 
     # -- freezer (cgroup.freeze / cgroup.events) ---------------------------------------------------
 

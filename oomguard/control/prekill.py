@@ -36,7 +36,8 @@ def allowed_uids() -> frozenset[int]:
     return frozenset(uids)
 
 
-def dispatch_prekill(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any]]:
+def dispatch_prekill(service: Service, raw: bytes, uid: int, pid: int | None = None,
+                     ) -> tuple[str, dict[str, Any]]:
     method = "?"
     try:
         call = decode_call(raw)

@@ -20,12 +20,14 @@ ERROR_INVALID = f"{INTERFACE}.InvalidRequest"
 ERROR_DENIED = f"{INTERFACE}.PermissionDenied"
 ERROR_NOT_FOUND = f"{INTERFACE}.NotFound"
 ERROR_FAILED = f"{INTERFACE}.Failed"
+ERROR_LIMIT = f"{INTERFACE}.TooManyConnections"
+ERROR_NO_ROOM = f"{INTERFACE}.NoRoom"  # a restore that does not fit now (may fit later)
 ERROR_METHOD = "org.varlink.service.MethodNotFound"
 
 INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
 
 method Status() -> (status: object)
-method List() -> (checkpoints: []object)
+method List() -> (checkpoints: []object, skipped: []object)
 method Show(id: string) -> (checkpoint: object)
 method Restore(id: string, cgroup: ?string, force: ?bool)
   -> (id: string, pid: int, seconds: float, verify_s: float, cgroup: ?string)
@@ -37,6 +39,8 @@ error InvalidRequest (message: string)
 error PermissionDenied (message: string)
 error NotFound (message: string)
 error Failed (message: string)
+error TooManyConnections (message: string)
+error NoRoom (message: string)
 """
 
 
@@ -59,6 +63,8 @@ def decode_call(raw: bytes) -> Call:
         message = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError("message is not JSON") from exc
+    except RecursionError:
+        raise ProtocolError("message is nested too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     method = message.get("method")

@@ -9,16 +9,26 @@ import socketserver
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from oomguard import __version__
+from oomguard.control.limits import (
+    IDLE_TIMEOUT,
+    MAX_BAD_REQUESTS,
+    REQUEST_DEADLINE,
+    ConnectionLimiter,
+    LogThrottle,
+)
 from oomguard.control.protocol import (
     ERROR_DENIED,
     ERROR_FAILED,
     ERROR_INVALID,
+    ERROR_LIMIT,
     ERROR_METHOD,
+    ERROR_NO_ROOM,
     ERROR_NOT_FOUND,
     INTERFACE,
     INTERFACE_DESCRIPTION,
@@ -30,10 +40,8 @@ from oomguard.control.protocol import (
     param,
     reply,
 )
-from oomguard.errors import CheckpointFailed, OomguardError, StoreError
+from oomguard.errors import CheckpointFailed, NoRoom, OomguardError, StoreError
 from oomguard.service import PermissionDenied, Service
-
-IDLE_TIMEOUT = 120.0  # a client that says nothing for this long is dropped
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -43,8 +51,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any]]:
-    """One call -> (method name for the log, reply message). Never raises."""
+def dispatch(service: Service, raw: bytes, uid: int, pid: int | None = None,
+             ) -> tuple[str, dict[str, Any]]:
+    """One call from process `pid` of user `uid` -> (method name for the log, reply message).
+    Never raises."""
     method = "?"
     try:
         call = decode_call(raw)
@@ -58,7 +68,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
         if method == "Status":
             return method, reply({"status": service.status(uid)})
         if method == "List":
-            return method, reply({"checkpoints": service.list(uid)})
+            return method, reply({"checkpoints": service.list(uid),
+                                  "skipped": service.skipped(uid)})
         if method == "Show":
             return method, reply({"checkpoint": service.show(uid, param(p, "id", str))})
         if method == "Restore":
@@ -69,8 +80,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
             return method, reply(service.forget(uid, param(p, "id", str)))
         if method == "Checkpoint":
             reason = param(p, "reason", str, required=False) or "on demand (control socket)"
-            return method, reply({"checkpoint": service.checkpoint(uid, param(p, "pid", int),
-                                                                    reason)})
+            return method, reply({"checkpoint": service.checkpoint(
+                uid, param(p, "pid", int), reason, requester=pid)})
         if method == "GpuResume":
             return method, reply(service.gpu_resume(uid, param(p, "pid", int)))
         return method, error(ERROR_METHOD, f"no method {method!r}")
@@ -84,6 +95,8 @@ def dispatch(service: Service, raw: bytes, uid: int) -> tuple[str, dict[str, Any
         return method, error(kind, str(exc))
     except CheckpointFailed as exc:
         return method, error(ERROR_FAILED, f"{exc} (process {exc.outcome})")
+    except NoRoom as exc:
+        return method, error(ERROR_NO_ROOM, str(exc))
     except OomguardError as exc:
         return method, error(ERROR_FAILED, str(exc))
 
@@ -93,15 +106,25 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         sock: socket.socket = self.request
-        sock.settimeout(IDLE_TIMEOUT)
-        try:
-            pid, uid, _gid = peer_credentials(sock)
-        except OSError:
-            return
+        pid, uid = self.server.peer_of(sock)
         frames = FrameBuffer()
+        pending_since: float | None = None  # when the first byte of an unfinished request came
+        bad = 0
         while True:
+            now = time.monotonic()
+            wait = IDLE_TIMEOUT if pending_since is None else \
+                pending_since + REQUEST_DEADLINE - now
+            if wait <= 0:
+                self._refuse(sock, pid, uid, f"request not completed within "
+                             f"{REQUEST_DEADLINE:.0f}s: connection closed")
+                return
+            sock.settimeout(wait)
             try:
                 chunk = sock.recv(65536)
+            except TimeoutError:
+                if pending_since is None:
+                    return  # idle for IDLE_TIMEOUT: dropped
+                continue  # a request past its deadline: refused at the top of the loop
             except OSError:
                 return
             if not chunk:
@@ -109,18 +132,31 @@ class _Handler(socketserver.BaseRequestHandler):
             try:
                 calls = frames.feed(chunk)
             except ProtocolError as exc:
-                with contextlib.suppress(OSError):
-                    sock.sendall(encode(error(ERROR_INVALID, str(exc))))
-                self.server.note("control.rejected", uid=uid, pid=pid, error=str(exc))
+                self._refuse(sock, pid, uid, str(exc))
                 return
+            if not frames.data:
+                pending_since = None
+            elif calls or pending_since is None:
+                pending_since = time.monotonic()
             for raw in calls:
-                method, message = self.server.dispatcher(self.server.service, raw, uid)
-                self.server.note("control.call", uid=uid, pid=pid, method=method,
-                                 error=message.get("error"))
+                method, message = self.server.dispatcher(self.server.service, raw, uid, pid)
+                failed = message.get("error")
+                if failed == ERROR_INVALID:
+                    bad += 1
+                self.server.note_call(uid=uid, pid=pid, method=method, error=failed)
                 try:
                     sock.sendall(encode(message))
                 except OSError:
                     return
+                if bad >= MAX_BAD_REQUESTS:
+                    self._refuse(sock, pid, uid, f"{bad} malformed requests: connection closed")
+                    return
+
+    def _refuse(self, sock: socket.socket, pid: int, uid: int, why: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(1.0)
+            sock.sendall(encode(error(ERROR_INVALID, why)))
+        self.server.note_rejected(uid=uid, pid=pid, error=why)
 
 
 def _answers(path: Path) -> bool:
@@ -136,16 +172,25 @@ def _answers(path: Path) -> bool:
 
 
 class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """One thread per connection, at most MAX_CONNECTIONS (MAX_PER_UID per user); a request
+    must arrive whole within REQUEST_DEADLINE; rejected requests are logged at a bounded rate."""
+
     daemon_threads = True
+    request_queue_size = 64
 
     def __init__(self, path: Path, service: Service,
                  note: Callable[..., None] | None = None,
-                 dispatcher: Callable[[Service, bytes, int], tuple[str, dict[str, Any]]] = dispatch,
+                 dispatcher: Callable[[Service, bytes, int, int],
+                                      tuple[str, dict[str, Any]]] = dispatch,
                  mode: int = 0o666) -> None:
         self.service = service
         self.dispatcher = dispatcher
         self.path = path
         self.note = note or (lambda *args, **kwargs: None)
+        self.limiter = ConnectionLimiter()
+        self.throttle = LogThrottle()
+        self._peers: dict[int, tuple[int, int]] = {}  # id(socket) -> (pid, uid), admitted ones
+        self._peers_lock = threading.Lock()
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -157,6 +202,52 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         # Anyone may connect; what each caller may see is decided per call from SO_PEERCRED.
         os.chmod(path, mode)
         self._thread: threading.Thread | None = None
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        """Runs in the accepting thread before a handler thread is started: a connection over
+        the limits is answered with the reason and closed at once."""
+        sock: socket.socket = request
+        try:
+            pid, uid, _gid = peer_credentials(sock)
+        except OSError:
+            return False
+        refused = self.limiter.admit(uid)
+        if refused is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(0.2)
+                sock.sendall(encode(error(ERROR_LIMIT, refused)))
+            self.note_rejected(uid=uid, pid=pid, error=refused)
+            return False
+        with self._peers_lock:
+            self._peers[id(sock)] = (pid, uid)
+        return True
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._peers_lock:
+            peer = self._peers.pop(id(request), None)
+        if peer is not None:
+            self.limiter.release(peer[1])
+        super().shutdown_request(request)
+
+    def peer_of(self, sock: socket.socket) -> tuple[int, int]:
+        with self._peers_lock:
+            return self._peers[id(sock)]
+
+    def note_call(self, *, uid: int, pid: int, method: str, error: object) -> None:
+        """Every successful call is logged; failed ones at a bounded rate per uid."""
+        if error is None:
+            self.note("control.call", uid=uid, pid=pid, method=method, error=None)
+            return
+        allowed, suppressed = self.throttle.allow(("call", uid))
+        if allowed:
+            self.note("control.call", uid=uid, pid=pid, method=method, error=error,
+                      suppressed=suppressed or None)
+
+    def note_rejected(self, *, uid: int, pid: int, error: str) -> None:
+        allowed, suppressed = self.throttle.allow(("rejected", uid))
+        if allowed:
+            self.note("control.rejected", uid=uid, pid=pid, error=error,
+                      suppressed=suppressed or None)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.serve_forever, name="oomguard-control",

@@ -69,8 +69,13 @@ def test_str_round_trip(text: str, shown: str) -> None:
 
 
 def test_str_round_trip_long_grace() -> None:
-    step = parse_step("signal:SIGUSR1:12d")  # 1036800 s
+    step = parse_step("signal:SIGUSR1:23h")  # 82800 s
     assert parse_step(str(step)) == step
+
+
+def test_grace_beyond_a_day_is_refused() -> None:
+    with pytest.raises(ValueError, match="grace period must be at most 1d"):
+        parse_step("signal:SIGUSR1:12d")
 
 
 def test_str_round_trip_keeps_precision() -> None:

@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ import pytest
 from oomguard.actions import CHECKPOINT, KILL, Step, parse_step
 from oomguard.chain import ChainOutcome, ChainRunner, ChainSettings
 from oomguard.errors import CheckpointFailed, ProcessGone
+from oomguard.freezer import Frozen
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcReader
 from tests.unit._support import MiB, proc_info
@@ -71,8 +72,12 @@ class FakeClock:
 
 class FakeFreezer:
     def __init__(self, pids: list[int] | None = None, *, gone: bool = False,
-                 events: list[tuple[str, Any]] | None = None) -> None:
+                 events: list[tuple[str, Any]] | None = None,
+                 user_stopped: Collection[int] = (), again: Collection[int] = ()) -> None:
         self.pids = pids  # what freeze() returns; None: the root alone
+        self.user_stopped = user_stopped  # found stopped by freeze() (unless held)
+        self.again = again  # stopped_again() names these
+        self.held: list[list[int]] = []  # `held` passed to each freeze()
         self.gone = gone
         self.froze: list[int] = []  # root pids passed to freeze()
         self.frozen: list[int] = []  # pids freeze() returned
@@ -80,18 +85,22 @@ class FakeFreezer:
         self.thawed: list[list[int]] = []
         self.events = events if events is not None else []
 
-    def freeze(self, root_pid: int) -> list[int]:
+    def freeze(self, root_pid: int, held: Collection[int] = ()) -> Frozen:
         self.froze.append(root_pid)
+        self.held.append(list(held))
         self.events.append(("freeze", root_pid))
         if self.gone:
             raise ProcessGone(f"process {root_pid} is gone")
         pids = list(self.pids) if self.pids is not None else [root_pid]
         self.frozen.extend(pids)
-        return pids
+        return Frozen(pids, [p for p in self.user_stopped if p in pids and p not in held])
 
     def wait_frozen(self, pids: list[int], timeout: float) -> bool:
         self.waited.append((list(pids), timeout))
         return True
+
+    def stopped_again(self, pids: list[int]) -> list[int]:
+        return [pid for pid in pids if pid in self.again]
 
     def thaw(self, pids: list[int]) -> None:
         self.thawed.append(list(pids))
@@ -106,11 +115,11 @@ class StoppingFreezer(FakeFreezer):
     """Records like FakeFreezer and really stops (SIGSTOP) / continues (SIGCONT) the PIDs it is
     given: only used with real child processes of this test."""
 
-    def freeze(self, root_pid: int) -> list[int]:
-        pids = super().freeze(root_pid)
-        for pid in pids:
+    def freeze(self, root_pid: int, held: Collection[int] = ()) -> Frozen:
+        frozen = super().freeze(root_pid, held)
+        for pid in frozen.ours:
             os.kill(pid, signal.SIGSTOP)
-        return pids
+        return frozen
 
     def thaw(self, pids: list[int]) -> None:
         super().thaw(pids)
@@ -170,10 +179,12 @@ class FakeCheckpointer:
     def checkpoint(self, tree: ProcessTree, cgroup: Any, reason: str,
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
-                   after_signal: Callable[[], None] | None = None) -> Any:
+                   after_signal: Callable[[], None] | None = None,
+                   held: Collection[int] = ()) -> Any:
         self.calls.append({"tree": tree, "cgroup": cgroup, "reason": reason,
                            "on_frozen": on_frozen, "headroom": headroom,
-                           "on_failure": on_failure, "after_signal": after_signal})
+                           "on_failure": on_failure, "after_signal": after_signal,
+                           "held": list(held)})
         self.events.append(("checkpoint", tree.root.pid))
         if self.clock is not None:
             self.clock.advance(self.advance)
@@ -481,6 +492,41 @@ def test_freeze_step_calls_callbacks_once_then_not_the_checkpoint(tmp_path: Path
     assert rig.freezer.waited == [([ROOT, CHILD], 5.0)]
     [call] = rig.checkpointer.calls
     assert call["on_frozen"] is None and call["after_signal"] is None
+
+
+@pytest.mark.parametrize("how", ["found-stopped", "stopped-again"])
+def test_freeze_step_never_continues_a_task_the_user_stopped(tmp_path: Path, how: str) -> None:
+    """Found stopped by the freeze, or stopped again while the chain held it: the checkpoint
+    is told which tasks the chain holds (the others it finds stopped are the user's), and no
+    thaw, here after a failed checkpoint, continues it; the ledger forgets it."""
+    user = {"user_stopped": [CHILD]} if how == "found-stopped" else {"again": [CHILD]}
+    failed = CheckpointFailed("criu dump failed", "thawed")
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], **user), error=failed)
+    outcome = run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD))
+    assert outcome.result == "thawed"
+    [call] = rig.checkpointer.calls
+    assert call["held"] == [ROOT]
+    assert CHILD not in rig.freezer.thawed_pids
+    assert ("clear", [CHILD]) in rig.ledger.calls
+
+
+def test_standing_down_after_the_freeze_does_not_continue_the_users_task(
+        tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]))
+    outcome = run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD),
+                  pressing=Pressure((False,)))
+    assert outcome.result == "stood-down"
+    assert rig.freezer.thawed == [[ROOT]]
+
+
+def test_freeze_step_then_kill_kills_the_users_stopped_task_too(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]),
+                   free=SHORT)
+    killed: list[list[int]] = []
+    rig.runner._kill = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
+    outcome = run(rig, chain("freeze", "checkpoint", "kill"), make_tree(ROOT, CHILD))
+    assert outcome.result == "killed"
+    assert killed == [[ROOT, CHILD]]
 
 
 def test_freeze_records_the_tree_then_what_was_stopped(tmp_path: Path) -> None:

@@ -305,17 +305,21 @@ def test_checkpoint_allowed_reaches_checkpointer(service: Service, uid: int, pid
     seen: list[tuple[Any, ...]] = []
     meta = make_meta("new-one", uid, 1_700_000_300.0)
 
-    def checkpoint(tree: Any, cgroup: Any, why: str) -> Any:
-        seen.append((tree.pids, cgroup, why))
+    def checkpoint(tree: Any, cgroup: Any, why: str, requester: int | None = None,
+                   headroom: int | None = None) -> Any:
+        seen.append((tree.pids, cgroup, why, requester, headroom))
         return SimpleNamespace(meta=meta, timings=SimpleNamespace(
             total_s=2.71828, freeze_s=0.00312, dump_s=2.5, commit_s=0.21828))
 
     service.checkpointer = SimpleNamespace(checkpoint=checkpoint)  # type: ignore[assignment]
     params: dict[str, Any] = {"pid": pid} if reason is None else {"pid": pid, "reason": reason}
-    message = call(service, uid, "io.oomguard.Checkpoint", **params)
+    raw = json.dumps({"method": "io.oomguard.Checkpoint", "parameters": params}).encode()
+    _name, message = dispatch(service, raw, uid, 31337)
     assert message == {"parameters": {"checkpoint": {
         **asdict(meta), "seconds": 2.718, "freeze_s": 0.0031, "dump_s": 2.5, "commit_s": 0.2183}}}
-    assert seen == [(want_pids, None, want_reason)]  # no memory controller: no cgroup
+    # no memory controller: no cgroup (so no headroom question); the caller's pid
+    # (SO_PEERCRED) goes with the request
+    assert seen == [(want_pids, None, want_reason, 31337, None)]
 
 
 # -- Status ------------------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def test_format_version(version: tuple[int, ...], text: str) -> None:
 IMAGES = Path("/var/lib/oomguard/.partial-x/images")
 HOOK = Path("/run/oomguard/criu-post-dump")
 ALL_OFF = CriuOptions(ghost_limit=1 << 30, seize_timeout=3, shell_job=False, tcp_close=False,
-                      ext_unix_sk=False, file_locks=False, log_level=2,
+                      ext_unix_sk=False, file_locks=False, log_level=2, skip_in_flight=False,
                       extra_dump_args=("--skip-in-flight",), extra_restore_args=("--lazy-pages",))
 TOGGLES = ("--shell-job", "--tcp-close", "--ext-unix-sk", "--file-locks")
 
@@ -92,7 +92,7 @@ def test_dump_argv_defaults() -> None:
     assert argv == [
         "/usr/local/sbin/criu", "dump", "--tree", "4242", "--images-dir", str(IMAGES),
         "--log-file", "dump.log", "--ghost-limit", "67108864", "--timeout", "10", "-v4",
-        "--shell-job", "--tcp-close", "--ext-unix-sk", "--file-locks",
+        "--shell-job", "--tcp-close", "--ext-unix-sk", "--file-locks", "--skip-in-flight",
         "--action-script", str(HOOK),
     ]
 
@@ -119,7 +119,8 @@ def test_restore_argv_defaults(tmp_path: Path) -> None:
     assert "--restore-detached" in argv
     for flag in TOGGLES:
         assert argv.count(flag) == 1, flag
-    for flag in ("--cgroup-root", "--tree", "--ghost-limit", "--action-script"):
+    for flag in ("--cgroup-root", "--tree", "--ghost-limit", "--action-script",
+                 "--skip-in-flight"):  # a dump option only
         assert flag not in argv
 
 
@@ -240,12 +241,18 @@ def test_restore_without_pidfile(tmp_path: Path) -> None:
 
 
 def test_restore_failure(tmp_path: Path) -> None:
-    (tmp_path / RESTORE_LOG).write_text("(00.1) Error (criu/cr-restore.c:1): Can't fork for 4242: "
-                                        "File exists\n(00.2) Restoring FAILED.\n")
-    runner = FakeRunner({"criu": CommandResult(("criu",), 1, "", "")})
+    (tmp_path / RESTORE_LOG).symlink_to(tmp_path / "elsewhere")  # removed, never followed
+
+    def criu_writes_its_log(argv: Sequence[str]) -> None:
+        (tmp_path / RESTORE_LOG).write_text("(00.1) Error (criu/cr-restore.c:1): Can't fork "
+                                            "for 4242: File exists\n(00.2) Restoring FAILED.\n")
+
+    runner = FakeRunner({"criu": CommandResult(("criu",), 1, "", "")},
+                        side_effect=criu_writes_its_log)
     with pytest.raises(CriuError, match="criu restore exited with status 1") as info:
         Criu("criu", (4, 2), runner=runner).restore(tmp_path / "images", tmp_path, None)
     assert "Can't fork for 4242" in info.value.log_tail
+    assert not (tmp_path / "elsewhere").exists()
 
 
 @pytest.mark.parametrize(

@@ -133,6 +133,27 @@ def test_parse_status_without_nspid_line() -> None:
     assert parse_status("Uid:\t0\t0\t0\t0\n").nspid == ()
 
 
+@pytest.mark.parametrize(
+    ("sigpnd", "shdpnd", "stop_pending"),
+    [
+        ("0000000000000000", "0000000000000000", False),
+        ("0000000000000000", "0000000000040000", True),  # SIGSTOP to the group (kill(2))
+        ("0000000000080000", "0000000000000000", True),  # SIGTSTP to the thread
+        ("0000000000000000", "0000000000020000", False),  # SIGCHLD only
+        ("0000000000000000", "0000000000000100", False),  # SIGKILL: not a stop signal
+    ],
+)
+def test_parse_status_pending_stop(sigpnd: str, shdpnd: str, stop_pending: bool) -> None:
+    # As a 6.x kernel prints them, after "SigQ:".
+    st = parse_status(f"Uid:\t0\t0\t0\t0\nSigQ:\t0/31334\nSigPnd:\t{sigpnd}\n"
+                      f"ShdPnd:\t{shdpnd}\nSigBlk:\t0000000000000000\n")
+    assert st.stop_pending is stop_pending
+
+
+def test_parse_status_fixture_has_nothing_pending() -> None:
+    assert parse_status(fixture_text("proc", "status.user")).pending_signals == 0
+
+
 @pytest.mark.parametrize("text", ["", "Name:\tx\nVmRSS:\t 4 kB\n"], ids=["empty", "no-uid"])
 def test_parse_status_without_uid_is_malformed(text: str) -> None:
     with pytest.raises(ValueError, match="no Uid line"):

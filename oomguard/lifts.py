@@ -1,0 +1,210 @@
+"""The memory limits oomguard lifts for a dump's headroom: recorded durably before the lift,
+bounded, shared by every oomguard process (the daemon, a CLI without a daemon), and put back
+by whoever can once no live holder needs them — after a crash by the next daemon's start.
+
+A lifted limit is never taken for the cgroup's own: its own limit is the recorded one. When the
+old limit cannot be put back because the cgroup now uses more (something grew into the room
+lifted for the dump), the entry stays "pending": the daemon retries, and acts on the grower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oomguard.cgroup.base import LimitBusy, MemoryCgroup
+from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.procfs import ProcReader
+
+LIFTS_LEDGER = ".lifted.json"
+LIFT_CEILING = 2  # a lift never exceeds the own limit + this many times the headroom
+
+
+@dataclass(frozen=True)
+class Settled:
+    path: str  # the cgroup directory
+    outcome: str  # "restored" | "busy" | "gone"
+    detail: str = ""
+
+
+class LimitLifts:
+    """`lift(cgroup, new_limit, cap)` -> release; `own_limit(path)`; `settle(cgroup_at)`."""
+
+    def __init__(self, ledger: Path, proc: ProcReader | None = None,
+                 owner: int | None = None) -> None:
+        self.ledger = ledger
+        self.proc = proc or ProcReader()
+        self.owner = owner if owner is not None else os.getpid()
+        self._owner_start = self._start_of(self.owner)
+        self._lock = threading.Lock()
+        self._cache: tuple[tuple[int, int, int], dict[str, dict[str, Any]]] | None = None
+
+    def _start_of(self, pid: int) -> int:
+        try:
+            return self.proc.process(pid).starttime
+        except ProcessGone:
+            return 0
+
+    # -- the shared file ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, dict[str, Any]]]:
+        """The ledger, read and written under an flock (other oomguard processes) and a
+        thread lock (this one's workers); written back when the block ends."""
+        with self._lock:
+            self.ledger.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.ledger.with_name(self.ledger.name + ".lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                entries = self._load()
+                before = json.dumps(entries, sort_keys=True)
+                yield entries
+                if json.dumps(entries, sort_keys=True) != before:
+                    self._save(entries)
+            finally:
+                os.close(fd)
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.ledger.read_text())
+        except (OSError, ValueError, RecursionError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, dict)
+                and isinstance(v.get("state"), dict) and isinstance(v.get("holders"), list)}
+
+    def _save(self, entries: dict[str, dict[str, Any]]) -> None:
+        tmp = self.ledger.with_name(f"{self.ledger.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(entries).encode())
+            os.fsync(fd)  # a lifted limit must outlive a crash, or it stays lifted for good
+        finally:
+            os.close(fd)
+        tmp.replace(self.ledger)
+
+    def _alive(self, holder: list[Any]) -> bool:
+        try:
+            pid, start = int(holder[0]), int(holder[1])
+        except (IndexError, TypeError, ValueError):
+            return False
+        if pid == self.owner and start == self._owner_start:
+            return True
+        return pid > 0 and start > 0 and self._start_of(pid) == start
+
+    # -- lifting ----------------------------------------------------------------------------------
+
+    def lift(self, cgroup: MemoryCgroup, new_limit: int, cap: int | None = None,
+             ) -> Callable[[], str | None]:
+        """Lift the limit to `new_limit`, recorded first; with `cap` (the rule's headroom), never
+        above the cgroup's own limit + 2 x cap: room for one dump, and for one more to seize a
+        task parked at a limit that something grew into meanwhile, however many dumps ask.
+        Returns the release: the own limit is put back once no live holder is left; it returns
+        None, or why it could not be put back yet (the entry stays pending)."""
+        key = str(cgroup.path)
+        token = secrets.token_hex(4)
+        with self._locked() as entries:
+            entry = entries.get(key)
+            if entry is None:
+                entry = {"state": cgroup.limits_state(), "holders": [], "pending": False}
+                entries[key] = entry
+            entry["holders"].append([self.owner, self._owner_start, token])
+            own = entry["state"].get("max")
+        # Written (fsync'd) before the limit changes; the raise itself outside the file lock.
+        if own is not None and cap is not None:
+            new_limit = min(new_limit, own + LIFT_CEILING * cap)
+        current = cgroup.limit()
+        if current is not None and current < new_limit:
+            try:
+                cgroup.raise_limit(new_limit)  # its own undo is not used: the ledger's is
+            except BaseException:
+                self._release(cgroup, token)
+                raise
+        return lambda: self._release(cgroup, token)
+
+    def _release(self, cgroup: MemoryCgroup, token: str) -> str | None:
+        key = str(cgroup.path)
+        with self._locked() as entries:
+            entry = entries.get(key)
+            if entry is None:
+                return None
+            entry["holders"] = [h for h in entry["holders"]
+                                if not (len(h) > 2 and h[2] == token) and self._alive(h)]
+            if entry["holders"]:
+                return None  # another dump still needs the room
+            return self._put_back(entries, key, cgroup).detail or None
+
+    def _put_back(self, entries: dict[str, dict[str, Any]], key: str,
+                  cgroup: MemoryCgroup) -> Settled:
+        entry = entries[key]
+        try:
+            cgroup.put_back_limits(entry["state"])
+        except LimitBusy as exc:
+            entry["pending"] = True
+            return Settled(key, "busy", str(exc.strerror or exc))
+        except (CgroupGone, FileNotFoundError):
+            del entries[key]
+            return Settled(key, "gone")
+        except OSError as exc:
+            entry["pending"] = True
+            return Settled(key, "busy", str(exc))
+        del entries[key]
+        return Settled(key, "restored")
+
+    # -- what the daemon asks ---------------------------------------------------------------------
+
+    def _current(self) -> dict[str, dict[str, Any]]:
+        """The ledger as it is on disk, read again only when the file changed (the daemon asks
+        for every guarded cgroup on every rescan)."""
+        try:
+            st = os.stat(self.ledger)
+        except OSError:
+            return {}
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._cache is None or self._cache[0] != stamp:
+            self._cache = (stamp, self._load())
+        return self._cache[1]
+
+    def lifted(self, path: Path) -> bool:
+        """Whether oomguard has this cgroup's limit lifted (or still owes putting it back)."""
+        return str(path) in self._current()
+
+    def pending(self) -> bool:
+        """Whether any limit waits to be put back (or may have been left by a dead run)."""
+        return bool(self._current())
+
+    def own_limit(self, path: Path) -> tuple[bool, int | None]:
+        """(True, the cgroup's own limit) while oomguard has it lifted; (False, None) else."""
+        entry = self._current().get(str(path))
+        if entry is None:
+            return False, None
+        own = entry["state"].get("max")
+        return True, own if isinstance(own, int) and not isinstance(own, bool) else None
+
+    def settle(self, cgroup_at: Callable[[str], MemoryCgroup | None]) -> list[Settled]:
+        """Put back every limit no live holder needs any more: pending ones, and those of dead
+        oomguard processes. `cgroup_at(path)` opens a cgroup directory (None: not ours)."""
+        results = []
+        with self._locked() as entries:
+            for key in list(entries):
+                entry = entries[key]
+                entry["holders"] = [h for h in entry["holders"] if self._alive(h)]
+                if entry["holders"]:
+                    continue
+                cgroup = cgroup_at(key)
+                if cgroup is None:
+                    del entries[key]
+                    results.append(Settled(key, "gone"))
+                    continue
+                results.append(self._put_back(entries, key, cgroup))
+        return results

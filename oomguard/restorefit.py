@@ -1,0 +1,63 @@
+"""Whether a checkpoint fits back into a guarded cgroup now: the guard's threshold, not only
+the limit, so a restore never lands straight back in the pressure that caused the checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
+from oomguard.errors import NoRoom
+from oomguard.guards import CgroupGuard, SystemGuard
+from oomguard.policy import free_under_threshold, restore_fits
+
+
+@dataclass(frozen=True)
+class RestoreGuard:
+    """What a rule guarding a cgroup says about restores into it."""
+
+    path: Path  # the guarded cgroup's directory
+    threshold: float  # the rule acts at this share of the limit
+    margin: int  # bytes of room a restore must leave under the threshold (restore_margin)
+
+
+# How the service learns which rule guards a cgroup (the daemon knows its rules; None in
+# direct mode, where only the limit is checked).
+GuardLookup = Callable[[MemoryCgroup], RestoreGuard | None]
+
+
+def guard_for(cgroup: MemoryCgroup, guards: Iterable[RestoreGuard]) -> RestoreGuard | None:
+    """The rule guarding `cgroup` (its exact directory), if any."""
+    return next((g for g in guards if g.path == cgroup.path), None)
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.0f} MiB"
+
+
+def check_fits(checkpoint_id: str, cgroup: MemoryCgroup, snap: MemorySnapshot,
+               image_bytes: int, guard: RestoreGuard) -> None:
+    """Raise NoRoom, with the figures and the ways out, unless usage + image + margin stays
+    under the guard's threshold (the auto-restore rule, policy.restore_fits)."""
+    if restore_fits(snap, image_bytes, guard.margin, guard.threshold):
+        return
+    free = free_under_threshold(snap, guard.threshold) or 0
+    assert snap.limit_bytes is not None  # restore_fits is True without a limit
+    raise NoRoom(
+        f"cannot restore {checkpoint_id} into {cgroup.path} now: its guard acts at "
+        f"{guard.threshold:.0%} of {_mib(snap.limit_bytes)}, {_mib(max(free, 0))} are free "
+        f"under that, and the checkpoint needs {_mib(image_bytes)} + {_mib(guard.margin)} "
+        "margin (it would be checkpointed again at once). Restore into a bigger cgroup with "
+        "--cgroup PATH, wait until it fits with --wait, or pass --force")
+
+
+def daemon_lookup(current: Callable[[], Iterable[CgroupGuard | SystemGuard]]) -> GuardLookup:
+    """The lookup over the daemon's rules as they are at the time of asking (a reload
+    replaces them): cgroup rules only; the first that guards the cgroup wins."""
+
+    def lookup(cgroup: MemoryCgroup) -> RestoreGuard | None:
+        rules = [RestoreGuard(g.cgroup.path, g.spec.threshold, g.spec.restore_margin)
+                 for g in list(current()) if isinstance(g, CgroupGuard)]
+        return guard_for(cgroup, rules)
+    return lookup

@@ -1,0 +1,42 @@
+"""Whether a caller may have a whole process tree checkpointed on demand: every task must be
+theirs (real, effective and saved uid: a setuid-root child, as sudo runs, is not), and none may
+be one the guards never touch (PID 1, kernel threads, oom_score_adj -1000, traced tasks,
+oomguard and CRIU). Pure: decided from the tree as read, before anything is stopped."""
+
+from __future__ import annotations
+
+from oomguard.policy import OOM_SCORE_ADJ_MIN, ProcessTree
+
+ROOT = 0
+
+
+def foreign_task(tree: ProcessTree, caller_uid: int) -> str | None:
+    """Why `caller_uid` may not checkpoint `tree` (a task of another user), or None."""
+    if caller_uid == ROOT:
+        return None
+    for task in tree.members:
+        ids = task.uids[:3] or (task.uid,)
+        others = sorted({uid for uid in ids if uid != caller_uid})
+        if others:
+            which = "runs as" if task.uid != caller_uid else "holds the rights of"
+            return (f"process {task.pid} ({task.comm}) in the tree of {tree.root.pid} {which} "
+                    f"uid {', '.join(map(str, others))}: every process of the tree must be "
+                    "yours")
+    return None
+
+
+def untouchable_task(tree: ProcessTree, protected_pids: frozenset[int]) -> str | None:
+    """Why no one may checkpoint `tree` (it holds a task the guards never touch), or None."""
+    for task in tree.members:
+        why = None
+        if task.pid == 1 or task.kernel_thread or task.ppid == 2:
+            why = "is PID 1 or a kernel thread"
+        elif task.oom_score_adj <= OOM_SCORE_ADJ_MIN:
+            why = "opted out of OOM handling (oom_score_adj -1000)"
+        elif task.tracer_pid:
+            why = f"is traced by process {task.tracer_pid} (a debugger, or a CRIU at work)"
+        elif task.pid in protected_pids:
+            why = "is oomguard or one of its helpers"
+        if why is not None:
+            return f"process {task.pid} ({task.comm}) in the tree of {tree.root.pid} {why}"
+    return None

@@ -1,0 +1,109 @@
+"""The CLI's terminal commands: `exec` (with its "was it checkpointed?" question to the store),
+`attach ID|PID`, and attaching after `restore` on a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from oomguard.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
+from oomguard.errors import OomguardError
+from oomguard.execwrap import ExecJob
+from oomguard.ttyclient import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
+from oomguard.ttyext import SOCKET_ENV, TTYS, environ_value
+
+Call = Callable[..., dict[str, Any]]
+CHECKPOINT_WAIT = 15.0  # CRIU kills the tree, then the checkpoint is committed
+
+
+def checkpoint_finder(call: Call, wait: float = CHECKPOINT_WAIT) -> Callable[[int], str | None]:
+    def find(pid: int) -> str | None:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                metas = call("List")["checkpoints"]
+            except (OomguardError, OSError):
+                return None  # no daemon and no store of ours to read: we cannot tell
+            for meta in metas:
+                if meta.get("pid") == pid and meta.get("state") == "checkpointed":
+                    return str(meta["id"])
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
+    return find
+
+
+def run_exec(command: list[str], cgroup_procs: Path | None, call: Call) -> int:
+    return ExecJob(command, cgroup_procs, checkpoint_finder(call)).run()
+
+
+def holder_of_checkpoint(meta: dict[str, Any]) -> str | None:
+    ttys = (meta.get("extra") or {}).get(TTYS) or []
+    return next((t["socket"] for t in ttys if t.get("socket")), None)
+
+
+def _tty_key(pid: int) -> str | None:
+    for fd in (0, 1, 2):
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            if os.major(st.st_rdev) == 136:  # a /dev/pts slave
+                return f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
+    return None
+
+
+def holder_of_pid(pid: int) -> str | None:
+    """The holder named in the process's environment when it answers for the process's
+    terminal, else any holder of ours that does (one restored onto a new pty)."""
+    key = _tty_key(pid)
+    candidates: list[str] = []
+    with contextlib.suppress(OSError):
+        named = environ_value(Path(f"/proc/{pid}/environ").read_bytes(), SOCKET_ENV)
+        if named:
+            candidates.append(named)
+    for directory in {runtime_dir(os.getuid()), SYSTEM_DIR / str(os.getuid())}:
+        with contextlib.suppress(OSError):
+            candidates += sorted(str(p) for p in directory.glob("tty-*.sock"))
+    for path in dict.fromkeys(candidates):
+        try:
+            info = request(path, "info", timeout=1.0)
+        except HolderError:
+            continue
+        if key is None or key == info.get("key"):
+            return path
+    return None
+
+
+def attach_to(path: str) -> int:
+    """Relay this terminal to the holder until the job ends or the user detaches."""
+    sock, _info = connect_attach(path)
+    stdin_fd = 0 if os.isatty(0) else None
+    out_fd = 1
+    with sock, raw_terminal(stdin_fd), \
+            signal_wakeups((signal.SIGHUP, signal.SIGTERM, signal.SIGINT)) as wake:
+        why = Relay(sock, stdin_fd, out_fd, wake, lambda _sig: DETACHED).run()
+    if why == ENDED:
+        print("\noomguard: the job's terminal closed", file=sys.stderr)
+    else:
+        print(f"\noomguard: detached; `oomguard attach` again any time ({path})",
+              file=sys.stderr)
+    return 0
+
+
+def attach(target: str, call: Call) -> int:
+    if target.isdigit():
+        path = holder_of_pid(int(target))
+        if path is None:
+            raise HolderError(f"process {target} has no terminal oomguard holds (only jobs "
+                              "started on a terminal with `oomguard exec` have one)")
+    else:
+        meta = call("Show", id=target)["checkpoint"]
+        path = holder_of_checkpoint(meta)
+        if path is None:
+            raise HolderError(f"checkpoint {target} had no terminal")
+    return attach_to(path)

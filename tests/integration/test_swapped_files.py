@@ -1,0 +1,62 @@
+"""A path the checkpointed process had open is swapped for a symlink to another file of the
+same size before the restore: CRIU (as root) would open that file for the process. The restore
+is refused naming the file, deletes nothing, and works again once the file is put back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from oomguard.store import Store
+from tests.helpers import (
+    CgroupFactory,
+    hog_argv,
+    kill_pid,
+    last_count,
+    read_counts,
+    run_oomguard,
+    start_in_cgroup,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_restore_refuses_a_file_swapped_for_a_symlink(cgroups: CgroupFactory, store: Path,
+                                                      tmp_path: Path) -> None:
+    cg = cgroups.make("swap", None)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=16, rate=200, count=300, tick=0.02))
+    restored = None
+    try:
+        assert wait_until(lambda: last_count(log) > 20, 10)
+        result = run_oomguard(store, "checkpoint", str(hog.pid))
+        assert result.returncode == 0, result.stderr
+        checkpoint_id = result.stdout.strip()
+        hog.wait(timeout=10)
+        # The swap: same size, another file (root-only in the attack), through a symlink.
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"s" * log.stat().st_size)
+        secret.chmod(0o600)
+        os.rename(log, tmp_path / "hog.log.orig")
+        log.symlink_to(secret)
+        refused = run_oomguard(store, "restore", checkpoint_id)
+        assert refused.returncode == 1
+        assert f"{log} is another file than the one the process had open" in refused.stderr
+        assert "(it is now a symlink)" in refused.stderr
+        assert Store(store).get(checkpoint_id).state == "checkpointed"
+        assert secret.read_bytes() == b"s" * secret.stat().st_size
+        # Put back: the same checkpoint restores and the job goes on where it was.
+        log.unlink()
+        os.rename(tmp_path / "hog.log.orig", log)
+        again = run_oomguard(store, "restore", checkpoint_id)
+        assert again.returncode == 0, again.stderr
+        restored = int(again.stdout.strip())
+        assert wait_until(lambda: "done 300 ok" in log.read_text(), 60)
+        assert read_counts(log) == list(range(1, 301))
+    finally:
+        kill_pid(hog.pid)
+        if restored:
+            kill_pid(restored)

@@ -1,0 +1,148 @@
+"""oomguard.freezer and the restore hook's continue: a task the user had stopped is noted
+before oomguard's SIGSTOP and never continued by it (real child processes of this test)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from oomguard.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
+from oomguard.freezer import Frozen, SigstopFreezer
+from oomguard.procfs import ProcReader
+
+
+def _state(pid: int) -> str:
+    return ProcReader().state(pid)
+
+
+def _until(predicate: object, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def family() -> Iterator[tuple[int, list[int]]]:
+    """A shell with two sleeping children: (root, [child, child])."""
+    root = subprocess.Popen(["/bin/sh", "-c", "sleep 60 & sleep 60 & wait"],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = ProcReader()
+    assert _until(lambda: len(proc.children_of(root.pid)) == 2)
+    kids = sorted(proc.children_of(root.pid))
+    try:
+        yield root.pid, kids
+    finally:
+        for pid in (*kids, root.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        root.wait()
+
+
+def test_frozen_ours_leaves_out_the_users() -> None:
+    frozen = Frozen([1, 2, 3], [3])
+    assert frozen.ours == [1, 2]
+    assert frozen.plus_user_stopped([2, 3]) == Frozen([1, 2, 3], [3, 2])
+    assert frozen.plus_user_stopped([3]) is frozen
+    assert Frozen([1]).ours == [1]
+
+
+def test_a_task_found_stopped_gets_no_sigstop_and_no_sigcont(
+        family: tuple[int, list[int]]) -> None:
+    root, (user_stopped, running) = family
+    os.kill(user_stopped, signal.SIGSTOP)
+    assert _until(lambda: _state(user_stopped) == "T")
+    freezer = SigstopFreezer()
+    frozen = freezer.freeze(root)
+    assert sorted(frozen.pids) == sorted([root, user_stopped, running])
+    assert frozen.user_stopped == [user_stopped]
+    assert freezer.wait_frozen(frozen.pids, 5.0)
+    assert freezer.stopped_again(frozen.ours) == []
+    freezer.thaw(frozen.ours)
+    assert _until(lambda: _state(root) != "T" and _state(running) != "T")
+    assert _state(user_stopped) == "T"
+
+
+def test_a_job_the_user_stopped_whole_is_all_left_stopped(
+        family: tuple[int, list[int]]) -> None:
+    """Ctrl-Z on the whole job: nothing to stop, nothing to continue, and not 'gone'."""
+    root, kids = family
+    for pid in (root, *kids):
+        os.kill(pid, signal.SIGSTOP)
+    assert _until(lambda: all(_state(p) == "T" for p in (root, *kids)))
+    frozen = SigstopFreezer().freeze(root)
+    assert sorted(frozen.user_stopped) == sorted([root, *kids]) and frozen.ours == []
+
+
+def test_tasks_held_are_ours_even_when_found_stopped(family: tuple[int, list[int]]) -> None:
+    """A chain's freeze step stopped them: the checkpoint's own freeze must not take them
+    for the user's."""
+    root, kids = family
+    freezer = SigstopFreezer()
+    first = freezer.freeze(root)
+    assert freezer.wait_frozen(first.pids, 5.0)
+    again = freezer.freeze(root, held=first.ours)
+    assert again.user_stopped == [] and sorted(again.ours) == sorted([root, *kids])
+    freezer.thaw(again.ours)
+
+
+def test_a_stop_sent_while_oomguard_holds_the_task_is_the_users(
+        family: tuple[int, list[int]]) -> None:
+    """The race: the user stops a task after oomguard's scan (or while it holds it). The
+    second stop signal stays pending in a stopped task: that is how it is recognised."""
+    root, (late, other) = family
+    freezer = SigstopFreezer()
+    frozen = freezer.freeze(root)
+    assert freezer.wait_frozen(frozen.pids, 5.0)
+    os.kill(late, signal.SIGSTOP)  # the user's, a moment too late for the scan
+    assert _until(lambda: ProcReader().status(late).stop_pending)
+    assert freezer.stopped_again(frozen.ours) == [late]
+    frozen = frozen.plus_user_stopped([late])
+    freezer.thaw(frozen.ours)
+    assert _until(lambda: _state(other) != "T")
+    assert _state(late) == "T"
+
+
+def test_parse_keep() -> None:
+    assert parse_keep("") == set()
+    assert parse_keep("3,17, 4") == {3, 4, 17}
+    assert parse_keep("3,x,-1,,") == {3}
+
+
+def test_continue_tree_leaves_the_users_tasks_stopped(family: tuple[int, list[int]]) -> None:
+    root, (keep, other) = family
+    for pid in (root, keep, other):
+        os.kill(pid, signal.SIGSTOP)
+    assert _until(lambda: all(_state(p) == "T" for p in (root, keep, other)))
+    inner = ns_pid(keep)
+    assert inner is not None
+    count, kept = continue_tree(root, {inner})
+    assert (count, kept) == (2, [keep])
+    assert _until(lambda: _state(root) != "T" and _state(other) != "T")
+    assert _state(keep) == "T"
+
+
+def test_a_task_the_kernel_would_hang_up_is_not_kept_stopped() -> None:
+    """A group leader in our session, in a group of its own: were this process (standing in
+    for CRIU) to exit with it stopped, the kernel would send the orphaned group SIGHUP."""
+    job = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, process_group=0)
+    try:
+        assert hung_up_at_exit(job.pid, job.pid)
+        own_session = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+        try:
+            assert not hung_up_at_exit(own_session.pid, own_session.pid)
+        finally:
+            own_session.kill()
+            own_session.wait()
+    finally:
+        job.kill()
+        job.wait()

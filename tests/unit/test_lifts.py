@@ -1,0 +1,122 @@
+"""LimitLifts: lifts recorded before they happen, bounded, shared, put back by whoever can."""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oomguard.cgroup.base import LimitBusy
+from oomguard.lifts import LimitLifts
+
+MiB = 1 << 20
+
+
+class FakeCgroup:
+    def __init__(self, path: Path, limit: int | None, usage: int) -> None:
+        self.path = path
+        self._limit = limit
+        self.usage = usage
+        self.writes: list[int | None] = []
+
+    def limit(self) -> int | None:
+        return self._limit
+
+    def raise_limit(self, new_limit: int) -> object:
+        self._limit = new_limit
+        self.writes.append(new_limit)
+        return lambda: None
+
+    def limits_state(self) -> dict[str, int | None]:
+        return {"max": self._limit}
+
+    def put_back_limits(self, state: dict[str, int | None]) -> None:
+        limit = state["max"]
+        if limit is not None and self.usage > limit:
+            raise LimitBusy(errno.EBUSY, f"usage {self.usage} is above the limit {limit}")
+        self._limit = limit
+        self.writes.append(limit)
+
+
+@pytest.fixture
+def lifts(tmp_path: Path) -> LimitLifts:
+    return LimitLifts(tmp_path / "store" / ".lifted.json")
+
+
+def test_lift_is_recorded_before_and_put_back_after(lifts: LimitLifts, tmp_path: Path) -> None:
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 190 * MiB)
+    release = lifts.lift(cg, 254 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    assert cg.limit() == 254 * MiB
+    on_disk = json.loads(lifts.ledger.read_text())
+    assert on_disk[str(cg.path)]["state"] == {"max": 200 * MiB}
+    assert lifts.lifted(cg.path) and lifts.own_limit(cg.path) == (True, 200 * MiB)
+    assert release() is None
+    assert cg.limit() == 200 * MiB
+    assert not lifts.lifted(cg.path) and lifts.own_limit(cg.path) == (False, None)
+
+
+def test_nested_lifts_keep_the_first_original_and_the_cap(lifts: LimitLifts,
+                                                           tmp_path: Path) -> None:
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 199 * MiB)
+    first = lifts.lift(cg, 263 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    cg.usage = 260 * MiB  # something grew into the room
+    second = lifts.lift(cg, 340 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    assert cg.limit() == 328 * MiB, "never more than the own limit + 2 x headroom"
+    cg.usage = 100 * MiB
+    assert first() is None
+    assert cg.limit() == 328 * MiB, "the second dump still needs its room"
+    assert second() is None
+    assert cg.limit() == 200 * MiB
+
+
+def test_a_limit_that_cannot_be_put_back_stays_pending_until_it_can(
+        lifts: LimitLifts, tmp_path: Path) -> None:
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 199 * MiB)
+    release = lifts.lift(cg, 263 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    cg.usage = 250 * MiB
+    assert "above the limit" in str(release())
+    assert lifts.lifted(cg.path) and lifts.own_limit(cg.path) == (True, 200 * MiB)
+    [busy] = lifts.settle(lambda path: cg)  # type: ignore[arg-type,return-value]
+    assert busy.outcome == "busy"
+    cg.usage = 120 * MiB
+    [done] = lifts.settle(lambda path: cg)  # type: ignore[arg-type,return-value]
+    assert done.outcome == "restored" and cg.limit() == 200 * MiB
+    assert not lifts.pending()
+
+
+def test_a_dead_holders_lift_is_put_back_by_the_next_process(tmp_path: Path) -> None:
+    ledger = tmp_path / ".lifted.json"
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 199 * MiB)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        dead_run = LimitLifts(ledger, owner=child.pid)
+        dead_run.lift(cg, 263 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+        live = LimitLifts(ledger)
+        assert live.settle(lambda path: cg) == []  # type: ignore[arg-type,return-value]
+        assert cg.limit() == 263 * MiB, "its holder is alive: left alone"
+    finally:
+        child.kill()
+        child.wait()
+    [done] = LimitLifts(ledger).settle(lambda path: cg)  # type: ignore[arg-type,return-value]
+    assert done.outcome == "restored" and cg.limit() == 200 * MiB
+
+
+def test_a_vanished_cgroup_is_forgotten(lifts: LimitLifts, tmp_path: Path) -> None:
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 199 * MiB)
+    release = lifts.lift(cg, 263 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    cg.usage = 300 * MiB
+    assert release() is not None
+    [gone] = lifts.settle(lambda path: None)
+    assert gone.outcome == "gone" and not lifts.pending()
+
+
+def test_no_lift_when_there_is_room_already(lifts: LimitLifts, tmp_path: Path) -> None:
+    cg = FakeCgroup(tmp_path / "cg", None, 10 * MiB)
+    release = lifts.lift(cg, 74 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    assert cg.writes == []
+    assert release() is None
+    assert cg.limit() is None
