@@ -418,9 +418,11 @@ class Daemon:
             self.log.info("guard.setting_restored", pid=pid, setting="oom_score_adj",
                           explanation="put back after a previous run that did not stop cleanly")
 
-    def _park_reason(self, name: str) -> str:  # asked from the watchdog's thread
-        return park_reason(self.clock() - self.last_turn,
-                           STALE_LOOP_TURNS * self.config.rescan_interval, self.actor.busy(name))
+    def _park_reason(self, name: str, waited: float) -> str:  # asked from the watchdog's thread
+        now = self.clock()
+        stuck = self.actor.busy(name) and now - self.actor.last_done.get(name, -1e9) >= waited
+        return park_reason(now - self.last_turn, STALE_LOOP_TURNS * self.config.rescan_interval,
+                           stuck)
 
     def _settle_lifts(self) -> None:
         """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One

@@ -17,11 +17,13 @@ from oomguard.errors import CgroupGone
 CHECK_INTERVAL = 1.0
 
 
-def park_reason(loop_idle: float, loop_stale_after: float, acting: bool) -> str:
-    """Why tasks waited at a cgroup's limit without oomguard ending it (for `oom.released`)."""
+def park_reason(loop_idle: float, loop_stale_after: float, stuck_acting: bool) -> str:
+    """Why tasks waited at a cgroup's limit without oomguard ending it (for `oom.released`).
+    `stuck_acting`: one action on the cgroup has run through the whole wait (actions that
+    start and end meanwhile found nothing to do)."""
     if loop_idle > loop_stale_after:
         return f"the daemon's event loop has not turned for {loop_idle:.0f}s"
-    if acting:
+    if stuck_acting:
         return "the action on this cgroup (a dump, a grace period) has not ended"
     return ("no action freed memory here: no victim could be checkpointed, and no action of "
             "the rule kills")
@@ -45,10 +47,11 @@ class ParkWatchdog:
     """`watch` a cgroup once oomguard has set its oom_kill_disable, `unwatch` it before putting
     the original value back. Every CHECK_INTERVAL, a cgroup that has stayed `under_oom` for
     its deadline gets oom_kill_disable = 0 (the kernel's OOM killer acts on it as it would
-    without oomguard; `oom.released`, with `reason(name)` saying why oomguard did not act), and
+    without oomguard; `oom.released`, with `reason(name, waited)` saying why oomguard did not
+    act in those `waited` seconds), and
     gets it back (`oom.rearmed`) once no task waits there any more."""
 
-    def __init__(self, log: Any, reason: Callable[[str], str], *,
+    def __init__(self, log: Any, reason: Callable[[str, float], str], *,
                  clock: Callable[[], float] = time.monotonic,
                  interval: float = CHECK_INTERVAL) -> None:
         self.log = log
@@ -104,7 +107,7 @@ class ParkWatchdog:
         entry.cgroup.set_oom_kill_disable(False)
         entry.released = True
         self.log.error("oom.released", cgroup=name, parked_seconds=round(waited, 1),
-                       park_deadline=entry.deadline, reason=self.reason(name),
+                       park_deadline=entry.deadline, reason=self.reason(name, waited),
                        explanation="tasks waited at the memory limit past park_deadline: "
                        "oom_kill_disable is 0 and the kernel's OOM killer acts as it would "
                        "without oomguard")

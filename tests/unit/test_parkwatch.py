@@ -55,7 +55,7 @@ class Clock:
 @pytest.fixture
 def rig() -> tuple[ParkWatchdog, FakeCgroup, Clock, Log]:
     clock, log, cgroup = Clock(), Log(), FakeCgroup()
-    watchdog = ParkWatchdog(log, lambda name: f"stuck: {name}", clock=clock)
+    watchdog = ParkWatchdog(log, lambda name, waited: f"stuck: {name} {waited:.0f}", clock=clock)
     watchdog.watch("/cg", cgroup, 30.0)
     return watchdog, cgroup, clock, log
 
@@ -88,7 +88,7 @@ def test_a_park_reaching_the_deadline_is_released_with_the_reason(rig: Any) -> N
     assert cgroup.writes == [False] and not cgroup.disabled
     (name, fields), = log.events
     assert name == "oom.released"
-    assert fields["cgroup"] == "/cg" and fields["reason"] == "stuck: /cg"
+    assert fields["cgroup"] == "/cg" and fields["reason"] == "stuck: /cg 30"
     assert fields["parked_seconds"] == 30.0 and fields["park_deadline"] == 30.0
     clock.now += 5  # the kernel has not settled it yet: released once, not again
     watchdog.check()
@@ -143,7 +143,7 @@ def test_a_failing_read_is_logged_and_retried() -> None:
             raise PermissionError("EACCES")
 
     log = Log()
-    watchdog = ParkWatchdog(log, lambda name: "", clock=Clock())
+    watchdog = ParkWatchdog(log, lambda name, waited: "", clock=Clock())
     watchdog.watch("/cg", Broken(), 30.0)
     watchdog.check()
     assert log.names() == ["oom.watchdog_failed"] and watchdog.watching() == ["/cg"]
@@ -157,7 +157,7 @@ def test_the_thread_releases_without_the_event_loop() -> None:
     cgroup.under_oom = 1
     released = threading.Event()
 
-    def reason(name: str) -> str:
+    def reason(name: str, waited: float) -> str:
         released.set()
         return "loop wedged"
 
