@@ -20,6 +20,7 @@ import psutil
 
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
+from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.fileids import FILES_RECORD
@@ -28,6 +29,7 @@ from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.ledger import FrozenLedger
 from oomguard.lifts import LIFTS_LEDGER, LimitLifts
+from oomguard.oomshield import OomShield
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
@@ -38,6 +40,7 @@ from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
 ON_FAILURE_THAW = "thaw"
 ON_FAILURE_KILL = "kill"
 FROZEN_LEDGER = ".frozen.json"
+OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
 OUTCOME_INCOMPLETE = "dumped, commit pending"  # gone, images intact, commit to be finished
@@ -75,7 +78,7 @@ class Checkpointer:
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
                  lifts: LimitLifts | None = None,
-                 ) -> None:
+                 shield: OomShield | None = None) -> None:
         self.criu = criu
         self.gpu = gpu
         self.gpu_margin = gpu_margin
@@ -88,6 +91,7 @@ class Checkpointer:
         self.on_failure = on_failure
         self.hook_dir = hook_dir
         self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
+        self.shield = shield or OomShield(store.root / OOM_SHIELD, self.proc)
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
@@ -130,10 +134,16 @@ class Checkpointer:
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
+        # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
+        # (memory taken inside one system call fails there instead of killing the job).
+        shielding = isinstance(cgroup, V2MemoryCgroup)
+        if shielding:
+            self.shield.shield(list(tree.pids))
         hold = self._off_gpu(tree, cgroup, held)
         try:
             frozen = self.freezer.freeze(tree.root.pid, held)
         except ProcessGone:
+            self.shield.unshield(list(tree.pids))
             self.ledger.clear(list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
@@ -141,6 +151,8 @@ class Checkpointer:
         pids = frozen.pids
         self.ledger.record(frozen.ours)
         self._unrecord(frozen.user_stopped)
+        if shielding:  # children forked before the stop inherited -1000
+            self.shield.shield(pids, inherited=self.shield.original_of(tree.root.pid))
         if after_signal is not None:
             after_signal()
         undo_limit: Callable[[], None] | None = None
@@ -158,6 +170,14 @@ class Checkpointer:
             # Stopped by the user too while (or just before) oomguard stopped them.
             frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
             self._unrecord(frozen.user_stopped)
+            if shielding:  # stopped: back to the originals, which CRIU saves with the images
+                self.shield.unshield(pids + list(tree.pids))
+            if cgroup is not None and room > 0:
+                # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
+                # out, and may have used up the limit (or the headroom given above) by then.
+                raised_limit = headroom_needed(cgroup.snapshot(), room)
+                if raised_limit is not None:
+                    undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
             frozen_at = self.clock()
             if on_frozen is not None:
                 on_frozen(pids, frozen_at)
@@ -197,6 +217,10 @@ class Checkpointer:
                     "or when restored", OUTCOME_INCOMPLETE) from exc
             if began:
                 self.store.abort(checkpoint_id)
+            if undo_limit is not None:  # while the tree is stopped: it cannot grow meanwhile
+                with contextlib.suppress(OSError, CgroupGone):
+                    undo_limit()
+                undo_limit = None
             outcome = self._fail(frozen, on_failure or self.on_failure)
             gpu_note = ""
             if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
@@ -206,6 +230,8 @@ class Checkpointer:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
                                    outcome) from exc
         finally:
+            if shielding:
+                self.shield.unshield(pids + list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
             if lock_fd is not None:
@@ -317,3 +343,15 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
+
+
+def _both(last: Callable[[], None], first: Callable[[], None] | None) -> Callable[[], None]:
+    """One undo for two limit lifts: the later one first."""
+    if first is None:
+        return last
+
+    def undo() -> None:
+        with contextlib.suppress(OSError, CgroupGone):
+            last()
+        first()
+    return undo

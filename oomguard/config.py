@@ -86,7 +86,8 @@ class GuardConfig:
     memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
     freeze_cgroup: bool = True  # v2: cgroup.freeze the whole cgroup first (growth stops at once)
     psi: bool = True  # v2 / system: a PSI trigger on the pressure file wakes the daemon
-    oom_kill_disable: bool = False  # v1: tasks at the limit wait for oomguard, never OOM-killed
+    oom_kill_disable: bool = True  # v1: tasks at the limit wait for oomguard, never OOM-killed
+    park_deadline: float = 30.0  # v1: ...but for this long at most (the park watchdog)
     system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
     min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
     victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
@@ -364,6 +365,11 @@ def _size(*, low: int = 0) -> Callable[[Any], int]:
     return lambda value: bounded_size(value, low=low)
 
 
+def _park_deadline(value: Any) -> float:
+    """A task must never stay parked for long: 1s to 1h."""
+    return bounded_duration(value, low=1.0, high=HOUR)
+
+
 def _regex_list(value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):
@@ -409,7 +415,7 @@ def _guard_array(value: Any) -> list[dict[str, Any]]:
 GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "threshold": parse_fraction, "headroom": _size(), "user_headroom": _bool, "on_failure": _on_failure,
     "events": _bool, "memory_high": _bool, "freeze_cgroup": _bool, "psi": _bool,
-    "oom_kill_disable": _bool,
+    "oom_kill_disable": _bool, "park_deadline": _park_deadline,
     "victim_cgroups": _cgroup_list, "psi_full_avg10": parse_fraction, "auto_restore": _bool,
     "restore_quiet": _wait(), "restore_margin": _size(), "actions": parse_chain,
     "prefer": _regex_list, "avoid": _regex_list, "protect": _regex_list,

@@ -39,16 +39,19 @@ from oomguard.guards import (
     arm_system,
     arm_v1,
     arm_v2,
+    claimed_keys,
     consume,
     disable_oom_kill,
     psi_trigger_for,
     put_back_high,
+    put_back_leftovers,
     put_back_oom_kill,
     set_high_at_threshold,
 )
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
 from oomguard.ledger import SavedLimits
+from oomguard.parkwatch import ParkWatchdog, park_reason
 from oomguard.policy import (
     ProcessTree,
     Verdict,
@@ -68,7 +71,7 @@ from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
 SAVED_HIGH = ".memory-high.json"
-
+STALE_LOOP_TURNS = 3  # the loop turns at least every rescan_interval; 3 missed: it is wedged
 
 
 class Daemon:
@@ -116,6 +119,8 @@ class Daemon:
                                   in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
                                   clock=clock) if checkpointer.gpu is not None else None
         self._gpu_watching = self._wants_gpu_watch()
+        self.last_turn = clock()
+        self.park_watch = ParkWatchdog(self.log, self._park_reason, clock=clock)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -130,6 +135,8 @@ class Daemon:
             self._build_guards()
         finally:
             self._examine_on_arm = True
+        self._put_back_leftovers()
+        self.park_watch.start()
         self.keeper.thaw_leftovers()
         self._settle_lifts()  # limits a dead run lifted for a dump's headroom
         for guard in self.guards:
@@ -199,7 +206,7 @@ class Daemon:
             try:
                 if guard.spec.events and isinstance(guard.cgroup, V1MemoryCgroup):
                     arm_v1(guard, snap.limit_bytes)
-                    disable_oom_kill(guard, guard.cgroup, self.saved_high)
+                    self._park_at_limit(guard, guard.cgroup)
                 elif guard.spec.events and isinstance(guard.cgroup, V2MemoryCgroup):
                     set_high_at_threshold(guard, guard.cgroup, snap.limit_bytes, self.saved_high)
                     arm_v2(guard, snap.limit_bytes, self.psi_trigger)
@@ -282,11 +289,16 @@ class Daemon:
         for guard in self.guards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
-                put_back_high(guard, self.saved_high)
-                put_back_oom_kill(guard, self.saved_high)
+                self._put_back(guard)
+
+    def _put_back(self, guard: CgroupGuard) -> None:
+        put_back_high(guard, self.saved_high)
+        self.park_watch.unwatch(guard.name)  # before: the watchdog must not write after it
+        put_back_oom_kill(guard, self.saved_high)
 
     def close(self) -> None:
         self._release_guards()
+        self.park_watch.stop()
         self.epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -351,6 +363,7 @@ class Daemon:
         if self.clock() >= self._next_rescan:
             self._rescan()
             self._next_rescan = self.clock() + self.config.rescan_interval
+        self.last_turn = self.clock()
         if self.heartbeat is not None:
             self.heartbeat()
 
@@ -383,6 +396,33 @@ class Daemon:
         if self.checkpointer.lifts.pending() or self._limit_busy:
             self._settle_lifts()
         self.keeper.tick()
+
+    def _park_at_limit(self, guard: CgroupGuard, cgroup: V1MemoryCgroup) -> None:
+        """v1: tasks at the limit wait for oomguard (oom_kill_disable), under the watchdog's
+        deadline unless the user had set it already. Not in a dry run: nothing would act."""
+        if self.config.dry_run:
+            return
+        disable_oom_kill(guard, cgroup, self.saved_high)
+        if guard.oom_disable_changed and not guard.oom_disable_original:
+            self.park_watch.watch(guard.name, cgroup, guard.spec.park_deadline)
+
+    def _put_back_leftovers(self) -> None:
+        """What a dead run changed on cgroups that no rule now changes the same way."""
+        armed = [g for g in self.guards if isinstance(g, CgroupGuard)]
+        for cgroup, setting in put_back_leftovers(
+                self.saved_high, claimed_keys(armed),
+                lambda path: open_cgroup(path, self.layout)):
+            self.log.info("guard.setting_restored", cgroup=cgroup, setting=setting,
+                          explanation="put back after a previous run that did not stop cleanly")
+        for pid in self.checkpointer.shield.recover():
+            self.log.info("guard.setting_restored", pid=pid, setting="oom_score_adj",
+                          explanation="put back after a previous run that did not stop cleanly")
+
+    def _park_reason(self, name: str, waited: float) -> str:  # asked from the watchdog's thread
+        now = self.clock()
+        stuck = self.actor.busy(name) and now - self.actor.last_done.get(name, -1e9) >= waited
+        return park_reason(now - self.last_turn, STALE_LOOP_TURNS * self.config.rescan_interval,
+                           stuck)
 
     def _settle_lifts(self) -> None:
         """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
@@ -419,8 +459,7 @@ class Daemon:
         if guard.present:
             self.log.warning("guard.cgroup_gone", cgroup=guard.name)
             self._disarm(guard)
-            put_back_high(guard, self.saved_high)  # the cgroup is gone: only forgets
-            put_back_oom_kill(guard, self.saved_high)
+            self._put_back(guard)  # the cgroup is gone: only forgets
             guard.present = False
 
     def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:

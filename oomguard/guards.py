@@ -8,6 +8,7 @@ import contextlib
 import os
 import select
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,14 +174,17 @@ def put_back_high(guard: CgroupGuard, saved: SavedLimits) -> None:
     guard.high_changed = False
 
 
+OOM_KILL_KEY = "#oom_kill_disable"  # SavedLimits key suffix: the cgroup's path + this
+
+
 def disable_oom_kill(guard: CgroupGuard, cgroup: V1MemoryCgroup, saved: SavedLimits) -> None:
-    """v1 `oom_kill_disable = true`: a task that reaches the limit before oomguard has stopped
-    it waits instead of being killed; its OOM event wakes the daemon, which stops it, lifts the
-    limit a little and dumps it. Put back when the guard stops (and after a crash, at start)."""
+    """v1 `oom_kill_disable` (the default): a task that reaches the limit before oomguard has
+    stopped it (memory taken inside one system call, which no SIGSTOP interrupts) waits instead
+    of being killed; its OOM event wakes the daemon, which stops it, lifts the limit a little
+    and dumps it. Put back when the guard stops (and after a crash, at start)."""
     if not guard.spec.oom_kill_disable:
         return
-    key = guard.name + "#oom_kill_disable"
-    original = saved.remember(key, int(cgroup.oom_kill_disabled()))
+    original = saved.remember(guard.name + OOM_KILL_KEY, int(cgroup.oom_kill_disabled()))
     cgroup.set_oom_kill_disable(True)
     guard.oom_disable_original = bool(original)
     guard.oom_disable_changed = True
@@ -190,5 +194,38 @@ def put_back_oom_kill(guard: CgroupGuard, saved: SavedLimits) -> None:
     if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
             guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
-        saved.forget(guard.name + "#oom_kill_disable")
+        saved.forget(guard.name + OOM_KILL_KEY)
     guard.oom_disable_changed = False
+
+
+def claimed_keys(guards: list[CgroupGuard]) -> set[str]:
+    """The SavedLimits keys that armed guards hold (their originals stay saved)."""
+    keys = set()
+    for guard in guards:
+        if guard.high_changed:
+            keys.add(guard.name)
+        if guard.oom_disable_changed:
+            keys.add(guard.name + OOM_KILL_KEY)
+    return keys
+
+
+def put_back_leftovers(saved: SavedLimits, claimed: set[str],
+                       open_path: Callable[[str], MemoryCgroup]) -> list[tuple[str, str]]:
+    """After a crash: put back every saved original that no armed guard holds (the daemon died
+    before it could, and its config no longer guards that cgroup, or no longer that way).
+    Returns (cgroup, what was put back); a cgroup that is gone is only forgotten."""
+    done = []
+    for key, original in saved.items().items():
+        if key in claimed:
+            continue
+        path = key.removesuffix(OOM_KILL_KEY)
+        with contextlib.suppress(OSError, CgroupGone, ValueError):
+            cgroup = open_path(path)
+            if key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V1MemoryCgroup):
+                cgroup.set_oom_kill_disable(bool(original))
+                done.append((path, f"oom_kill_disable {int(bool(original))}"))
+            elif not key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V2MemoryCgroup):
+                cgroup.set_high(original)
+                done.append((path, f"memory.high {'max' if original is None else original}"))
+        saved.forget(key)
+    return done

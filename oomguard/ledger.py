@@ -146,8 +146,8 @@ class FrozenLedger:
 
 
 class SavedLimits:
-    """The memory.high values oomguard replaced, kept on disk so that a restart after a crash
-    puts back the user's value, not the one oomguard set."""
+    """The cgroup settings oomguard replaced (v2 memory.high, v1 oom_kill_disable), kept on disk
+    so that a restart after a crash puts back the user's value, not the one oomguard set."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -172,6 +172,9 @@ class SavedLimits:
             data[key] = current
             self._save(data)
         return data[key]
+
+    def items(self) -> dict[str, int | None]:
+        return self._load()
 
     def forget(self, key: str) -> None:
         data = self._load()

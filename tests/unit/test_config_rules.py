@@ -82,6 +82,10 @@ def regex_error(pattern: str) -> str:
         ("predict_from = 0.75", "predict_from", 0.75),
         ('freeze_deadline = "90s"', "freeze_deadline", 90.0),
         ('freeze_deadline = "2m"', "freeze_deadline", 120.0),
+        ("oom_kill_disable = false", "oom_kill_disable", False),
+        ('park_deadline = "1s"', "park_deadline", 1.0),
+        ('park_deadline = "2m"', "park_deadline", 120.0),
+        ('park_deadline = "1h"', "park_deadline", 3600.0),
         ('kill_grace = "500ms"', "kill_grace", 0.5),
         ("kill_grace = 10", "kill_grace", 10.0),
         ('store_margin = "256M"', "store_margin", 256 * MiB),
@@ -178,6 +182,7 @@ def test_guard_defaults_for_new_keys() -> None:
     assert spec.predict_from == 0.5
     assert (spec.freeze_deadline, spec.kill_grace, spec.store_margin) == (60.0, 5.0, 256 * MiB)
     assert (spec.auto_restore, spec.restore_quiet, spec.restore_margin) == (False, 10.0, 64 * MiB)
+    assert (spec.oom_kill_disable, spec.park_deadline) == (True, 30.0)  # v1: parked, not killed
 
 
 @pytest.mark.parametrize(
@@ -265,6 +270,14 @@ BAD_GUARD = [
     ('freeze_deadline = "1 week"', "freeze_deadline",
      "expected a duration such as '150ms' or '2s', got '1 week'"),
     ("freeze_deadline = nan", "freeze_deadline", "a duration must be a finite number, got nan"),
+    ('park_deadline = "500ms"', "park_deadline",
+     "must be from 1s to 1h, got '500ms'"),
+    ('park_deadline = "2h"', "park_deadline",
+     "must be from 1s to 1h, got '2h'"),
+    ("park_deadline = 0", "park_deadline",
+     "must be from 1s to 1h, got 0"),
+    ('park_deadline = "never"', "park_deadline",
+     "expected a duration such as '150ms' or '2s', got 'never'"),
     ("kill_grace = true", "kill_grace",
      "expected a duration such as '150ms' or '2s', got True"),
     ('store_margin = "lots"', "store_margin",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.config import GuardConfig
-from oomguard.guards import PSI, SystemGuard, arm_system, psi_trigger_for, threshold_marks
+from oomguard.guards import PSI, CgroupGuard, SystemGuard, arm_system, psi_trigger_for, threshold_marks
 from tests.unit._support import MiB
 
 # -- threshold_marks -----------------------------------------------------------------------------
@@ -102,3 +102,45 @@ def test_arm_system_falls_back_to_polling(tmp_path: Path, psi: bool) -> None:
     assert guard.detection == "MemAvailable (adaptive polling)"
     if not psi:
         assert (tmp_path / "pressure" / "memory").read_bytes() == b""  # nothing written
+
+
+# -- settings a dead run left behind ----------------------------------------------------------
+
+def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Path) -> None:
+    from oomguard.cgroup.v1 import V1MemoryCgroup
+    from oomguard.cgroup.v2 import V2MemoryCgroup
+    from oomguard.guards import OOM_KILL_KEY, claimed_keys, put_back_leftovers
+    from oomguard.ledger import SavedLimits
+
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for name in ("kept", "dropped", "gone"):
+        (v1 / name).mkdir(parents=True)
+        (v2 / name).mkdir(parents=True)
+        (v1 / name / "memory.oom_control").write_text("1")  # as the dead run left them
+        (v2 / name / "memory.high").write_text("200")
+    (v1 / "gone" / "memory.oom_control").unlink()
+    (v1 / "gone").rmdir()
+    saved = SavedLimits(tmp_path / ".memory-high.json")
+    for name in ("kept", "dropped", "gone"):
+        saved.remember(str(v1 / name) + OOM_KILL_KEY, 0)
+    saved.remember(str(v2 / "dropped"), None)
+    saved.remember(str(v2 / "kept"), 300)
+
+    def open_path(path: str) -> V1MemoryCgroup | V2MemoryCgroup:
+        return V1MemoryCgroup(path, v1) if path.startswith(str(v1)) else V2MemoryCgroup(path, v2)
+
+    kept_v1 = CgroupGuard(spec=GuardConfig(cgroups=()), cgroup=open_path(str(v1 / "kept")),
+                          oom_disable_changed=True)
+    kept_v2 = CgroupGuard(spec=GuardConfig(cgroups=()), cgroup=open_path(str(v2 / "kept")),
+                          high_changed=True)
+    unchanged = CgroupGuard(spec=GuardConfig(cgroups=()), cgroup=open_path(str(v1 / "dropped")))
+    claimed = claimed_keys([kept_v1, kept_v2, unchanged])
+    assert claimed == {str(v1 / "kept") + OOM_KILL_KEY, str(v2 / "kept")}
+    done = put_back_leftovers(saved, claimed, open_path)
+    assert sorted(done) == [(str(v1 / "dropped"), "oom_kill_disable 0"),
+                            (str(v2 / "dropped"), "memory.high max")]
+    assert (v1 / "dropped" / "memory.oom_control").read_text() == "0"
+    assert (v2 / "dropped" / "memory.high").read_text() == "max"
+    assert (v1 / "kept" / "memory.oom_control").read_text() == "1"  # the armed guard's
+    assert (v2 / "kept" / "memory.high").read_text() == "200"
+    assert saved.items() == {str(v1 / "kept") + OOM_KILL_KEY: 0, str(v2 / "kept"): 300}
