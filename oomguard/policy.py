@@ -76,7 +76,14 @@ def is_protected(proc: ProcessInfo, protected_pids: frozenset[int]) -> bool:
     that opted out of OOM handling with oom_score_adj = -1000, and traced processes (a
     debugger, or a CRIU already dumping it: ptrace allows one tracer)."""
     return (proc.pid == 1 or proc.kernel_thread or proc.pid in protected_pids or proc.ppid == 2
-            or proc.oom_score_adj <= OOM_SCORE_ADJ_MIN or proc.tracer_pid != 0)
+            or proc.oom_score_adj <= OOM_SCORE_ADJ_MIN or proc.tracer_pid != 0
+            or exiting(proc))
+
+
+def exiting(proc: ProcessInfo) -> bool:
+    """A task on its way out (a zombie, or one whose memory is already released: no command
+    line, no resident memory, as after an OOM kill): nothing left to checkpoint."""
+    return proc.state in ("Z", "X") or (not proc.cmdline and proc.rss_bytes == 0)
 
 
 def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]) -> list[ProcessTree]:

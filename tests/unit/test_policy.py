@@ -237,3 +237,16 @@ def test_headroom_needed(usage: int, limit: int | None, headroom: int, expected:
     s = MemorySnapshot(usage_bytes=usage, limit_bytes=limit, anon_bytes=usage, file_bytes=0,
                        oom_kills=0, under_oom=False)
     assert headroom_needed(s, headroom) == expected
+
+
+def test_exiting_tasks_are_never_victims() -> None:
+    from dataclasses import replace
+
+    from oomguard.policy import build_trees
+    from tests.unit._support import proc_info
+
+    alive = proc_info(500, 1, rss_mib=50)
+    zombie = replace(proc_info(501, 1, rss_mib=0), state="Z")
+    released = replace(proc_info(502, 1, rss_mib=0), cmdline=())
+    trees = build_trees([alive, zombie, released], frozenset())
+    assert [t.root.pid for t in trees] == [500]
