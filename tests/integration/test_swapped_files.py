@@ -5,6 +5,8 @@ is refused naming the file, deletes nothing, and works again once the file is pu
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from tests.helpers import (
     read_counts,
     run_oomguard,
     start_in_cgroup,
+    unprivileged_user,
     wait_until,
 )
 
@@ -56,6 +59,62 @@ def test_restore_refuses_a_file_swapped_for_a_symlink(cgroups: CgroupFactory, st
         restored = int(again.stdout.strip())
         assert wait_until(lambda: "done 300 ok" in log.read_text(), 60)
         assert read_counts(log) == list(range(1, 301))
+    finally:
+        kill_pid(hog.pid)
+        if restored:
+            kill_pid(restored)
+
+
+def _cap_sys_resource() -> bool:
+    from oomguard.psi import has_cap_sys_resource
+
+    return has_cap_sys_resource(Path("/proc/self/status").read_text())
+
+
+@pytest.mark.skipif(not _cap_sys_resource(),
+                    reason="root here lacks CAP_SYS_RESOURCE, so CRIU cannot dump another "
+                           "user's process; this test runs in the v2 VM lane, where root has it")
+def test_a_users_checkpoint_is_never_restored_onto_a_swapped_file(
+        cgroups: CgroupFactory, store: Path, request: pytest.FixtureRequest) -> None:
+    """The attack for real: the job's owner swaps its log for a symlink to a root-only file of
+    the same size; not even root's --force restores the user's job onto it."""
+    import shutil
+    import tempfile
+
+    uid = unprivileged_user("oomguard-t-swapper", 40041)
+    workdir = Path(tempfile.mkdtemp(prefix="og-swap-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    os.chown(workdir, uid, uid)
+    cg = cgroups.make("userswap", None)
+    log = workdir / "hog.log"
+    as_user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    hog = start_in_cgroup(cg, [*as_user, *hog_argv(log, target=16, rate=200, count=300,
+                                                    tick=0.02)], cwd=workdir)
+    restored = None
+    try:
+        assert wait_until(lambda: last_count(log) > 20, 20)
+        result = run_oomguard(store, "checkpoint", str(hog.pid))
+        assert result.returncode == 0, result.stderr
+        checkpoint_id = result.stdout.strip()
+        hog.wait(timeout=10)
+        secret = Path(tempfile.mkdtemp(prefix="og-secret-", dir="/tmp")) / "secret"
+        request.addfinalizer(lambda: shutil.rmtree(secret.parent, ignore_errors=True))
+        secret.write_bytes(b"s" * log.stat().st_size)
+        secret.chmod(0o600)
+        swap = ("import os, sys; os.rename(sys.argv[1], sys.argv[1] + '.orig'); "
+                "os.symlink(sys.argv[2], sys.argv[1])")
+        subprocess.run([*as_user, sys.executable, "-c", swap, str(log), str(secret)],
+                       check=True, timeout=30)
+        for extra in ((), ("--force",)):
+            refused = run_oomguard(store, "restore", checkpoint_id, *extra)
+            assert refused.returncode == 1
+            assert f"{log} is another file than the one the process had open" in refused.stderr
+        log.unlink()
+        os.rename(workdir / "hog.log.orig", log)
+        again = run_oomguard(store, "restore", checkpoint_id)
+        assert again.returncode == 0, again.stderr
+        restored = int(again.stdout.strip())
+        assert wait_until(lambda: "done 300 ok" in log.read_text(), 60)
     finally:
         kill_pid(hog.pid)
         if restored:
