@@ -35,6 +35,7 @@ from tests.helpers import (
 
 GROUPS = 20
 MAX_RUNNING = 5  # hogs alive at once (2 cores)
+MIN_FREE_DISK = 10 << 30  # no new job while the disk holding the store has less free
 
 
 @dataclass
@@ -112,7 +113,8 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
             running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
             busy = {j.cgroup for j in running}
             free = [g for g in groups if str(g.path) not in busy]
-            if len(running) < MAX_RUNNING and free:
+            room = shutil.disk_usage(workdir).free >= MIN_FREE_DISK
+            if len(running) < MAX_RUNNING and free and room:
                 # One job per cgroup at a time, as a batch scheduler gives each job its own.
                 cg = rng.choice(free)
                 limit_mib = (cg.limit() or 0) // MiB
@@ -129,8 +131,10 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
                 jobs.append(job)
                 tally.started += 1
                 tally.over_limit += target > limit_mib * 0.85
-            if rng.random() < 0.15:
-                _restore_one(jobs, store, big.path, tally, rng)
+            # Restores keep up with checkpoints (else the images fill the disk): the two
+            # oldest waiting ones each turn, at random moments after they were taken.
+            if rng.random() < 0.5:
+                _restore_one(jobs, store, big.path, tally, rng, oldest=2)
             if time.monotonic() >= next_kill:
                 daemon.handle.send_signal(signal.SIGKILL)
                 daemon.handle.wait()
@@ -169,11 +173,11 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
 
 
 def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: random.Random,
-                 every: bool = False) -> None:
+                 every: bool = False, oldest: int = 1) -> None:
     metas = [m for m in Store(store).list() if m.state == "checkpointed"]
     if not metas:
         return
-    for meta in (metas if every else [rng.choice(metas)]):
+    for meta in (metas if every else metas[:oldest]):
         result = run_oomguard(store, "restore", meta.id, "--cgroup", str(big), timeout=180)
         job = next((j for j in jobs if j.pid == meta.pid), None)
         if result.returncode == 0 and result.stdout.strip().isdigit():
