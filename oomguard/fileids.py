@@ -92,8 +92,11 @@ def from_json(text: str) -> list[FileIdentity]:
 
 
 def changed(files: Iterable[FileIdentity]) -> list[str]:
-    """One line for each recorded file whose path no longer names the same file (followed as
-    CRIU follows it): another inode, another owner, a symlink to something else, gone."""
+    """One line for each recorded file that CRIU, following the path as it does, would now
+    open as something the process's owner did not have: a path that became a symlink, a file
+    of another owner or type, or one that is gone. A file its owner re-created at the same
+    path (a rotated log, the output file a requeued Slurm job gets anew) is no such thing:
+    CRIU's own size check decides about it."""
     problems = []
     for f in files:
         try:
@@ -105,9 +108,14 @@ def changed(files: Iterable[FileIdentity]) -> list[str]:
             problems.append(f"{f.path} cannot be checked ({exc.strerror})")
             continue
         now = _identity(f.path, st)
-        if (now.dev, now.ino) != (f.dev, f.ino):
-            via = " (it is now a symlink)" if os.path.islink(f.path) else ""
-            problems.append(f"{f.path} is another file than the one the process had open{via}")
-        elif now.uid != f.uid or now.kind != f.kind:
-            problems.append(f"{f.path} changed owner or type (uid {f.uid} -> {now.uid})")
+        same = (now.dev, now.ino) == (f.dev, f.ino)
+        if not same and os.path.islink(f.path):
+            problems.append(f"{f.path} is another file than the one the process had open "
+                            "(it is now a symlink)")
+        elif now.uid != f.uid:
+            what = "changed owner" if same else "is another file than the one the process " \
+                "had open"
+            problems.append(f"{f.path} {what} (owner uid {f.uid} -> {now.uid})")
+        elif now.kind != f.kind:
+            problems.append(f"{f.path} changed type")
     return problems

@@ -232,13 +232,18 @@ def test_gpu_pressure_rule_frees_vram_and_gpu_resume_brings_it_back(
                 (hog.pid, [hog.pid], 950 * MiB)
             crossed = [e for e in guard.events("threshold.crossed") if e.get("source") == "gpu"]
             assert crossed and "GPU 0 (Fake GPU)" in crossed[0]["reason"]
-            assert gpu.actions() == [("lock", hog.pid), ("checkpoint", hog.pid)]
+            # (a --get-state query after a step that timed out under load is the rollback
+            # logic asking the tool where it got to: not an action)
+            steps = [a for a in gpu.actions() if a[0] != "get-state"]
+            assert steps == [("lock", hog.pid), ("checkpoint", hog.pid)]
             assert gpu.cuda_state(hog.pid) == "checkpointed"
             assert proc_state(hog.pid) not in ("T", "t") and counting(log)  # alive, on the CPU
             resumed = oomguard(store, env, "--socket", str(guard.socket), "gpu-resume",
                                str(hog.pid))
             assert resumed.returncode == 0, resumed.stderr
-            assert gpu.actions()[2:] == [("restore", hog.pid), ("unlock", hog.pid)]
+            after = [a for a in gpu.actions() if a[0] != "get-state"][2:]
+            # The rule's 200 ms poll may already be acting again after the unlock.
+            assert after[:2] == [("restore", hog.pid), ("unlock", hog.pid)], after
             assert gpu.cuda_state(hog.pid) == "running"
             assert wait_until(lambda: guard.events("gpu.vram_restored"), 5)
             # Back on the GPU at 93%: the rule acts again, once its poll comes round.

@@ -48,6 +48,13 @@ def test_changed_sees_a_symlink_swap_and_a_replaced_file(tmp_path: Path) -> None
     assert str(log) in problem and "symlink" in problem
     log.unlink()
     assert fileids.changed(recorded) == [f"{log} is gone"]
+    # Re-created by its owner (a rotated log, a requeued job's new output file): no problem.
+    log.write_text("c" * 3)
+    assert fileids.changed(recorded) == []
+    # ...but one of another owner is.
+    other = [fileids.FileIdentity(str(log), *_ids(log)[:2], 1000, _ids(log)[3])]
+    [problem] = fileids.changed(other)
+    assert "owner uid 1000 -> 0" in problem
 
 
 def _ids(path: Path) -> tuple[int, int, int, int]:
