@@ -93,17 +93,16 @@ def from_json(text: str) -> list[FileIdentity]:
 
 def changed(files: Iterable[FileIdentity]) -> list[str]:
     """One line for each recorded file that CRIU, following the path as it does, would now
-    open as something the process's owner did not have: a path that became a symlink, a file
-    of another owner or type, or one that is gone. A file its owner re-created at the same
-    path (a rotated log, the output file a requeued Slurm job gets anew) is no such thing:
-    CRIU's own size check decides about it."""
+    open as something the process's owner did not have: a path that became a symlink, or a
+    file of another owner or type (a file that is gone is CRIU's to report). A file its owner
+    re-created at the same path (a rotated log, the output file a requeued Slurm job gets
+    anew) is no such thing: CRIU's own size check decides about it."""
     problems = []
     for f in files:
         try:
             st = os.stat(f.path)
         except FileNotFoundError:
-            problems.append(f"{f.path} is gone")
-            continue
+            continue  # nothing to be handed instead: CRIU's restore fails, naming it
         except OSError as exc:
             problems.append(f"{f.path} cannot be checked ({exc.strerror})")
             continue

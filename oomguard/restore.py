@@ -224,7 +224,8 @@ class Restorer:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             hint = "" if meta.uid != 0 else "; --force restores it anyway"
             raise RestoreFailed(f"refusing to restore {meta.id}: {problems[0]}{more}: the "
-                                f"restored process would get another file than its own{hint}")
+                                "restored process would get a file its owner did not have; "
+                                f"the checkpoint is intact{hint}")
 
     def _back_to_gpu(self, meta: CheckpointMeta, restored: list[int],
                      ) -> tuple[list[int], str | None]:
