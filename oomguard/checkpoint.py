@@ -216,6 +216,7 @@ class Checkpointer:
                     f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
                     "or when restored", OUTCOME_INCOMPLETE) from exc
             if began:
+                self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)
             if undo_limit is not None:  # while the tree is stopped: it cannot grow meanwhile
                 with contextlib.suppress(OSError, CgroupGone):

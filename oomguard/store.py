@@ -35,6 +35,7 @@ STATE_CHECKPOINTED = "checkpointed"
 STATE_RESTORED = "restored"
 STATE_INCOMPLETE = "incomplete"  # dumped (the process is gone), but the commit did not finish
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
+LAST_FAILED_LOG = ".last-failed-dump.log"
 META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
@@ -243,6 +244,14 @@ class Store:
             finally:
                 os.close(fd)
         return done
+
+    def keep_failed_log(self, checkpoint_id: str) -> None:
+        """CRIU's log of a failed dump, kept as <store>/.last-failed-dump.log (the event holds
+        only its error lines) before the partial is removed."""
+        log = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id)) / IMAGES / "dump.log"
+        with contextlib.suppress(OSError):
+            if log.is_file() and not log.is_symlink():
+                _write_durably(self.root / LAST_FAILED_LOG, log.read_text(errors="replace"))
 
     def abort(self, checkpoint_id: str) -> None:
         partial = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id))

@@ -118,3 +118,18 @@ def test_meta_round_trip_still_accepts_what_oomguard_writes(tmp_path: Path) -> N
                      stopped_nspids=[3, 5],
                      extra={"slurm_job": "42"}, created=1_700_000_000)
     assert CheckpointMeta.from_json(meta.to_json()) == meta
+
+
+def test_a_failed_dumps_log_is_kept_before_the_partial_goes(tmp_path: Path) -> None:
+    from oomguard.store import LAST_FAILED_LOG
+
+    store = Store(tmp_path / "store")
+    images, lock_fd = store.begin(make_meta("failed-one"))
+    import os
+
+    os.close(lock_fd)
+    (images / "dump.log").write_text("(00.1) Error (criu/cr-dump.c:1): it went wrong\n")
+    store.keep_failed_log("failed-one")
+    store.abort("failed-one")
+    assert not store.partials()
+    assert "it went wrong" in (store.root / LAST_FAILED_LOG).read_text()
