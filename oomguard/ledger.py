@@ -52,14 +52,9 @@ class FrozenLedger:
         self.path = path
         self.proc = proc or ProcReader()
         self.owner = owner if owner is not None else os.getpid()
-        self._owner_start = self._start_of(self.owner)
+        self._owner_start = self.proc.starttime(self.owner)
         self._lock = threading.Lock()
 
-    def _start_of(self, pid: int) -> int:
-        try:
-            return self.proc.process(pid).starttime
-        except ProcessGone:
-            return 0
 
     def _load(self) -> list[FrozenEntry]:
         try:
@@ -108,7 +103,7 @@ class FrozenLedger:
         if self._mine(entry):
             return True
         return (entry.owner > 0 and entry.owner_start > 0
-                and self._start_of(entry.owner) == entry.owner_start)
+                and self.proc.starttime(entry.owner) == entry.owner_start)
 
     def recover(self) -> list[str]:
         """Thaw what dead oomguard processes left stopped: each recorded cgroup, and each task

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.cgroup.base import LimitBusy, MemoryCgroup
-from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.errors import CgroupGone
 from oomguard.procfs import ProcReader
 
 LIFTS_LEDGER = ".lifted.json"
@@ -43,15 +43,10 @@ class LimitLifts:
         self.ledger = ledger
         self.proc = proc or ProcReader()
         self.owner = owner if owner is not None else os.getpid()
-        self._owner_start = self._start_of(self.owner)
+        self._owner_start = self.proc.starttime(self.owner)
         self._lock = threading.Lock()
         self._cache: tuple[tuple[int, int, int], dict[str, dict[str, Any]]] | None = None
 
-    def _start_of(self, pid: int) -> int:
-        try:
-            return self.proc.process(pid).starttime
-        except ProcessGone:
-            return 0
 
     # -- the shared file ------------------------------------------------------------------------
 
@@ -100,7 +95,7 @@ class LimitLifts:
             return False
         if pid == self.owner and start == self._owner_start:
             return True
-        return pid > 0 and start > 0 and self._start_of(pid) == start
+        return pid > 0 and start > 0 and self.proc.starttime(pid) == start
 
     # -- lifting ----------------------------------------------------------------------------------
 

@@ -41,14 +41,9 @@ class OomShield:
         self.proc = proc or ProcReader()
         self.proc_root = Path(self.proc.root)  # oom_score_adj is written where it is read
         self.owner = owner if owner is not None else os.getpid()
-        self._owner_start = self._start_of(self.owner)
+        self._owner_start = self.proc.starttime(self.owner)
         self._lock = threading.Lock()
 
-    def _start_of(self, pid: int) -> int:
-        try:
-            return self.proc.process(pid).starttime
-        except ProcessGone:
-            return 0
 
     def _load(self) -> list[Shielded]:
         try:
@@ -130,7 +125,7 @@ class OomShield:
         with self._lock:
             keep = []
             for entry in self._load():
-                alive = entry.owner_start > 0 and self._start_of(entry.owner) == entry.owner_start
+                alive = entry.owner_start > 0 and self.proc.starttime(entry.owner) == entry.owner_start
                 if alive:
                     keep.append(entry)
                     continue

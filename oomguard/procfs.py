@@ -190,6 +190,14 @@ class ProcReader:
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
 
+    def starttime(self, pid: int) -> int:
+        """When `pid` started (clock ticks since boot), 0 if it is gone: with the pid, names one
+        process (pids are reused). One read of /proc/PID/stat."""
+        try:
+            return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).starttime
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            return 0
+
     def ppid(self, pid: int) -> int:
         try:
             return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).ppid
