@@ -9,6 +9,7 @@ Driver r555+ tools have `--get-state` (running | locked | checkpointed | failed)
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -104,6 +105,10 @@ class CudaCheckpointer:
         self.runner: CommandRunner = runner or SubprocessRunner()
         self.lock_timeout_ms = lock_timeout_ms
         self.timeout = timeout
+        # One suspend or resume at a time: the daemon's rule (its poll thread) and a user's
+        # gpu-resume (a control connection) must not interleave steps on the same process
+        # (a lock between a resume's restore and its unlock).
+        self._busy = threading.Lock()
 
     def state(self, pid: int) -> str:
         """running | locked | checkpointed | failed. Raises CudaCheckpointError."""
@@ -122,6 +127,10 @@ class CudaCheckpointer:
     def suspend(self, pids: Sequence[int]) -> None:
         """Lock and checkpoint (or toggle) each process, in order. On any failure, every process
         touched is brought back to running, last first, and CudaCheckpointError is raised."""
+        with self._busy:
+            self._suspend(pids)
+
+    def _suspend(self, pids: Sequence[int]) -> None:
         steps = ("lock", "checkpoint") if self.tool.actions else ("toggle",)
         reached: dict[int, str] = {}  # pid -> locked | checkpointed | toggled, in suspend order
         for pid in dict.fromkeys(pids):
@@ -145,7 +154,8 @@ class CudaCheckpointer:
         Raises CudaCheckpointError listing every process that failed."""
         start = "checkpointed" if self.tool.actions else "toggled"
         wanted = list(dict.fromkeys(pids))
-        failures = [f for pid in wanted if (f := self._back_to_running(pid, start))]
+        with self._busy:
+            failures = [f for pid in wanted if (f := self._back_to_running(pid, start))]
         if failures:
             raise CudaCheckpointError(
                 f"cuda-checkpoint resume failed for {len(failures)} of {len(wanted)} processes: "

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from oomguard.gpu.cudackpt import (
     probe_tool,
     step_argv,
 )
-from oomguard.runner import SubprocessRunner
+from oomguard.runner import CommandResult, SubprocessRunner
 from tests.unit._support import make_executable
 
 FAKE = r'''
@@ -378,3 +379,44 @@ def test_legacy_resume_reports_every_failure(fake: FakeTool) -> None:
     with pytest.raises(CudaCheckpointError, match="resume failed for 2 of 2 processes") as info:
         ckpt.resume([101, 102])
     assert [(f.pid, f.step) for f in info.value.failures] == [(101, "toggle"), (102, "toggle")]
+
+
+class _GatedRunner:
+    """Runs the fake tool, but holds a resume's `restore` step until released, to let another
+    thread try to act on the same process in the middle of the resume."""
+
+    def __init__(self) -> None:
+        self.inner = SubprocessRunner()
+        self.in_restore = threading.Event()
+        self.release = threading.Event()
+
+    def run(self, argv: Sequence[str], *, timeout: float | None = None,
+            env: Mapping[str, str] | None = None, pass_fds: Sequence[int] = ()) -> CommandResult:
+        result = self.inner.run(argv, timeout=timeout, env=env, pass_fds=pass_fds)
+        if "restore" in argv:
+            self.in_restore.set()
+            self.release.wait(10)
+        return result
+
+
+def test_a_suspend_waits_for_a_resume_in_flight_on_another_thread(fake: FakeTool) -> None:
+    """The daemon's rule (its poll thread) suspending while a user's gpu-resume (a control
+    connection) is between its restore and its unlock: the steps do not interleave (the CI run
+    that saw restore, lock, unlock)."""
+    tool = fake.write("actions")
+    runner = _GatedRunner()
+    ckpt = CudaCheckpointer(tool, runner, lock_timeout_ms=500, timeout=20.0)
+    fake.set_state(41, "checkpointed")
+    resumer = threading.Thread(target=ckpt.resume, args=([41],))
+    resumer.start()
+    assert runner.in_restore.wait(10)
+    suspender = threading.Thread(target=ckpt.suspend, args=([41],))
+    suspender.start()
+    suspender.join(0.5)
+    assert suspender.is_alive()  # waiting, not locking a process that is mid-resume
+    runner.release.set()
+    resumer.join(10)
+    suspender.join(10)
+    steps = [line.split()[1] for line in fake.calls() if line.startswith("--action")]
+    assert steps == ["restore", "unlock", "lock", "checkpoint"]
+    assert fake.states()["41"] == "checkpointed"
