@@ -436,7 +436,12 @@ def cmd_install_units(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from oomguard.config import check_config
+
     config = load_config(args.file)
+    # The daemon's start and reload run the same checks: errors refuse, warnings are logged.
+    for issue in check_config(config, read_layout()):
+        print(f"warning: {issue}", file=sys.stderr)
     print(f"{args.file}: OK ({len(config.guards)} guard rule(s))")
     return EXIT_OK
 

@@ -28,8 +28,8 @@ from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig, check_cgroup_paths, load_config
-from oomguard.errors import CgroupGone, ConfigError, ProcessGone
+from oomguard.config import DaemonConfig, check_config, config_warnings, load_config
+from oomguard.errors import CgroupGone, ConfigError, ConfigIssue, ProcessGone
 from oomguard.gpuwatch import GpuWatch
 from oomguard.guards import (
     EPOLL_MASK,
@@ -125,6 +125,7 @@ class Daemon:
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
+        self._warn_config(config_warnings(self.config, self.layout))
         self.keeper.recover_store()
         self.keeper.prune()
         # Arm every guard before thawing what a dead run left stopped, and only then look at
@@ -257,7 +258,7 @@ class Daemon:
             return
         try:
             new = load_config(source)
-            check_cgroup_paths(new, self.layout)
+            warnings = check_config(new, self.layout)
         except ConfigError as exc:
             issues = [str(i) for i in exc.issues]
             self.log.error("config.rejected", source=source, issues=issues,
@@ -267,6 +268,7 @@ class Daemon:
             if getattr(new, key) != getattr(self.config, key):
                 self.log.warning("config.restart_needed", key=f"daemon.{key}",
                                  explanation="this setting takes effect at the next start")
+        self._warn_config(warnings)
         self._release_guards()
         self.guards = []
         self._globs = []
@@ -276,6 +278,12 @@ class Daemon:
         self.actor.dry_run = self.config.dry_run
         self.log.info("config.reloaded", source=source, guards=len(new.guards))
         self._build_guards()
+
+    def _warn_config(self, warnings: list[ConfigIssue]) -> None:
+        """What check-config prints as warnings: the rules run, the mistake is logged."""
+        for issue in warnings:
+            self.log.warning("config.warning", source=issue.source, key=issue.key,
+                             reason=issue.reason)
 
     def stop(self) -> None:
         self._stopping = True

@@ -285,7 +285,7 @@ BAD_GUARD = [
     ("store_margin = -5", "store_margin", "a size cannot be negative, got -5"),
     ('auto_restore = "on"', "auto_restore", "expected true or false, got 'on'"),
     ('restore_quiet = "10 sec"', "restore_quiet",
-     "expected a duration such as '150ms' or '2s', got '10 sec'"),
+     "expected a duration such as '150ms' or '2s', got '10 sec' (did you mean \"10s\"?)"),
     ('restore_margin = "64X"', "restore_margin",
      "expected a size such as '512M' or '2GiB', got '64X'"),
     ('victim_cgroups = "user.slice"', "victim_cgroups",
@@ -293,7 +293,7 @@ BAD_GUARD = [
     ('victim_cgroups = ["/a/../b"]', "victim_cgroups",
      "cgroup paths may not contain '..', got '/a/../b'"),
     ("victim_cgroups = 3", "victim_cgroups", "expected a cgroup path or a list of them, got 3"),
-    ('action = ["kill"]', "action", "unknown key"),
+    ('action = ["kill"]', "action", "unknown key (did you mean 'actions'?)"),
 ]
 
 
@@ -307,7 +307,7 @@ def test_guard_key_error(line: str, key: str, reason: str) -> None:
     ("line", "reason"),
     [
         ('min_available = "150%"', "must be above 0% and at most 100%, got '150%'"),
-        ("min_available = 1.5", "must be above 0% and at most 100%, got 1.5"),
+        ("min_available = 1.5", 'must be above 0% and at most 100%, got 1.5 (did you mean "1.5%"?)'),
         ('min_available = "plenty"', "expected a size such as '512M' or '2GiB', got 'plenty'"),
         ("min_available = -1", "a size cannot be negative, got -1"),
         ("min_available = true", "expected a size such as '512M' or '2GiB', got True"),

@@ -1,0 +1,118 @@
+"""The validated configuration: what oomguard.config makes of a TOML file or flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oomguard.actions import Step
+from oomguard.checkpoint import ON_FAILURE_THAW
+from oomguard.errors import ConfigIssue
+
+
+@dataclass(frozen=True)
+class CriuConfig:
+    binary: str = "auto"
+    ghost_limit: int = 64 << 20
+    timeout: float = 300.0
+    tcp_close: bool = True
+    cgroup_limit: int = 256 << 20  # CRIU's own memory cgroup bounds the images' page cache
+
+
+GPU_ENGINES = ("auto", "cuda-checkpoint", "criu-plugin", "off")
+GPU_PREFERENCES = ("neutral", "prefer", "avoid")
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """[gpu]: how CUDA processes are checkpointed (docs in config/oomguard.toml)."""
+
+    engine: str = "auto"  # auto | cuda-checkpoint | criu-plugin | off
+    cuda_checkpoint: str = "auto"  # path, or auto: $OOMGUARD_CUDA_CHECKPOINT, /usr/{local/,}bin, PATH
+    lock_timeout: float = 10.0  # cuda-checkpoint --action lock --timeout
+    timeout: float = 300.0  # any one cuda-checkpoint step
+    poll_interval: float = 2.0  # NVML is read this often, only while a rule has gpu_threshold
+    host_margin: int = 256 << 20  # host memory kept free beyond the VRAM copied into the process
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """[slurm]: what Slurm is told when one of its job steps is checkpointed."""
+
+    notify: str = "auto"  # auto (when scontrol is installed) | on | off
+    scontrol: str = "auto"
+    after_checkpoint: str = "none"  # none | requeue | requeuehold
+    grow_memory: float = 1.0  # the requeued job asks for this many times its memory
+
+
+@dataclass(frozen=True)
+class KubernetesConfig:
+    """[kubernetes]: containers are checkpointed by their kubelet, never dumped directly."""
+
+    kubelet: str = "auto"  # auto (when a service-account token is mounted) | on | off
+    kubelet_url: str = "https://127.0.0.1:10250"
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str = ""  # the kubelet's serving CA; "": its certificate is not verified
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    cgroups: tuple[str, ...]
+    threshold: float = 0.85
+    headroom: int = 64 << 20
+    user_headroom: bool = False  # on-demand checkpoints by non-root users get headroom too
+    on_failure: str = ON_FAILURE_THAW
+    events: bool = True  # kernel notifications; False: poll only
+    memory_high: bool = True  # v2: memory.high at the threshold (throttles, raises `high` events)
+    freeze_cgroup: bool = True  # v2: cgroup.freeze the whole cgroup first (growth stops at once)
+    psi: bool = True  # v2 / system: a PSI trigger on the pressure file wakes the daemon
+    oom_kill_disable: bool = True  # v1: tasks at the limit wait for oomguard, never OOM-killed
+    park_deadline: float = 30.0  # v1: ...but for this long at most (the park watchdog)
+    system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
+    min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
+    victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
+    psi_full_avg10: float | None = None  # system rules: also act at this PSI "full" avg10
+    auto_restore: bool = False  # restore this cgroup's checkpoints once memory is free again
+    restore_quiet: float = 10.0  # ...for this long without interruption
+    restore_margin: int = 64 << 20  # room left under the threshold after a restore
+    actions: tuple[Step, ...] = ()  # the action chain; () = checkpoint (+ kill if on_failure)
+    prefer: tuple[str, ...] = ()  # regexes on name/command line: chosen first
+    avoid: tuple[str, ...] = ()  # ...chosen last
+    protect: tuple[str, ...] = ()  # ...never chosen
+    protect_session_leaders: bool = False  # never a login shell or desktop session's leader
+    post_action_delay: float = 0.0  # after acting on a cgroup, wait before acting there again
+    time_to_limit: bool = False  # act early when growth would hit the limit before a dump ends
+    predict_from: float = 0.5  # watch growth (poll) once usage passes this share of the limit
+    freeze_deadline: float = 60.0  # a freeze ends (dump, thaw or kill) within this
+    kill_grace: float = 5.0  # SIGTERM, then SIGKILL after this
+    store_margin: int = 256 << 20  # free space wanted in the store beyond the image estimate
+    gpu: str = "neutral"  # GPU processes in victim choice: neutral | prefer | avoid
+    gpu_threshold: float | None = None  # also act when a GPU's memory reaches this share
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    source: str
+    store: Path = Path("/var/lib/oomguard")
+    poll_interval: float = 0.1
+    rescan_interval: float = 2.0
+    dry_run: bool = False
+    socket: Path = Path("/run/oomguard/control.sock")
+    store_max_size: int | None = None  # size budget of the store; None: no budget
+    store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go
+    metrics_textfile_dir: Path | None = None  # node_exporter textfile collector directory
+    metrics_port: int = 0  # serve /metrics on this local port (0: off)
+    metrics_address: str = "127.0.0.1"
+    oomd_prekill_dir: Path | None = None  # serve systemd-oomd's prekill hook in this directory
+    dbus_notify: bool = True  # a system D-Bus signal per checkpoint/restore (notify-agent)
+    dbus_address: str = "SYSTEM"
+    hooks: tuple[tuple[str, str], ...] = ()  # (event, shell command): on_checkpoint...
+    hook_timeout: float = 30.0
+    criu: CriuConfig = field(default_factory=CriuConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    guards: tuple[GuardConfig, ...] = ()
+    # What parsed but looks like a mistake (a size of 64 bytes): check-config prints these,
+    # the daemon logs them. Not part of the configuration's value.
+    warnings: tuple[ConfigIssue, ...] = field(default=(), compare=False, repr=False)
