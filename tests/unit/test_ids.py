@@ -4,6 +4,7 @@ caller over the control socket's dispatch: whole ids, unique prefixes, `last`, o
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,8 @@ from oomguard.errors import AmbiguousId, StoreError
 from oomguard.ids import CANDIDATES_SHOWN, resolve_id
 from oomguard.service import Service
 from oomguard.store import CheckpointMeta, Store
+from oomguard.ttyclient import HolderError
+from oomguard.ttycommands import attach, names_a_pid
 from tests.unit.test_control_dispatch import (
     ALICE,
     BOB,
@@ -134,3 +137,22 @@ def test_forget_by_prefix_forgets_that_one(service: Service) -> None:
     assert [m.id for m in service.store.list()] == ["alice-aa", "root-aa", "bob-aa"]
     assert call(service, ALICE, "io.oomguard.Show", id="last")["parameters"]["checkpoint"][
         "id"] == "alice-aa"
+
+
+@pytest.mark.parametrize(("target", "pid"), [
+    ("4242", True), ("4194304", True), ("20250301", False), ("2025030", True),
+    ("20250301-1", False), ("last", False)])
+def test_attach_tells_a_pid_from_an_id_prefix(target: str, pid: bool) -> None:
+    assert names_a_pid(target) is pid
+
+
+def test_attach_by_id_prefix_asks_the_service_to_resolve_it() -> None:
+    asked: list[tuple[str, dict[str, Any]]] = []
+
+    def call(method: str, **parameters: Any) -> dict[str, Any]:
+        asked.append((method, parameters))
+        return {"checkpoint": {"id": "20250301-120000-42-ab12", "extra": {}}}
+
+    with pytest.raises(HolderError, match=r"^checkpoint 20250301-120000-42-ab12 had no terminal$"):
+        attach("20250301", call)
+    assert asked == [("Show", {"id": "20250301"})]
