@@ -108,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     ls = sub.add_parser("list", help="list checkpoints")
     ls.add_argument("--json", action="store_true")
-    show = sub.add_parser("show", help="show one checkpoint (its meta.json, as JSON)")
+    show = sub.add_parser("show", help="show one checkpoint (ID: a whole id, a unique prefix "
+                          "of it, or 'last', as for restore, forget and attach)")
     show.add_argument("id")
-    show.add_argument("--json", action="store_true", help="the same JSON (for symmetry with "
-                      "list and status)")
+    show.add_argument("--json", action="store_true", help="its meta.json, as JSON")
     rs = sub.add_parser("restore", help="bring a checkpoint back")
     rs.add_argument("id")
     rs.add_argument("--cgroup", metavar="PATH", help="restore into this memory cgroup")
