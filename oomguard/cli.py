@@ -24,7 +24,9 @@ from oomguard.config import (
     parse_config,
 )
 from oomguard.control.client import ControlError
+from oomguard.control.protocol import ERROR_AMBIGUOUS
 from oomguard.errors import (
+    AmbiguousId,
     CheckpointFailed,
     ConfigError,
     ConfigIssue,
@@ -36,6 +38,7 @@ from oomguard.errors import (
 )
 from oomguard.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
+from oomguard.rendering import event_fields, restore_command, restored_line, show_text
 from oomguard.restorewait import restore_when_it_fits
 from oomguard.units import bounded_duration, format_size, parse_fraction
 
@@ -105,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     ls = sub.add_parser("list", help="list checkpoints")
     ls.add_argument("--json", action="store_true")
-    show = sub.add_parser("show", help="show one checkpoint (its meta.json, as JSON)")
+    show = sub.add_parser("show", help="show one checkpoint (ID: a whole id, a unique prefix "
+                          "of it, or 'last', as for restore, forget and attach)")
     show.add_argument("id")
-    show.add_argument("--json", action="store_true", help="the same JSON (for symmetry with "
-                      "list and status)")
+    show.add_argument("--json", action="store_true", help="its meta.json, as JSON")
     rs = sub.add_parser("restore", help="bring a checkpoint back")
     rs.add_argument("id")
     rs.add_argument("--cgroup", metavar="PATH", help="restore into this memory cgroup")
@@ -165,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         for issue in exc.issues:
             print(f"oomguard: config error: {issue}", file=sys.stderr)
         return EXIT_USAGE
+    except AmbiguousId as exc:
+        print(f"oomguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ControlError as exc:
+        print(f"oomguard: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.name == ERROR_AMBIGUOUS else EXIT_FAILED
     except (RestoreFailed, StoreError, CheckpointFailed, CriuError, ProcessGone) as exc:
         print(f"oomguard: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -265,7 +274,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     log.info("checkpoint.done", id=meta["id"], pid=meta["pid"], image_bytes=meta["image_bytes"],
              seconds=meta.get("seconds"), freeze_s=meta.get("freeze_s"),
-             dump_s=meta.get("dump_s"), commit_s=meta.get("commit_s"))
+             dump_s=meta.get("dump_s"), commit_s=meta.get("commit_s"),
+             restore=restore_command(meta["id"]))
     print(meta["id"])
     return EXIT_OK
 
@@ -291,7 +301,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    print(json.dumps(_call(args, "Show", id=args.id)["checkpoint"], indent=2, sort_keys=True))
+    meta = _call(args, "Show", id=args.id)["checkpoint"]
+    print(json.dumps(meta, indent=2, sort_keys=True) if args.json else show_text(meta))
     return EXIT_OK
 
 
@@ -305,9 +316,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
         with contextlib.suppress(OomguardError):
             shown = _call(args, "Show", id=args.id)["checkpoint"]
     pids = [] if shown.get("pidns") else list(shown.get("pids", []))
+    label = f"restore of {shown.get('id', args.id)}"
 
     def attempt() -> dict[str, Any]:
-        with progress(f"restore of {args.id}", lambda: resident_bytes(pids), sys.stderr,
+        with progress(label, lambda: resident_bytes(pids), sys.stderr,
                       total=shown.get("rss_bytes"), delay=0.5 if args.wait else 0.0):
             return _call(args, "Restore", id=args.id, cgroup=args.cgroup,
                          force=args.force or None)
@@ -319,17 +331,23 @@ def cmd_restore(args: argparse.Namespace) -> int:
     except (RestoreFailed, ControlError) as exc:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
-    log.info("restore.done", id=args.id, pid=result["pid"], seconds=result["seconds"],
+    log.info("restore.done", id=result["id"], pid=result["pid"], seconds=result["seconds"],
              verify_s=result.get("verify_s"), cgroup=result.get("cgroup"),
              gpu_pids=result.get("gpu_pids") or None)
     if result.get("gpu_error"):
-        log.error("restore.gpu_failed", id=args.id, pid=result["pid"], error=result["gpu_error"])
-    print(result["pid"], flush=True)
+        log.error("restore.gpu_failed", id=result["id"], pid=result["pid"],
+                  error=result["gpu_error"])
+    # People (a terminal) read the sentence; scripts read the PID on stdout, as before.
+    if sys.stdout.isatty():
+        print(restored_line(result), flush=True)
+    else:
+        print(result["pid"], flush=True)
+        print(restored_line(result), file=sys.stderr, flush=True)
     if not args.detach and os.isatty(0) and os.isatty(1):
         from oomguard.ttycommands import attach_to, holder_of_checkpoint
 
         with contextlib.suppress(OomguardError):
-            path = holder_of_checkpoint(_call(args, "Show", id=args.id)["checkpoint"])
+            path = holder_of_checkpoint(_call(args, "Show", id=result["id"])["checkpoint"])
             if path:
                 return attach_to(path)
     return EXIT_OK
@@ -342,8 +360,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    _call(args, "Forget", id=args.id)
-    get_logger().info("checkpoint.forgotten", id=args.id)
+    forgotten = _call(args, "Forget", id=args.id)
+    get_logger().info("checkpoint.forgotten", id=forgotten.get("id", args.id))
     return EXIT_OK
 
 
@@ -384,9 +402,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"checkpoints: {cps.get('count', 0)} ({cps.get('checkpointed', 0)} not restored), "
           f"{format_size(cps.get('bytes', 0))}")
     for event in status.get("recent_events", [])[-10:]:
-        print(f"  {event.get('time', '')}  {event.get('event')}  "
-              + " ".join(f"{k}={v}" for k, v in event.items()
-                         if k not in ("event", "time", "level")))
+        print(f"  {event.get('time', '')}  {event.get('event')}  {event_fields(event)}")
     return EXIT_OK
 
 

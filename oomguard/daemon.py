@@ -536,7 +536,8 @@ class Daemon:
         if since < guard.spec.post_action_delay:
             return
         self.log.warning("threshold.crossed", cgroup=guard.name, source=source,
-                         usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
+                         usage=snap.usage_bytes, anon=snap.anon_bytes,
+                         resident=snap.unreclaimable_bytes, limit=snap.limit_bytes,
                          reason=reason)
         cgroup = guard.cgroup
         threshold = guard.spec.threshold

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import html
 import os
-import shlex
 import socket
 import threading
 import time
@@ -42,6 +41,7 @@ from jeepney import (  # type: ignore[import-untyped]
 from jeepney.bus import get_bus  # type: ignore[import-untyped]
 from jeepney.io.blocking import DBusConnection, prep_socket  # type: ignore[import-untyped]
 
+from oomguard import rendering
 from oomguard.errors import OomguardError
 
 OBJECT_PATH = "/io/oomguard/Guard"
@@ -138,8 +138,9 @@ def _describe(command: str, pid: int) -> str:
 
 
 def restore_command(checkpoint_id: str) -> str:
-    """The command a user runs to bring `checkpoint_id` back."""
-    return f"oomguard restore {shlex.quote(_one_line(checkpoint_id))}"
+    """The command a user runs to bring `checkpoint_id` back (the one `show` and the CLI's
+    checkpoint.done give), on one line."""
+    return rendering.restore_command(_one_line(checkpoint_id))
 
 
 def checkpointed_message(checkpoint_id: str, command: str, pid: int) -> str:

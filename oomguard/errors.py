@@ -64,3 +64,11 @@ class NoRoom(RestoreFailed):
 
 class StoreError(OomguardError):
     """The checkpoint store cannot do what was asked (unknown id, bad id, unwritable...)."""
+
+
+class AmbiguousId(StoreError):
+    """A checkpoint id prefix matches more than one checkpoint; `candidates` are their ids."""
+
+    def __init__(self, message: str, candidates: list[str]) -> None:
+        self.candidates = candidates
+        super().__init__(message)

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 import structlog
 
 from oomguard.journal import syslog_prefix_renderer, under_journald
+from oomguard.rendering import LOCAL_TIME_FORMAT, humanize_event
 
 
 def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> None:
@@ -24,11 +25,17 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
     if use_json and fmt == "auto" and _journald(out):
         # "<N>" first: journald turns it into the entry's PRIORITY (sd-daemon(3)).
         renderer = syslog_prefix_renderer()
+    # JSON: raw numbers and UTC ISO times, for machines. Console (a TTY): local time and
+    # byte-valued fields as sizes, for people.
+    people: list[Any] = [] if use_json else [humanize_event]
+    stamper = structlog.processors.TimeStamper(fmt="iso", utc=True) if use_json else \
+        structlog.processors.TimeStamper(fmt=LOCAL_TIME_FORMAT, utc=False)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            stamper,
+            *people,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

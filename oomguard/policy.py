@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.procfs import ProcessInfo
+from oomguard.units import format_size
 
 
 class Verdict(enum.Enum):
@@ -23,7 +24,8 @@ class Decision:
 
 
 def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
-    """Act when resident memory reaches `threshold` of the limit.
+    """Act when resident memory reaches `threshold` of the limit. The reason is for people
+    (sizes in MiB/GiB); the events that carry it carry the raw numbers beside it.
 
     usage_in_bytes / memory.current include page cache, which the kernel reclaims before it
     OOM-kills anything, so a crossing seen on usage is confirmed against usage less page cache
@@ -39,7 +41,7 @@ def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
     if resident >= mark:
         return Decision(
             Verdict.ACT,
-            f"resident memory {resident} >= {threshold:.0%} of limit {limit}",
+            f"resident {format_size(resident)} >= {threshold:.0%} of {format_size(limit)}",
         )
     if snapshot.usage_bytes >= mark:
         return Decision(Verdict.WATCH, "usage above threshold, mostly page cache")

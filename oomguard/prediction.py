@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from oomguard.units import format_size
+
 DEFAULT_THROUGHPUT = 200e6  # bytes/s: conservative until this machine has shown better
 SAFETY_SECONDS = 0.5  # freeze, CRIU start, the parasite: what a dump costs before its first byte
 MIN_SPAN = 0.05  # seconds of samples needed for a rate
@@ -19,7 +21,7 @@ class Forecast:
     act: bool
 
     def reason(self) -> str:
-        return (f"growing {self.rate / 1e6:.0f} MB/s: the limit is {self.seconds_to_limit:.2f}s "
+        return (f"growing {format_size(self.rate)}/s: the limit is {self.seconds_to_limit:.2f}s "
                 f"away and a checkpoint takes ~{self.seconds_to_dump:.2f}s")
 
 

@@ -54,12 +54,28 @@ def resident_bytes(pids: list[int], proc_root: str = "/proc") -> int | None:
     return total if seen else None
 
 
+BAR_WIDTH = 20
+
+
+def progress_line(label: str, done: int, total: int | None, elapsed: float) -> str:
+    """'restore of ID: [#####...............]  25% 100.0MiB of 400.0MiB in 1.2s ' with a
+    total, else 'checkpoint of 42: 100.0MiB in 1.2s '."""
+    if not total:
+        return f"{label}: {format_size(done)} in {elapsed:.1f}s "
+    share = min(done / total, 1.0)
+    filled = int(share * BAR_WIDTH)
+    bar = "#" * filled + "." * (BAR_WIDTH - filled)
+    return (f"{label}: [{bar}] {share:4.0%} {format_size(done)} of {format_size(total)} "
+            f"in {elapsed:.1f}s ")
+
+
 @contextlib.contextmanager
 def progress(label: str, measure: Callable[[], int | None], stream: TextIO,
              total: int | None = None, interval: float = INTERVAL,
              delay: float = 0.0) -> Iterator[None]:
     """Rewrites one line on `stream` while the block runs, if `stream` is a terminal; from
-    `delay` seconds on (a block over sooner shows nothing: a refused restore while waiting)."""
+    `delay` seconds on (a block over sooner shows nothing: a refused restore while waiting).
+    With a `total`, a bar; a block that ends without an exception ends it at 100%."""
     if not stream.isatty():
         yield
         return
@@ -68,9 +84,7 @@ def progress(label: str, measure: Callable[[], int | None], stream: TextIO,
     seen = [0]
 
     def line() -> str:
-        elapsed = time.monotonic() - start
-        done = f"{format_size(seen[0])}" + (f" of {format_size(total)}" if total else "")
-        return f"\r{label}: {done} in {elapsed:.1f}s "
+        return "\r" + progress_line(label, seen[0], total, time.monotonic() - start)
 
     shown = [False]
 
@@ -89,6 +103,8 @@ def progress(label: str, measure: Callable[[], int | None], stream: TextIO,
     thread.start()
     try:
         yield
+        if total:  # done: whatever was last measured, all of it is there
+            seen[0] = max(seen[0], total)
     finally:
         stop.set()
         thread.join()

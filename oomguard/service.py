@@ -26,13 +26,14 @@ from oomguard.errors import (
     RestoreFailed,
     StoreError,
 )
+from oomguard.ids import resolve_id
 from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer, memory_pages_bytes
 from oomguard.restorefit import GuardLookup, check_fits
 from oomguard.rights import foreign_task, untouchable_task
 from oomguard.selfguard import own_family
-from oomguard.store import CheckpointMeta, Store, validate_id
+from oomguard.store import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
 
 ROOT = 0
 
@@ -65,8 +66,19 @@ class Service:
 
     # -- authorization ---------------------------------------------------------------------------
 
-    def _visible(self, uid: int, checkpoint_id: str) -> CheckpointMeta:
-        validate_id(checkpoint_id)
+    def resolve(self, uid: int, text: str) -> str:
+        """The checkpoint id `text` names for `uid`: an id (as before: a store entry by that
+        name, even a malformed one, which root is told about), else `last` or a unique prefix
+        among the checkpoints `uid` may see (AmbiguousId when several match)."""
+        validate_id(text)
+        if os.path.lexists(self.store.root / text) or \
+                os.path.lexists(self.store.root / (PARTIAL_PREFIX + text)):
+            return text
+        visible = [m for m in self.store.list() if uid == ROOT or m.uid == uid]
+        return resolve_id(text, visible, whose="" if uid == ROOT else " of yours")
+
+    def _visible(self, uid: int, text: str) -> CheckpointMeta:
+        checkpoint_id = self.resolve(uid, text)
         try:
             meta = self.store.get(checkpoint_id)
         except StoreError:
@@ -143,7 +155,8 @@ class Service:
                           seconds=round(result.seconds, 3), verify_s=round(result.verify_s, 3),
                           uid=meta.uid, command=meta.command,
                           cgroup=result.meta.restored_cgroup, requested_by=uid)
-        found = {"id": meta.id, "pid": result.pid, "seconds": round(result.seconds, 3),
+        found = {"id": meta.id, "pid": result.pid, "was_pid": meta.pid,
+                 "seconds": round(result.seconds, 3),
                  "verify_s": round(result.verify_s, 3), "cgroup": result.meta.restored_cgroup}
         if result.gpu_pids or result.gpu_error:
             found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)

@@ -95,8 +95,16 @@ def attach_to(path: str) -> int:
     return 0
 
 
+PID_DIGITS = 7  # pid_max is at most 4194304: eight digits or more begin a checkpoint id
+
+
+def names_a_pid(target: str) -> bool:
+    """`attach 4242` names a process; `attach 20250301` (a date: how ids begin) a checkpoint."""
+    return target.isdigit() and len(target) <= PID_DIGITS
+
+
 def attach(target: str, call: Call) -> int:
-    if target.isdigit():
+    if names_a_pid(target):
         path = holder_of_pid(int(target))
         if path is None:
             raise HolderError(f"process {target} has no terminal oomguard holds (only jobs "
@@ -105,5 +113,5 @@ def attach(target: str, call: Call) -> int:
         meta = call("Show", id=target)["checkpoint"]
         path = holder_of_checkpoint(meta)
         if path is None:
-            raise HolderError(f"checkpoint {target} had no terminal")
+            raise HolderError(f"checkpoint {meta.get('id', target)} had no terminal")
     return attach_to(path)

@@ -22,6 +22,7 @@ ERROR_NOT_FOUND = f"{INTERFACE}.NotFound"
 ERROR_FAILED = f"{INTERFACE}.Failed"
 ERROR_LIMIT = f"{INTERFACE}.TooManyConnections"
 ERROR_NO_ROOM = f"{INTERFACE}.NoRoom"  # a restore that does not fit now (may fit later)
+ERROR_AMBIGUOUS = f"{INTERFACE}.AmbiguousId"  # an id prefix that matches several checkpoints
 ERROR_METHOD = "org.varlink.service.MethodNotFound"
 
 INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
@@ -41,6 +42,7 @@ error NotFound (message: string)
 error Failed (message: string)
 error TooManyConnections (message: string)
 error NoRoom (message: string)
+error AmbiguousId (message: string)
 """
 
 

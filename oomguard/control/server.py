@@ -23,6 +23,7 @@ from oomguard.control.limits import (
     LogThrottle,
 )
 from oomguard.control.protocol import (
+    ERROR_AMBIGUOUS,
     ERROR_DENIED,
     ERROR_FAILED,
     ERROR_INVALID,
@@ -40,7 +41,7 @@ from oomguard.control.protocol import (
     param,
     reply,
 )
-from oomguard.errors import CheckpointFailed, NoRoom, OomguardError, StoreError
+from oomguard.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
 from oomguard.service import PermissionDenied, Service
 
 
@@ -89,6 +90,8 @@ def dispatch(service: Service, raw: bytes, uid: int, pid: int | None = None,
         return method, error(ERROR_INVALID, str(exc))
     except PermissionDenied as exc:
         return method, error(ERROR_DENIED, str(exc))
+    except AmbiguousId as exc:
+        return method, error(ERROR_AMBIGUOUS, str(exc))
     except StoreError as exc:
         kind = ERROR_NOT_FOUND if str(exc).startswith("no checkpoint") else ERROR_INVALID \
             if "invalid checkpoint id" in str(exc) else ERROR_FAILED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -23,6 +24,7 @@ from tests.helpers import (
     kill_pid,
     last_count,
     oomguard_argv,
+    parse_events,
     proc_state,
     run_oomguard,
     start_in_cgroup,
@@ -58,7 +60,7 @@ def test_list_show_forget_and_store_permissions(
 
     table = run_oomguard(store, "list")
     assert checkpoint_id in table.stdout and "checkpointed" in table.stdout
-    shown = run_oomguard(store, "show", checkpoint_id)
+    shown = run_oomguard(store, "show", checkpoint_id, "--json")
     assert json.loads(shown.stdout)["pids"] == [hog.pid]
 
     assert run_oomguard(store, "forget", checkpoint_id).returncode == 0
@@ -178,8 +180,11 @@ def test_checkpoint_and_restore_show_progress_on_a_terminal(
     assert shown.returncode == 0, shown.stdout
     lines = shown.stdout.replace("\r", "\n").splitlines()
     final = [line for line in lines if line.startswith(f"restore of {checkpoint_id}:")][-1]
-    assert " of " in final and "MiB" in final
-    kill_pid(int(lines[-1].strip()))
+    assert "] 100% " in final and " of " in final and "MiB" in final  # it ends full
+    said = re.fullmatch(rf"restored {checkpoint_id} as PID (\d+) \(was {hog.pid}\) "
+                        rf"into {re.escape(cg.rel_path)}", lines[-1].strip())
+    assert said, lines[-1]
+    kill_pid(int(said.group(1)))
 
 
 def test_job_whose_session_leader_is_outside_the_pid_namespace_is_refused_untouched(
@@ -249,3 +254,67 @@ def test_a_shell_jobs_process_group_leader_survives_its_restore(
             if victim:
                 kill_pid(victim)
         shell.wait(timeout=10)
+
+
+def test_ids_by_prefix_or_last_show_for_people_and_the_restored_line(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Two real checkpoints: an id may be given by a unique prefix or as `last`; a prefix both
+    begin is refused (exit 2) naming both; `show` is for people unless --json; `restore` says
+    what it restored, as what and where (stderr when stdout is not a terminal: stdout keeps
+    the PID for scripts)."""
+    cg = cgroups.make("people", None)
+    hogs, ids, restored = [], [], []
+    try:
+        for n in range(2):
+            log = tmp_path / f"hog{n}.log"
+            hog = start_in_cgroup(cg, hog_argv(log, target=16, rate=100, count=100_000))
+            hogs.append(hog)
+            assert wait_until(lambda log=log: last_count(log) > 10, 10)
+            done = run_oomguard(store, "checkpoint", str(hog.pid))
+            assert done.returncode == 0, done.stderr
+            hog.wait(timeout=10)
+            ids.append(done.stdout.strip())
+            (event,) = [e for e in parse_events(done.stderr) if e["event"] == "checkpoint.done"]
+            assert event["restore"] == f"oomguard restore {ids[-1]}"
+        first, newest = ids
+        differ = next(i for i, (a, b) in enumerate(zip(first, newest, strict=False)) if a != b)
+        common = first[:differ]  # both begin with it: at least the year
+        assert common
+
+        for verb in ("show", "restore", "forget"):
+            refused = run_oomguard(store, verb, common)
+            assert refused.returncode == 2, refused.stderr
+            assert f"checkpoint id '{common}' is ambiguous" in refused.stderr
+            assert first in refused.stderr and newest in refused.stderr
+        assert run_oomguard(store, "show", "nosuch").returncode == 1
+
+        human = run_oomguard(store, "show", "last")
+        assert human.returncode == 0, human.stderr
+        rows = human.stdout.splitlines()
+        assert rows[0] == f"id        {newest}" and rows[1] == "state     checkpointed"
+        assert f"pid       {hogs[1].pid}" in rows and f"cgroup    {cg.rel_path} (cgroup v1)" in rows
+        assert re.search(r"^resident  \d+\.\dMiB$", human.stdout, re.MULTILINE), human.stdout
+        assert rows[-1] == f"restore   oomguard restore {newest}"
+        machine = run_oomguard(store, "show", first[:len(common) + 1], "--json")
+        assert machine.returncode == 0, machine.stderr
+        assert json.loads(machine.stdout)["id"] == first
+
+        for text, checkpoint_id, hog in (("last", newest, hogs[1]),
+                                         (first[:len(common) + 1], first, hogs[0])):
+            back = run_oomguard(store, "restore", text)
+            assert back.returncode == 0, back.stderr
+            pid = int(back.stdout.strip())
+            restored.append(pid)
+            assert f"restored {checkpoint_id} as PID {pid} (was {hog.pid}) into {cg.rel_path}" \
+                in back.stderr.splitlines()
+            (event,) = [e for e in parse_events(back.stderr) if e["event"] == "restore.done"]
+            assert event["id"] == checkpoint_id and event["pid"] == pid
+        shown = json.loads(run_oomguard(store, "show", "last", "--json").stdout)
+        assert shown["state"] == "restored" and shown["restored_pid"] == restored[0]
+    finally:
+        for pid in restored:
+            kill_pid(pid)
+        for hog in hogs:
+            if hog.poll() is None:
+                hog.kill()
+                hog.wait(timeout=10)

@@ -121,7 +121,7 @@ def test_gpu_process_checkpoint_moves_cuda_state_first_and_restore_puts_it_back(
     # stopped one), then CRIU dumped it.
     assert gpu.actions() == [("lock", hog.pid), ("checkpoint", hog.pid)]
     assert all(c["proc_state"] not in ("T", "t") for c in gpu.calls())
-    meta = json.loads(oomguard(store, env, "show", checkpoint_id).stdout)
+    meta = json.loads(oomguard(store, env, "show", checkpoint_id, "--json").stdout)
     assert (meta["gpu_pids"], meta["gpu_engine"], meta["vram_bytes"]) == \
         ([hog.pid], "cuda-checkpoint", 512 * MiB)
     mark = last_count(log)

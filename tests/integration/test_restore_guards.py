@@ -217,12 +217,14 @@ def test_a_failed_restore_says_why_and_the_restored_jobs_exit_status_is_recorded
         assert exited["id"] == checkpoint_id and exited["pid"] == pid
         assert exited["exit_status"] == 3 and exited["exit_signal"] is None
         assert exited["status"] == "exited with status 3"
-        for args in (("show", checkpoint_id), ("show", checkpoint_id, "--json")):
-            shown = cli(guard.socket, *args)
-            assert shown.returncode == 0, shown.stderr
-            meta = json.loads(shown.stdout)
-            assert meta["exit_status"] == 3 and meta["exited_at"] is not None
-            assert meta["state"] == "restored" and meta["restored_pid"] == pid
+        shown = cli(guard.socket, "show", checkpoint_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        meta = json.loads(shown.stdout)
+        assert meta["exit_status"] == 3 and meta["exited_at"] is not None
+        assert meta["state"] == "restored" and meta["restored_pid"] == pid
+        told = cli(guard.socket, "show", checkpoint_id)  # for people
+        assert told.returncode == 0, told.stderr
+        assert "with status 3" in told.stdout and f"as PID {pid} into" in told.stdout
 
 
 def test_a_killed_restored_job_records_the_signal(cgroups: CgroupFactory, store: Path,

@@ -253,8 +253,8 @@ def test_restore_own_reaches_restorer(service: Service) -> None:
 
     service.restorer = SimpleNamespace(restore=restore)  # type: ignore[assignment]
     assert call(service, ALICE, "io.oomguard.Restore", id="alice-2", force=True) == {
-        "parameters": {"id": "alice-2", "pid": 4321, "seconds": 0.123, "verify_s": 0.046,
-                       "cgroup": "/jobs/a"}}
+        "parameters": {"id": "alice-2", "pid": 4321, "was_pid": 7000 + ALICE, "seconds": 0.123,
+                       "verify_s": 0.046, "cgroup": "/jobs/a"}}
     assert seen == [("alice-2", None, None, True)]
 
 

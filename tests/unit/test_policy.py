@@ -37,16 +37,16 @@ def snap(usage_mib: float, limit_mib: float | None, anon_mib: float, *, file_mib
         (snap(900, None, 900), 0.85, Verdict.IDLE, "no memory limit"),
         (snap(900, None, 900, under_oom=True), 0.85, Verdict.IDLE, "no memory limit"),
         (snap(10, 1000, 5, under_oom=True), 0.85, Verdict.ACT, "cgroup is under OOM"),
-        (snap(900, 1000, 860), 0.85, Verdict.ACT, "resident memory"),
-        (snap(1000, 1000, 1000), 0.85, Verdict.ACT, "resident memory"),
+        (snap(900, 1000, 860), 0.85, Verdict.ACT, "resident "),
+        (snap(1000, 1000, 1000), 0.85, Verdict.ACT, "resident "),
         (snap(1000, 1000, 100, file_mib=900), 0.85, Verdict.WATCH, "page cache"),
         (snap(850, 1000, 840, file_mib=10), 0.85, Verdict.WATCH, "page cache"),
         # the rest of usage is kernel memory (page tables, slab): no reclaim frees it
-        (snap(852, 1000, 846, file_mib=1), 0.85, Verdict.ACT, "resident memory 892338176"),
+        (snap(852, 1000, 846, file_mib=1), 0.85, Verdict.ACT, "resident 851.0MiB"),
         (snap(500, 1000, 500), 0.85, Verdict.IDLE, "below threshold"),
         (snap(0, 1000, 0), 0.85, Verdict.IDLE, "below threshold"),
         (snap(1000, 1000, 999, file_mib=1), 1.0, Verdict.WATCH, "page cache"),
-        (snap(1000, 1000, 1000), 1.0, Verdict.ACT, "resident memory"),
+        (snap(1000, 1000, 1000), 1.0, Verdict.ACT, "resident "),
     ],
     ids=["no-limit", "no-limit-under-oom", "under-oom", "anon-above", "anon-at-limit",
          "page-cache", "usage-at-mark-anon-below", "kernel-memory-counts", "below", "empty",
@@ -74,10 +74,14 @@ def test_evaluate_exact_boundary(anon: int, usage: int, file: int, verdict: Verd
     assert evaluate(s, 0.5).verdict is verdict
 
 
-def test_evaluate_act_reason_shows_numbers() -> None:
+def test_evaluate_act_reason_shows_sizes_for_people() -> None:
     d = evaluate(MemorySnapshot(usage_bytes=900, limit_bytes=1000, anon_bytes=870, file_bytes=30,
                                 oom_kills=0, under_oom=False), 0.85)
-    assert d.reason == "resident memory 870 >= 85% of limit 1000"
+    assert d.reason == "resident 870B >= 85% of 1000B"
+    d = evaluate(MemorySnapshot(usage_bytes=356950016, limit_bytes=400 << 20,
+                                anon_bytes=356950016, file_bytes=0, oom_kills=0,
+                                under_oom=False), 0.85)
+    assert d.reason == "resident 340.4MiB >= 85% of 400.0MiB"
 
 
 # -- is_protected / build_trees ------------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""Output for people (oomguard.rendering, the console log, the progress bar) and for machines
+(JSON log lines unchanged)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import structlog
+
+from oomguard.logsetup import configure_logging, get_logger
+from oomguard.progress import BAR_WIDTH, progress, progress_line
+from oomguard.rendering import (
+    event_fields,
+    human_value,
+    humanize_event,
+    local_time,
+    restored_line,
+    show_text,
+)
+
+MiB = 1 << 20
+CHECKPOINT_ID = "20250301-120000-4242-abcd"
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def far_zone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Local time 14 hours ahead of UTC, so local and UTC times cannot be confused."""
+    monkeypatch.setenv("TZ", "XYZ-14")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.mark.parametrize(("key", "value", "shown"), [
+    ("usage", 356950016, "340.4MiB"),
+    ("limit", 400 * MiB, "400.0MiB"),
+    ("image_bytes", 3 << 30, "3.0GiB"),
+    ("rss", 512, "512B"),
+    ("vram", 0, "0B"),
+    ("pid", 356950016, 356950016),  # not a size
+    ("usage", True, True),
+    ("min_available", 0.1, 0.1),  # a fraction, not bytes
+    ("usage", None, None),
+])
+def test_human_value(key: str, value: Any, shown: Any) -> None:
+    assert human_value(key, value) == shown
+
+
+def test_the_console_processor_changes_only_byte_fields() -> None:
+    event = {"event": "threshold.crossed", "usage": 380 * MiB, "resident": 356950016,
+             "limit": 400 * MiB, "cgroup": "/jobs/a", "pid": 42}
+    assert humanize_event(None, "warning", dict(event)) == {
+        "event": "threshold.crossed", "usage": "380.0MiB", "resident": "340.4MiB",
+        "limit": "400.0MiB", "cgroup": "/jobs/a", "pid": 42}
+
+
+def test_console_log_has_local_time_and_sizes(far_zone: None) -> None:
+    out = Terminal()
+    configure_logging("console", "info", stream=out)
+    get_logger().warning("threshold.crossed", usage=380 * MiB, limit=400 * MiB, pid=42)
+    line = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # colours off
+    assert "usage=380.0MiB" in line and "limit=400.0MiB" in line and "pid=42" in line
+    stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ", line)
+    assert stamp, line
+    # Read back as local time it is now; read as UTC it would be 14 hours off.
+    assert abs(time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) - time.time()) \
+        < 3600
+
+
+def test_json_log_keeps_raw_numbers_and_utc(far_zone: None) -> None:
+    out = io.StringIO()
+    configure_logging("json", "info", stream=out)
+    get_logger().warning("threshold.crossed", usage=380 * MiB, limit=400 * MiB)
+    line = json.loads(out.getvalue())
+    assert line["usage"] == 380 * MiB and line["limit"] == 400 * MiB
+    assert line["timestamp"].endswith("Z") and "T" in line["timestamp"]
+
+
+def test_status_event_fields_are_human() -> None:
+    event = {"time": "2025-03-01T12:00:00", "level": "warning", "event": "threshold.crossed",
+             "cgroup": "/jobs/a", "usage": 380 * MiB, "image_bytes": 2 * MiB}
+    assert event_fields(event) == "cgroup=/jobs/a usage=380.0MiB image_bytes=2.0MiB"
+
+
+def meta(**changes: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        "id": CHECKPOINT_ID, "state": "checkpointed", "command": "python3 train.py",
+        "pid": 4242, "pids": [4242, 4243], "pidns": False, "uid": 1000, "user": "alice",
+        "cgroup": "/jobs/a", "cgroup_version": 1, "rss_bytes": 340 * MiB,
+        "image_bytes": 342 * MiB, "vram_bytes": 0, "created": 1_740_830_400.0,
+        "dump_seconds": 1.25, "reason": "resident 340.0MiB >= 85% of 400.0MiB",
+        "restored_at": None, "restored_pid": None, "restored_cgroup": None,
+        "exited_at": None, "exit_status": None, "exit_signal": None}
+    values.update(changes)
+    return values
+
+
+def test_show_text_is_aligned_and_human(far_zone: None) -> None:
+    lines = show_text(meta()).splitlines()
+    assert lines == [
+        "id        20250301-120000-4242-abcd",
+        "state     checkpointed",
+        "command   python3 train.py",
+        "pid       4242 (2 tasks)",
+        "user      alice (uid 1000)",
+        "cgroup    /jobs/a (cgroup v1)",
+        "resident  340.0MiB",
+        "image     342.0MiB",
+        f"created   {local_time(1_740_830_400.0)}",
+        "dump      1.25s",
+        "reason    resident 340.0MiB >= 85% of 400.0MiB",
+        "restore   oomguard restore 20250301-120000-4242-abcd",
+    ]
+    assert local_time(1_740_830_400.0) == "2025-03-02 02:00:00 XYZ"  # 12:00 UTC, at UTC+14
+
+
+def test_show_text_of_a_restored_checkpoint_that_ended(far_zone: None) -> None:
+    text = show_text(meta(state="restored", restored_at=1_740_830_460.0, restored_pid=5151,
+                          restored_cgroup="/jobs/big", exited_at=1_740_830_520.0,
+                          exit_signal="SIGTERM", vram_bytes=2 << 30))
+    assert "vram      2.0GiB" in text.splitlines()
+    assert "restored  2025-03-02 02:01:00 XYZ as PID 5151 into /jobs/big" in text.splitlines()
+    assert "exited    2025-03-02 02:02:00 XYZ by SIGTERM" in text.splitlines()
+    assert text.splitlines()[-1] == "restore   already restored"
+
+
+@pytest.mark.parametrize(("result", "line"), [
+    ({"id": CHECKPOINT_ID, "pid": 5151, "was_pid": 4242, "cgroup": "/jobs/big"},
+     f"restored {CHECKPOINT_ID} as PID 5151 (was 4242) into /jobs/big"),
+    ({"id": CHECKPOINT_ID, "pid": 4242, "was_pid": 4242, "cgroup": None},
+     f"restored {CHECKPOINT_ID} as PID 4242 (was 4242) (no cgroup)"),
+])
+def test_restored_line(result: dict[str, Any], line: str) -> None:
+    assert restored_line(result) == line
+
+
+def test_progress_line_with_and_without_a_total() -> None:
+    assert progress_line("restore of x", 100 * MiB, 400 * MiB, 1.25) == (
+        "restore of x: [#####...............]  25% 100.0MiB of 400.0MiB in 1.2s ")
+    assert progress_line("checkpoint of 42", 3 * MiB, None, 0.5) == (
+        "checkpoint of 42: 3.0MiB in 0.5s ")
+
+
+def test_a_progress_bar_that_succeeds_ends_at_100_percent() -> None:
+    out = Terminal()
+    with progress("restore of x", lambda: 10 * MiB, out, total=400 * MiB, interval=0.01):
+        pass
+    final = out.getvalue().split("\r")[-1]
+    assert f"[{'#' * BAR_WIDTH}] 100% 400.0MiB of 400.0MiB" in final
+    assert final.endswith("\n")
+
+
+def test_a_progress_bar_that_fails_does_not_claim_100_percent() -> None:
+    out = Terminal()
+    with pytest.raises(RuntimeError), \
+            progress("restore of x", lambda: 10 * MiB, out, total=400 * MiB, interval=0.01):
+        raise RuntimeError("CRIU failed")
+    final = out.getvalue().split("\r")[-1]
+    assert "100%" not in final and "of 400.0MiB" in final
+
+
+def test_no_progress_on_a_pipe() -> None:
+    out = io.StringIO()
+    with progress("restore of x", lambda: 10 * MiB, out, total=400 * MiB, interval=0.01):
+        pass
+    assert out.getvalue() == ""
