@@ -418,9 +418,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from oomguard.doctor import run_checks
+    from oomguard.doctorconfig import doctor_checks
 
-    checks = run_checks(args.store or Path("/var/lib/oomguard"), args.criu or "auto")
+    checks = doctor_checks(_base_config(args), args.cli_config, args.socket)
     for check in checks:
         print(check.line())
     return EXIT_OK if all(c.ok or c.warn_only for c in checks) else EXIT_FAILED
