@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints and restores (run in the user's session)")
     na.add_argument("--system-bus", default="SYSTEM", help="where the daemon's signals come from")
     na.add_argument("--session-bus", default="SESSION", help="where notifications are shown")
-    iu = sub.add_parser("install-units", help="install the systemd unit (and the default "
-                        "config if there is none)")
+    iu = sub.add_parser("install-units", help="install the systemd units (the service and "
+                        "the notification agent's user unit) and the default config if there "
+                        "is none; says what to do next")
     iu.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"))
     iu.add_argument("--config-dir", type=Path, default=Path("/etc/oomguard"))
     iu.add_argument("--user-unit-dir", type=Path, default=Path("/etc/systemd/user"))
@@ -441,11 +442,16 @@ def cmd_notify_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_install_units(args: argparse.Namespace) -> int:
-    from oomguard.units_install import install_units
+    from oomguard.units_install import existing_config, install_units, report
 
-    for path in install_units(args.unit_dir, args.config_dir, user_unit_dir=args.user_unit_dir):
-        print(f"installed {path}")
-    print("then: systemctl daemon-reload && systemctl enable --now oomguard")
+    before = existing_config(args.config_dir)  # a bad one: exit 2 before anything is written
+    try:
+        done = install_units(args.unit_dir, args.config_dir, user_unit_dir=args.user_unit_dir)
+    except OSError as exc:
+        print(f"oomguard: install-units: {exc.filename}: {exc.strerror}"
+              + (" (run it as root)" if os.geteuid() != 0 else ""), file=sys.stderr)
+        return EXIT_FAILED
+    print("\n".join(report(done, len(before.guards) if before is not None else 0)))
     return EXIT_OK
 
 

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,38 @@ def test_a_user_reads_a_readable_config_and_falls_back_quietly_from_a_root_only_
     named = run_cli("--config", str(root_only), "status", env=_environ(), as_user=as_user)
     assert named.returncode == 2
     assert f"{root_only}: (file): cannot read: Permission denied" in named.stderr
+
+
+def test_install_units_says_what_it_wrote_and_what_comes_next(tmp_path: Path) -> None:
+    dirs = ["--unit-dir", str(tmp_path / "units"), "--config-dir", str(tmp_path / "etc"),
+            "--user-unit-dir", str(tmp_path / "user")]
+    config = tmp_path / "etc" / "oomguard.toml"
+    first = run_cli("install-units", *dirs, env=_environ())
+    assert first.returncode == 0, first.stderr
+    out = first.stdout
+    assert f"installed {tmp_path / 'user' / 'oomguard-notify-agent.service'} (a user unit" in out
+    assert f"installed {config} (the default config: it guards nothing yet)" in out
+    assert f"1. add a [[guard]] rule to {config}" in out
+    for command in ("systemctl daemon-reload", "systemctl enable --now oomguard",
+                    "systemctl --user enable --now oomguard-notify-agent",
+                    f"oomguard --config {config} status"):
+        assert f"       {command}\n" in out, out
+    unit = (tmp_path / "units" / "oomguard.service").read_text()
+    (exec_start,) = [line for line in unit.splitlines() if line.startswith("ExecStart=")]
+    assert exec_start.endswith(f" run --config {config}")
+    stable = Path("/usr/local/bin/oomguard")
+    if stable.exists() and stable.resolve() == Path(sys.executable).parent.joinpath(
+            "oomguard").resolve():
+        assert exec_start == f"ExecStart={stable} run --config {config}"
+
+    # With a guard in the kept config the next step is systemctl; a bad one stops it all.
+    config.write_text(config.read_text() + '\n[[guard]]\ncgroups = ["/jobs"]\n')
+    again = run_cli("install-units", *dirs, env=_environ())
+    assert again.returncode == 0, again.stderr
+    assert f"kept {config} (1 guard rule)" in again.stdout and "[[guard]]" not in again.stdout
+    assert "1. start the service" in again.stdout
+    config.write_text('[daemon]\nsocket = 7\n')
+    (tmp_path / "units" / "oomguard.service").unlink()
+    bad = run_cli("install-units", *dirs, env=_environ())
+    assert bad.returncode == 2 and f"{config}: daemon.socket:" in bad.stderr
+    assert not (tmp_path / "units" / "oomguard.service").exists()
