@@ -16,8 +16,9 @@ from oomguard import __version__
 from oomguard.backend import Backend, open_backend
 from oomguard.cgroup.mounts import open_cgroup, read_layout
 from oomguard.checkpoint import ON_FAILURE_KILL, ON_FAILURE_THAW
+from oomguard.cliconfig import CliConfig, choose_config, discover_cli_config
 from oomguard.config import (
-    DEFAULT_CONFIG_PATH,
+    EMBEDDED_CONFIG,
     DaemonConfig,
     load_config,
     load_embedded_config,
@@ -43,6 +44,8 @@ from oomguard.restorewait import restore_when_it_fits
 from oomguard.units import bounded_duration, format_size, parse_fraction
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# Subcommands that read no config, or (check-config) name their own file.
+OWN_CONFIG_COMMANDS = ("check-config", "install-units", "notify-agent")
 
 
 def _fraction_arg(text: str) -> float:
@@ -64,18 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="oomguard", description="Checkpoint (CRIU) the top memory consumer of a cgroup "
         "near its limit instead of letting the OOM killer run.")
     parser.add_argument("--version", action="version", version=f"oomguard {__version__}")
-    parser.add_argument("--store", type=Path, help="checkpoint store (default /var/lib/oomguard); "
-                        "given, the CLI acts on it directly (root) instead of asking the daemon")
-    parser.add_argument("--socket", type=Path, help="the daemon's control socket (default "
-                        "/run/oomguard/control.sock)")
+    parser.add_argument("--config", dest="global_config", type=Path, metavar="FILE",
+                        help="the config the service uses (default $OOMGUARD_CONFIG, else "
+                        "/etc/oomguard/oomguard.toml if present, else the embedded default): "
+                        "its socket and store are where every subcommand looks")
+    parser.add_argument("--store", type=Path, help="checkpoint store (default: the config's, "
+                        "/var/lib/oomguard); given, the CLI acts on it directly (root) instead "
+                        "of asking the daemon")
+    parser.add_argument("--socket", type=Path, help="the daemon's control socket (default: the "
+                        "config's, /run/oomguard/control.sock)")
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                         default="info")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="guard cgroups (the daemon)")
-    run.add_argument("--config", type=Path, help="TOML config (default /etc/oomguard/"
-                     "oomguard.toml if present, else the embedded default)")
+    run.add_argument("--config", type=Path, metavar="FILE", help="TOML config (the same as "
+                     "the global --config)")
     run.add_argument("--cgroup", action="append", default=[], metavar="PATH",
                      help="memory cgroup to guard (repeatable); replaces the config's guards")
     run.add_argument("--threshold", type=_fraction_arg, default=0.85,
@@ -148,13 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints and restores (run in the user's session)")
     na.add_argument("--system-bus", default="SYSTEM", help="where the daemon's signals come from")
     na.add_argument("--session-bus", default="SESSION", help="where notifications are shown")
-    iu = sub.add_parser("install-units", help="install the systemd unit (and the default "
-                        "config if there is none)")
+    iu = sub.add_parser("install-units", help="install the systemd units (the service and "
+                        "the notification agent's user unit) and the default config if there "
+                        "is none; says what to do next")
     iu.add_argument("--unit-dir", type=Path, default=Path("/etc/systemd/system"))
     iu.add_argument("--config-dir", type=Path, default=Path("/etc/oomguard"))
     iu.add_argument("--user-unit-dir", type=Path, default=Path("/etc/systemd/user"))
     cc = sub.add_parser("check-config", help="validate a config file")
-    cc.add_argument("file", type=Path)
+    cc.add_argument("file", type=Path, nargs="?",
+                    help="default: the config the CLI reads (see the global --config)")
     return parser
 
 
@@ -163,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_format, args.log_level)
     handler = COMMANDS[args.command]
     try:
+        if args.command not in OWN_CONFIG_COMMANDS:  # a bad config stops them all, up front
+            args.cli_config = _cli_config(args)
         return int(handler(args))
     except ConfigError as exc:
         for issue in exc.issues:
@@ -186,14 +198,17 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- helpers -------------------------------------------------------------------------------------
 
+def _cli_config(args: argparse.Namespace) -> CliConfig:
+    found = discover_cli_config(args.global_config, getattr(args, "config", None))
+    if found.fallback is not None:
+        get_logger().debug("config.unreadable", config=found.fallback,
+                           explanation="the embedded default stands in (its socket)")
+    return found
+
+
 def _base_config(args: argparse.Namespace) -> DaemonConfig:
-    path = getattr(args, "config", None)
-    if path is not None:
-        config = load_config(path)
-    elif DEFAULT_CONFIG_PATH.exists():
-        config = load_config(DEFAULT_CONFIG_PATH)
-    else:
-        config = load_embedded_config()
+    found = getattr(args, "cli_config", None)
+    config = (found if found is not None else _cli_config(args)).config
     if args.store is not None:
         config = replace(config, store=args.store)
     criu = getattr(args, "criu", None)
@@ -420,9 +435,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from oomguard.doctor import run_checks
+    from oomguard.doctorconfig import doctor_checks
 
-    checks = run_checks(args.store or Path("/var/lib/oomguard"), args.criu or "auto")
+    checks = doctor_checks(_base_config(args), args.cli_config, args.socket)
     for check in checks:
         print(check.line())
     return EXIT_OK if all(c.ok or c.warn_only for c in checks) else EXIT_FAILED
@@ -443,22 +458,29 @@ def cmd_notify_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_install_units(args: argparse.Namespace) -> int:
-    from oomguard.units_install import install_units
+    from oomguard.units_install import existing_config, install_units, report
 
-    for path in install_units(args.unit_dir, args.config_dir, user_unit_dir=args.user_unit_dir):
-        print(f"installed {path}")
-    print("then: systemctl daemon-reload && systemctl enable --now oomguard")
+    before = existing_config(args.config_dir)  # a bad one: exit 2 before anything is written
+    try:
+        done = install_units(args.unit_dir, args.config_dir, user_unit_dir=args.user_unit_dir)
+    except OSError as exc:
+        print(f"oomguard: install-units: {exc.filename}: {exc.strerror}"
+              + (" (run it as root)" if os.geteuid() != 0 else ""), file=sys.stderr)
+        return EXIT_FAILED
+    print("\n".join(report(done, len(before.guards) if before is not None else 0)))
     return EXIT_OK
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
     from oomguard.config import check_config
 
-    config = load_config(args.file)
+    if args.file is None:  # the config every other subcommand reads
+        args.file = choose_config(args.global_config, os.environ).path
+    config = load_config(args.file) if args.file is not None else load_embedded_config()
     # The daemon's start and reload run the same checks: errors refuse, warnings are logged.
     for issue in check_config(config, read_layout()):
         print(f"warning: {issue}", file=sys.stderr)
-    print(f"{args.file}: OK ({len(config.guards)} guard rule(s))")
+    print(f"{args.file or EMBEDDED_CONFIG}: OK ({len(config.guards)} guard rule(s))")
     return EXIT_OK
 
 

@@ -101,11 +101,15 @@ def filesystem_type(path: Path, proc_root: str = "/proc") -> str | None:
     return best[1] if best else None
 
 
+def _seconds(microseconds: int) -> str:
+    return f"{microseconds / 1e6:g} s"
+
+
 def _psi_check(proc_root: Path) -> Check:
     pressure = proc_root / "pressure" / "memory"
     if not pressure.exists():
-        return Check("psi", False, "absent: system rules poll MemAvailable only",
-                     "boot with psi=1 (CONFIG_PSI)", warn_only=True)
+        return Check("psi", False, "the kernel reports no memory pressure (PSI): system rules "
+                     "watch MemAvailable only", "boot with psi=1 (CONFIG_PSI)", warn_only=True)
     try:
         privileged = has_cap_sys_resource((proc_root / "self" / "status").read_text())
     except OSError:
@@ -115,16 +119,30 @@ def _psi_check(proc_root: Path) -> Check:
     try:
         os.close(open_trigger(pressure, trigger))
     except (OSError, ValueError) as exc:
-        return Check("psi", False, f"trigger {trigger!r} refused: {exc}",
-                     "PSI triggers need write access to the pressure files", warn_only=True)
-    why = ("CAP_SYS_RESOURCE: windows from 500 ms" if privileged
-           else "no CAP_SYS_RESOURCE: windows must be multiples of 2 s")
-    return Check("psi", True, f"triggers work; {why}; oomguard uses {trigger!r}")
+        return Check("psi", False, f"the kernel refused a memory-pressure trigger ({exc}): "
+                     "system rules poll instead", "PSI triggers need write access to the "
+                     "pressure files", warn_only=True)
+    why = ("CAP_SYS_RESOURCE allows windows from 0.5 s" if privileged
+           else "no window under 2 s without CAP_SYS_RESOURCE, which the shipped unit has")
+    return Check("psi", True, f"memory-pressure notifications work: the daemon wakes when "
+                 f"tasks stall on memory for {_seconds(window // 10)} within {_seconds(window)}; "
+                 f"{why}")
 
 
-def gpu_checks(gpu: GpuSupport) -> list[Check]:
+NVIDIA_DRIVER_MARKS = ("/proc/driver/nvidia", "/sys/module/nvidia")
+
+
+def nvidia_driver_loaded(marks: tuple[str, ...] = NVIDIA_DRIVER_MARKS) -> bool:
+    return any(Path(mark).exists() for mark in marks)
+
+
+def gpu_checks(gpu: GpuSupport, driver_loaded: bool | None = None) -> list[Check]:
     """NVML, cuda-checkpoint, CRIU's CUDA plugin, and the GPU actions they allow. A machine
-    without a GPU is fine: these lines only inform."""
+    without an NVIDIA driver gets one line: nothing there can hold GPU memory."""
+    loaded = nvidia_driver_loaded() if driver_loaded is None else driver_loaded
+    if not gpu.accounting and not loaded:
+        waiting = f"; {gpu.tool.binary} waits for one" if gpu.tool is not None else ""
+        return [Check("gpu", True, f"none (no NVIDIA driver loaded{waiting})")]
     names = ("nvml", "cuda-checkpoint", "criu cuda plugin", "gpu actions")
     hints = ("pip install nvidia-ml-py (in oomguard's environment) and load the NVIDIA driver",
              "install NVIDIA's cuda-checkpoint (driver >= 550) or set gpu.cuda_checkpoint",
@@ -135,7 +153,7 @@ def gpu_checks(gpu: GpuSupport) -> list[Check]:
 
 
 def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
-               gpu: GpuSupport | None = None) -> list[Check]:
+               gpu: GpuSupport | None = None, gpu_off: bool = False) -> list[Check]:
     checks = []
     release = platform.release()
     kernel = parse_kernel_version(release)
@@ -193,7 +211,10 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
     except CriuError as exc:
         checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
     checks.extend(coexistence_checks(running_commands(proc_root), systemd_version()))
-    checks.extend(gpu_checks(gpu if gpu is not None else detect_gpu()))
+    if gpu_off:
+        checks.append(Check("gpu", True, "off in the config ([gpu] engine = \"off\")"))
+    else:
+        checks.extend(gpu_checks(gpu if gpu is not None else detect_gpu()))
     fs_type = filesystem_type(store, proc_root)
     if fs_type in ("tmpfs", "ramfs"):
         checks.append(Check("store filesystem", False, f"{store} is on {fs_type}",

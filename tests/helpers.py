@@ -174,15 +174,30 @@ def short_socket_path() -> Path:
     return Path(tempfile.mkdtemp(prefix="og-", dir="/tmp")) / "control.sock"
 
 
+def cli_argv(*args: str) -> list[str]:
+    """The CLI with neither --store nor --socket: where it looks comes from its config."""
+    return [sys.executable, "-m", "oomguard", "--log-format", "json", *args]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+            as_user: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """cli_argv(*args) run to its end; `as_user`: a prefix such as setpriv's."""
+    return subprocess.run([*(as_user or []), *cli_argv(*args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, stdin=subprocess.DEVNULL, env=env)
+
+
 class DaemonProcess:
-    """`oomguard run` as a real process, its JSON log in a file, its own control socket."""
+    """`oomguard run` as a real process, its JSON log in a file, its own control socket.
+    With `config`: `oomguard --config FILE run`, and the store and the socket are the
+    config's (pass the config's socket as `socket`, so that stop() can tidy it)."""
 
     def __init__(self, store: Path, log: Path, *args: str, socket: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, config: Path | None = None) -> None:
         self.log = log
         self.socket = socket or short_socket_path()
-        self.handle = subprocess.Popen(oomguard_argv(store, "--socket", str(self.socket), "run",
-                                                     *args), cwd=REPO, env=env,
+        argv = oomguard_argv(store, "--socket", str(self.socket), "run", *args) \
+            if config is None else cli_argv("--config", str(config), "run", *args)
+        self.handle = subprocess.Popen(argv, cwd=REPO, env=env,
                                        stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)
 
@@ -212,8 +227,9 @@ class DaemonProcess:
 
 @contextlib.contextmanager
 def daemon(store: Path, log: Path, *args: str, socket: Path | None = None,
-           env: dict[str, str] | None = None) -> Iterator[DaemonProcess]:
-    proc = DaemonProcess(store, log, *args, socket=socket, env=env)
+           env: dict[str, str] | None = None,
+           config: Path | None = None) -> Iterator[DaemonProcess]:
+    proc = DaemonProcess(store, log, *args, socket=socket, env=env, config=config)
     try:
         yield proc
     finally:

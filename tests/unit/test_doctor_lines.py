@@ -1,0 +1,66 @@
+"""`oomguard doctor`'s GPU lines: one quiet line where no NVIDIA driver is loaded, the full
+story (with warnings and hints) where one is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from oomguard.doctor import gpu_checks, nvidia_driver_loaded
+from oomguard.gpu.nvml import NvmlSensor
+from oomguard.gpu.runtime import detect_gpu
+from tests.unit.fake_pynvml import FakeDevice, FakePynvml, NVMLError_LibraryNotFound
+
+GiB = 1 << 30
+
+
+def _sensor(missing: bool) -> NvmlSensor:
+    fake = FakePynvml([FakeDevice("u0", "GPU", 8 * GiB, 0)],
+                      init_error=NVMLError_LibraryNotFound() if missing else None)
+    return NvmlSensor(loader=lambda: fake)
+
+
+def _tool(tmp_path: Path) -> Path:
+    path = tmp_path / "cuda-checkpoint"
+    path.write_text("#!/bin/sh\necho 'Usage: cuda-checkpoint --action <lock|checkpoint>'\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_no_driver_is_one_passing_line(tmp_path: Path) -> None:
+    gpu = detect_gpu(cuda_checkpoint=str(tmp_path / "absent"), sensor=_sensor(missing=True),
+                     plugin_dirs=[str(tmp_path)])
+    (line,) = gpu_checks(gpu, driver_loaded=False)
+    assert (line.name, line.ok) == ("gpu", True)
+    assert line.line() == "PASS  gpu: none (no NVIDIA driver loaded)"
+
+
+def test_no_driver_names_a_cuda_checkpoint_that_waits_for_one(tmp_path: Path) -> None:
+    tool = _tool(tmp_path)
+    gpu = detect_gpu(cuda_checkpoint=str(tool), sensor=_sensor(missing=True),
+                     plugin_dirs=[str(tmp_path)])
+    (line,) = gpu_checks(gpu, driver_loaded=False)
+    assert line.ok and str(tool) in line.detail
+
+
+def test_a_driver_without_nvml_warns_line_by_line_with_hints(tmp_path: Path) -> None:
+    gpu = detect_gpu(cuda_checkpoint=str(tmp_path / "absent"), sensor=_sensor(missing=True),
+                     plugin_dirs=[str(tmp_path)])
+    lines = gpu_checks(gpu, driver_loaded=True)
+    assert [c.name for c in lines] == ["nvml", "cuda-checkpoint", "criu cuda plugin",
+                                       "gpu actions"]
+    assert all(not c.ok and c.warn_only for c in lines)
+    assert "nvidia-ml-py" in lines[0].line()
+
+
+def test_a_working_gpu_reports_its_engine(tmp_path: Path) -> None:
+    gpu = detect_gpu(cuda_checkpoint=str(_tool(tmp_path)), sensor=_sensor(missing=False),
+                     plugin_dirs=[str(tmp_path)])
+    lines = gpu_checks(gpu, driver_loaded=False)  # NVML answering outranks the marks
+    by_name = {c.name: c for c in lines}
+    assert by_name["nvml"].ok and by_name["cuda-checkpoint"].ok and by_name["gpu actions"].ok
+
+
+def test_driver_marks(tmp_path: Path) -> None:
+    assert not nvidia_driver_loaded((str(tmp_path / "nvidia"),))
+    (tmp_path / "nvidia").mkdir()
+    assert nvidia_driver_loaded((str(tmp_path / "nvidia"),))
