@@ -1,0 +1,84 @@
+"""README's "Your first ten minutes", run exactly as written: the block between the
+first-ten-minutes markers goes to bash with only its paths moved (the cgroup beneath this
+test's own memory cgroup, /etc/oomguard, the store, the socket, the log and the metrics port
+into a scratch directory) and `oomguard` first on PATH from this checkout."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import REPO, CgroupFactory, read_counts
+
+BEGIN, END = "<!-- first-ten-minutes:begin -->", "<!-- first-ten-minutes:end -->"
+README_CGROUP = "/sys/fs/cgroup/memory/demo"
+
+
+def readme_walkthrough() -> str:
+    text = (REPO / "README.md").read_text()
+    block = text[text.index(BEGIN) + len(BEGIN):text.index(END)].strip()
+    assert block.startswith("```sh\n") and block.endswith("```"), block[:40]
+    return block[len("```sh\n"):-len("```")]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def moved(script: str, paths: dict[str, str]) -> str:
+    for old, new in paths.items():
+        assert old in script, f"README's walkthrough no longer mentions {old}"
+        script = script.replace(old, new)
+    return script
+
+
+def test_readme_first_ten_minutes_as_written(cgroups: CgroupFactory, tmp_path: Path) -> None:
+    demo = cgroups.make("demo", None)  # the README's mkdir -p finds it; its echo sets the limit
+    etc, work = tmp_path / "etc-oomguard", tmp_path / "home"
+    work.mkdir()
+    port = free_port()
+    script = moved(readme_walkthrough(), {
+        README_CGROUP: str(demo.path),
+        "/etc/oomguard": str(etc),
+        "/var/lib/oomguard": str(tmp_path / "store"),
+        "/run/oomguard/control.sock": str(tmp_path / "control.sock"),
+        "/var/log/oomguard-demo.log": str(tmp_path / "daemon.log"),
+        "9464": str(port),
+    })
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           # the README relies on /etc/oomguard/oomguard.toml being found: moved, it is found so
+           "OOMGUARD_CONFIG": str(etc / "oomguard.toml")}
+    env.pop("OOMGUARD_SOCKET", None)
+    result = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True,
+                            text=True, timeout=240, stdin=subprocess.DEVNULL)
+    out = result.stdout
+    shown = f"stdout:\n{out}\nstderr:\n{result.stderr}\ndaemon log:\n" + (
+        (tmp_path / "daemon.log").read_text() if (tmp_path / "daemon.log").exists() else "")
+    assert result.returncode == 0, shown
+    # 2: the config checks out and the daemon guards the cgroup
+    assert "OK (1 guard rule(s))" in out, shown
+    assert "daemon: running" in out and str(demo.path) in out, shown
+    # 3: exec reported the checkpoint
+    assert "exit status 75" in out, shown
+    # 4: list / show name it; the job had stopped counting part-way
+    ids = set(re.findall(r"\b(\d{8}-\d{6}-\d+-[0-9a-f]+)\b", out))
+    assert len(ids) == 1, shown
+    assert re.search(r"^state +checkpointed$", out, re.M), shown
+    # 5: restored, and the same process went on: every number once, in order, then done
+    assert re.search(r"restored \S+ as PID \d+ \(was \d+\)", out + result.stderr), shown
+    log = work / "demo.log"
+    assert read_counts(log) == list(range(100)), log.read_text()
+    assert log.read_text().rstrip().endswith("done"), log.read_text()
+    # 6: the metrics count one checkpoint and one restore
+    metrics = dict(re.findall(r"^(oomguard_\w+_total\{[^}]*\}) (\S+)$", out, re.M))
+    assert any(k.startswith("oomguard_checkpoints_total") and float(v) >= 1
+               for k, v in metrics.items()), shown
+    assert any(k.startswith("oomguard_restores_total") and "failed" not in k and float(v) >= 1
+               for k, v in metrics.items()), shown
