@@ -24,9 +24,14 @@ def is_byte_field(key: str) -> bool:
 
 
 def human_value(key: str, value: Any) -> Any:
-    """A byte-valued field's integer as a size ('340.4MiB'); anything else unchanged."""
-    if is_byte_field(key) and isinstance(value, int) and not isinstance(value, bool):
+    """A byte-valued field's integer as a size ('340.4MiB'), a Unix time (`*_at`) in local
+    time; anything else unchanged."""
+    if isinstance(value, bool):
+        return value
+    if is_byte_field(key) and isinstance(value, int):
         return format_size(value)
+    if key.endswith("_at") and isinstance(value, (int, float)) and value > 0:
+        return local_time(value, zone=False)
     return value
 
 

@@ -96,6 +96,13 @@ def test_json_log_keeps_raw_numbers_and_utc(far_zone: None) -> None:
     assert line["timestamp"].endswith("Z") and "T" in line["timestamp"]
 
 
+def test_event_times_are_local(far_zone: None) -> None:
+    """restore.exited's exited_at (a Unix time) reads as a local time in `status`."""
+    shown = human_value("exited_at", 1_740_830_400.5)
+    assert shown == local_time(1_740_830_400.5, zone=False) == "2025-03-02 02:00:00"
+    assert human_value("exited_at", None) is None and human_value("restored_at", 0) == 0
+
+
 def test_status_event_fields_are_human() -> None:
     event = {"time": "2025-03-01T12:00:00", "level": "warning", "event": "threshold.crossed",
              "cgroup": "/jobs/a", "usage": 380 * MiB, "image_bytes": 2 * MiB}
