@@ -64,3 +64,7 @@ class NoRoom(RestoreFailed):
 
 class StoreError(OomguardError):
     """The checkpoint store cannot do what was asked (unknown id, bad id, unwritable...)."""
+
+
+class UnknownCheckpoint(StoreError):
+    """No such checkpoint (or none the caller may see): a request for nothing, not a failure."""

@@ -1,0 +1,160 @@
+"""What the daemon says (issue 14): failed restores visible in the log, the metrics and
+`status`; one start-up line per guard; a dry run that logs a decision once, not at every poll.
+Real daemon, real cgroups, real CRIU, real jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from oomguard.control.client import ControlClient
+from tests.helpers import (
+    REPO,
+    CgroupFactory,
+    DaemonProcess,
+    MiB,
+    daemon,
+    last_count,
+    start_in_cgroup,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+# A job that counts into a log it keeps open: moved away, CRIU cannot restore it.
+COUNTING_JOB = """
+import sys, time
+log = open(sys.argv[1], "a", buffering=1)
+count = 0
+while True:
+    count += 1
+    log.write(f"{count}\\n")
+    time.sleep(0.05)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _restores(port: int) -> dict[tuple[str, str], float]:
+    """oomguard_restores_total by (outcome, auto), scraped from the daemon's endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "oomguard_restores_total":
+                found[(sample.labels["outcome"], sample.labels["auto"])] = sample.value
+    return found
+
+
+def cli(sock: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "oomguard", "--socket", str(sock), "--log-format", "json",
+            *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=REPO,
+                          stdin=subprocess.DEVNULL)
+
+
+def _recent(guard: DaemonProcess, event: str) -> list[dict[str, Any]]:
+    with ControlClient(guard.socket) as client:
+        status = client.call("Status")["status"]
+    return [e for e in status["recent_events"] if e["event"] == event]
+
+
+def _checkpointed_job(guard: DaemonProcess, cg: Any, log: Path) -> str:
+    job = start_in_cgroup(cg, [sys.executable, "-c", COUNTING_JOB, str(log)])
+    assert wait_until(lambda: last_count(log) > 5, 20)
+    done = cli(guard.socket, "checkpoint", str(job.pid))
+    assert done.returncode == 0, done.stderr
+    assert job.wait(timeout=10) == -signal.SIGKILL
+    return done.stdout.strip()
+
+
+def test_failed_restores_through_the_daemon_are_logged_counted_and_in_status(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A restore CRIU cannot do (the job's open log moved away) and one of a damaged image
+    (integrity check), both asked through the daemon: each gives restore.failed with the cause
+    (CRIU's own line; the checksum mismatch), counts in oomguard_restores_total{outcome=
+    "failed"} and shows in `status`'s recent events."""
+    cg = cgroups.make("failed", None)
+    log = tmp_path / "job.log"
+    port = _free_port()
+    config = tmp_path / "metrics.toml"
+    config.write_text(f"[daemon]\nmetrics_port = {port}\n")
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.started")
+        assert wait_until(guard.socket.exists, 10)
+        checkpoint_id = _checkpointed_job(guard, cg, log)
+
+        log.rename(tmp_path / "job.log.aside")
+        failed = cli(guard.socket, "restore", checkpoint_id)
+        assert failed.returncode == 1
+        event = guard.wait_event("restore.failed")[0]
+        assert event["id"] == checkpoint_id and event["auto"] is False
+        assert "job.log" in event["error"] and "criu restore" in event["error"]
+        assert "job.log" in event["criu_error"]  # CRIU's own line, on its own
+        assert wait_until(lambda: _restores(port).get(("failed", "false")) == 1, 10)
+        assert [e["id"] for e in _recent(guard, "restore.failed")] == [checkpoint_id]
+
+        (tmp_path / "job.log.aside").rename(log)
+        pages = sorted((store / checkpoint_id / "images").glob("pages-*.img"))[0]
+        with pages.open("r+b") as handle:
+            byte = handle.read(1)
+            handle.seek(0)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        damaged = cli(guard.socket, "restore", checkpoint_id)
+        assert damaged.returncode == 1
+        second = guard.wait_event("restore.failed", count=2)[1]
+        assert f"{pages.name} checksum mismatch" in second["error"]
+        assert wait_until(lambda: _restores(port).get(("failed", "false")) == 2, 10)
+        assert len(_recent(guard, "restore.failed")) == 2
+
+        (store / checkpoint_id / "meta.json").write_text("{damaged")
+        unreadable = cli(guard.socket, "restore", checkpoint_id)
+        assert unreadable.returncode == 1
+        third = guard.wait_event("restore.failed", count=3)[2]
+        assert third["id"] == checkpoint_id and "meta.json" in third["error"]
+        assert wait_until(lambda: _restores(port).get(("failed", "false")) == 3, 10)
+        assert len(_recent(guard, "restore.failed")) == 3
+        assert _restores(port).get(("done", "false"), 0) == 0
+
+
+def test_a_failed_auto_restore_is_logged_counted_and_in_status(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """The daemon's own restore (auto_restore) that CRIU cannot do: restore.failed with
+    auto=true and CRIU's line, the metric with auto="true", and the status entry."""
+    cg = cgroups.make("autofail", 512 * MiB)
+    log = tmp_path / "job.log"
+    port = _free_port()
+    config = tmp_path / "auto.toml"
+    config.write_text(f'[daemon]\nmetrics_port = {port}\nrescan_interval = "500ms"\n\n'
+                      f'[[guard]]\ncgroups = ["{cg.path}"]\nauto_restore = true\n'
+                      f'restore_quiet = "5s"\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.armed")
+        assert wait_until(guard.socket.exists, 10)
+        os.makedirs(tmp_path / "aside", exist_ok=True)
+        job = start_in_cgroup(cg, [sys.executable, "-c", COUNTING_JOB, str(log)])
+        assert wait_until(lambda: last_count(log) > 5, 20)
+        done = cli(guard.socket, "checkpoint", str(job.pid))
+        assert done.returncode == 0, done.stderr
+        # Moved well within restore_quiet: the auto-restore finds it gone.
+        log.rename(tmp_path / "aside" / "job.log")
+        assert job.wait(timeout=10) == -signal.SIGKILL  # reaped: its pid is free again
+        event = guard.wait_event("restore.failed", timeout=60)[0]
+        assert event["auto"] is True and event["id"] == done.stdout.strip()
+        assert "job.log" in event["error"] and "job.log" in event["criu_error"]
+        assert wait_until(lambda: _restores(port).get(("failed", "true")) == 1, 10)
+        assert [e["auto"] for e in _recent(guard, "restore.failed")] == [True]
