@@ -29,6 +29,7 @@ from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig, check_cgroup_paths, load_config
+from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone, ConfigError, ProcessGone
 from oomguard.gpuwatch import GpuWatch
 from oomguard.guards import (
@@ -100,12 +101,13 @@ class Daemon:
         self._next_system_poll = 0.0
         self.saved_high = SavedLimits(config.store / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
+        self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   restorer=restorer, clock=clock, wall_clock=wall_clock)
         self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
                                        clock=clock, containers=containers),
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
-                           clock=clock)
+                           clock=clock, decisions=self.decisions)
         self._reload = False
         self._globs: list[tuple[Any, str]] = []
         # Called after every loop turn (systemd watchdog pings, metrics); the loop never
@@ -518,6 +520,7 @@ class Daemon:
         if decision.verdict is not Verdict.ACT:
             predicted = self._predict(guard, snap)
             if predicted is None:
+                self.decisions.forget(guard.name)
                 return
             reason = predicted
         else:
@@ -527,9 +530,8 @@ class Daemon:
         since = self.clock() - self.actor.last_done.get(guard.name, -1e9)
         if since < guard.spec.post_action_delay:
             return
-        self.log.warning("threshold.crossed", cgroup=guard.name, source=source,
-                         usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
-                         reason=reason)
+        self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
+                          anon=snap.anon_bytes, limit=snap.limit_bytes, reason=reason)
         cgroup = guard.cgroup
         threshold = guard.spec.threshold
         floor = int((snap.limit_bytes or 0) * min(threshold, guard.spec.predict_from)) \
@@ -557,6 +559,13 @@ class Daemon:
                             and decision.verdict is Verdict.ACT) else None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
                                  lambda tree: cgroup, still_pressing, freeze))
+
+    def _say_crossed(self, name: str, **fields: Any) -> None:
+        """threshold.crossed; in a dry run, where nothing ends the condition, once (then
+        once a minute) until the condition is over."""
+        if self.config.dry_run and self.decisions.due(name, "crossed", True) is None:
+            return
+        self.log.warning("threshold.crossed", cgroup=name, **fields)
 
     def _predict(self, guard: CgroupGuard, snap: MemorySnapshot) -> str | None:
         """Time-to-limit: over `predict_from` of the limit, keep recent usage samples and act
@@ -620,14 +629,15 @@ class Daemon:
         else:
             pressed = pressure_reason(self._full_avg10(), guard.spec.psi_full_avg10)
             if pressed is None:
+                self.decisions.forget(guard.name)
                 return
             reason = pressed
         if self.actor.busy(guard.name):
             return
         if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
             return
-        self.log.warning("threshold.crossed", cgroup="system", source=source,
-                         available=memory.available, total=memory.total, reason=reason)
+        self._say_crossed(guard.name, source=source, available=memory.available,
+                          total=memory.total, reason=reason)
 
         def candidates() -> list[ProcessTree]:
             processes = self.proc.processes(self.proc.all_pids())

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.control.client import ControlClient
+from oomguard.store import Store
 from tests.helpers import (
     REPO,
     CgroupFactory,
     DaemonProcess,
     MiB,
     daemon,
+    hog_argv,
+    kill_pid,
     last_count,
     start_in_cgroup,
     wait_until,
@@ -158,3 +162,39 @@ def test_a_failed_auto_restore_is_logged_counted_and_in_status(
         assert "job.log" in event["error"] and "job.log" in event["criu_error"]
         assert wait_until(lambda: _restores(port).get(("failed", "true")) == 1, 10)
         assert [e["auto"] for e in _recent(guard, "restore.failed")] == [True]
+
+
+# A dry run at a condition nothing ends: a system floor above all the memory there is, or a
+# cgroup rule (polled) whose threshold its job is always over.
+DRY_RULES = {
+    "system": '[[guard]]\nsystem = true\nmin_available = 0.99\nvictim_cgroups = ["{cg}"]\n',
+    "cgroup": '[[guard]]\ncgroups = ["{cg}"]\nthreshold = 0.05\nevents = false\n',
+}
+
+
+@pytest.mark.parametrize("rule", sorted(DRY_RULES))
+def test_a_dry_run_says_a_lasting_decision_once(cgroups: CgroupFactory, store: Path,
+                                                tmp_path: Path, rule: str) -> None:
+    """Decided at every poll (ten a second), said once: one threshold.crossed and one
+    victim.chosen, with the victim's command line and RSS in MiB, over three seconds."""
+    cg = cgroups.make(f"dry-{rule}", 256 * MiB)
+    log = tmp_path / "hog.log"
+    job = start_in_cgroup(cg, hog_argv(log, target=48, rate=500, count=1_000_000))
+    config = tmp_path / "dry.toml"
+    config.write_text('[daemon]\npoll_interval = "100ms"\ndry_run = true\n\n'
+                      + DRY_RULES[rule].format(cg=cg.path))
+    try:
+        assert wait_until(lambda: last_count(log) > 5, 20)
+        with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+            chosen = guard.wait_event("victim.chosen", timeout=30)[0]
+            time.sleep(3)  # thirty polls, all at the same condition
+            assert len(guard.events("victim.chosen")) == 1, guard.log.read_text()[-3000:]
+            assert len(guard.events("threshold.crossed")) == 1
+        assert chosen["pid"] == job.pid and chosen["dry_run"] is True
+        assert chosen["command"] == " ".join(hog_argv(log, target=48, rate=500,
+                                                      count=1_000_000))
+        assert 40 <= chosen["rss_mib"] <= 80
+        assert job.poll() is None and not Store(store).list()
+    finally:
+        kill_pid(job.pid)
+        job.wait()
