@@ -17,6 +17,7 @@ from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner, ChainSettings
 from oomguard.checkpoint import ON_FAILURE_KILL
 from oomguard.config import GuardConfig
+from oomguard.dbusnotify import restore_command
 from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone
 from oomguard.policy import ProcessTree
@@ -159,7 +160,7 @@ class Actor:
                     commit_s=round(t.commit_s, 3),
                     mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
                     usage_after=_usage(cgroup), path=str(result.path), uid=meta.uid,
-                    command=meta.command, **fields)
+                    command=meta.command, restore=restore_command(meta.id), **fields)
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(meta.image_bytes, t.dump_s)
             elif outcome.result == "gone":

@@ -68,6 +68,7 @@ from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
 from oomguard.selfguard import ancestors_of, own_family
+from oomguard.startup import guard_line
 from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
@@ -155,7 +156,9 @@ class Daemon:
                 arm_system(system, self.psi_trigger)
                 self._register(system)
                 self.log.info("guard.armed", cgroup="system", detection=system.detection,
-                              min_available=spec.min_available)
+                              min_available=spec.min_available,
+                              summary=guard_line(system, None, self.meminfo().total,
+                                                 self.config.dry_run))
                 continue
             for path in spec.cgroups:
                 if glob.has_magic(path):
@@ -224,7 +227,8 @@ class Daemon:
             self._register(guard)
         self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
                       detection=guard.detection, limit=snap.limit_bytes,
-                      threshold=guard.spec.threshold, usage=snap.usage_bytes)
+                      threshold=guard.spec.threshold, usage=snap.usage_bytes,
+                      summary=guard_line(guard, snap.limit_bytes, dry_run=self.config.dry_run))
         # Already over the threshold when armed: no crossing will come, look now.
         if self._examine_on_arm:
             self._examine_cgroup(guard, self.clock(), source="arm")

@@ -18,6 +18,7 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
+from oomguard.dbusnotify import restore_command
 from oomguard.errors import (
     CgroupGone,
     CheckpointFailed,
@@ -215,7 +216,8 @@ class Service:
         if self.on_event is not None:
             self.on_event("checkpoint.done", id=meta.id, pid=meta.pid, comm=meta.comm,
                           image_bytes=meta.image_bytes, rss=meta.rss_bytes, uid=meta.uid,
-                          command=meta.command, requested_by=uid, **timings)
+                          command=meta.command, requested_by=uid,
+                          restore=restore_command(meta.id), **timings)
         return {**asdict(meta), **timings}
 
     def gpu_resume(self, uid: int, pid: int) -> dict[str, Any]:

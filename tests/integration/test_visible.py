@@ -17,8 +17,11 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.config import GpuConfig
 from oomguard.control.client import ControlClient
 from oomguard.store import Store
+from oomguard.wiring import build_gpu
 from tests.helpers import (
     REPO,
     CgroupFactory,
@@ -198,3 +201,58 @@ def test_a_dry_run_says_a_lasting_decision_once(cgroups: CgroupFactory, store: P
     finally:
         kill_pid(job.pid)
         job.wait()
+
+
+def test_start_up_says_each_guard_the_gpu_and_where_metrics_are(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """One line per guard in words (what, at what level, how detected), the GPU in a few
+    words (no probe text where there is no driver), the metrics address once it listens; and
+    a checkpoint's event says how to bring it back."""
+    limited = cgroups.make("startup-limited", 200 * MiB)
+    unlimited = cgroups.make("startup-unlimited", None)
+    port = _free_port()
+    config = tmp_path / "startup.toml"
+    config.write_text(f"[daemon]\nmetrics_port = {port}\n\n"
+                      f'[[guard]]\ncgroups = ["{limited.path}"]\nthreshold = 0.85\n\n'
+                      f'[[guard]]\ncgroups = ["{unlimited.path}"]\n\n'
+                      f'[[guard]]\nsystem = true\nmin_available = 0.01\n'
+                      f'victim_cgroups = ["{unlimited.path}"]\n')
+    gpu = build_gpu(GpuConfig())
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        armed = {e["cgroup"]: e["summary"] for e in guard.wait_event("guard.armed", count=3)}
+        how = ("v1 memory threshold eventfd + OOM notification"
+               if isinstance(limited, V1MemoryCgroup) else "memory.high at 85% + memory.events")
+        assert armed[str(limited.path)].startswith(
+            f"guarding {limited.path}: act (checkpoint) at 85% of 200 MiB (170 MiB), {how}")
+        assert armed[str(unlimited.path)] == (
+            f"guarding {unlimited.path}: no memory limit: nothing to act on until one is set")
+        assert armed["system"].startswith("guarding the system: act (checkpoint) when "
+                                          "MemAvailable is at or below 1% of ")
+        assert f"on processes in {unlimited.path}, MemAvailable" in armed["system"]
+
+        started = guard.events("guard.started")[0]
+        if not gpu.accounting and "NVML error 12" in gpu.why:  # no NVIDIA driver here
+            assert started["gpu"] == "none (no NVIDIA driver)" and "gpu_detail" not in started
+            assert "NVML" not in guard.log.read_text()
+        listening = guard.wait_event("metrics.listening")[0]
+        assert listening["address"] == f"127.0.0.1:{port}"
+
+        def scraped() -> bytes:
+            with urllib.request.urlopen(listening["url"], timeout=5) as reply:
+                return bytes(reply.read())
+
+        assert wait_until(lambda: b"oomguard_guards 3.0" in scraped(), 10)  # it answers there
+
+        hog = start_in_cgroup(limited, hog_argv(tmp_path / "hog.log", target=180, rate=300,
+                                                count=100_000))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert hog.wait(timeout=20) == -signal.SIGKILL
+        assert done["restore"] == f"oomguard restore {done['id']}"
+        job = start_in_cgroup(unlimited, [sys.executable, "-c", COUNTING_JOB,
+                                          str(tmp_path / "job.log")])
+        assert wait_until(lambda: last_count(tmp_path / "job.log") > 3, 20)
+        asked = cli(guard.socket, "checkpoint", str(job.pid))
+        assert asked.returncode == 0, asked.stderr
+        job.wait(timeout=10)
+        on_demand = guard.wait_event("checkpoint.done", count=2)[1]
+        assert on_demand["restore"] == f"oomguard restore {asked.stdout.strip()}"
