@@ -49,6 +49,7 @@ from oomguard.guards import (
     put_back_oom_kill,
     set_high_at_threshold,
 )
+from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
 from oomguard.ledger import SavedLimits
@@ -477,31 +478,12 @@ class Daemon:
 
     def summary(self, stored: list[CheckpointMeta] | None = None) -> str:
         """One line for systemd's STATUS=."""
-        present = [g for g in self.guards if g.present]
-        stored = self.keeper.store.list() if stored is None else stored
-        waiting = sum(1 for m in stored if m.state == "checkpointed")
-        return (f"guarding {len(present)} of {len(self.guards)} cgroup(s); "
-                f"{waiting} checkpoint(s) waiting to be restored")
+        return summary_line(self.guards, self.keeper.store.list() if stored is None else stored)
 
     def status(self) -> dict[str, Any]:
-        guards = []
-        for guard in self.guards:
-            entry: dict[str, Any] = {"cgroup": guard.name, "detection": guard.detection,
-                                     "threshold": guard.spec.threshold, "present": guard.present}
-            if isinstance(guard, CgroupGuard) and guard.present:
-                with contextlib.suppress(CgroupGone):
-                    snap = guard.cgroup.snapshot()
-                    entry.update(usage=snap.usage_bytes, limit=snap.limit_bytes,
-                                 anon=snap.anon_bytes, oom_kills=snap.oom_kills)
-            elif isinstance(guard, SystemGuard):
-                memory = self.meminfo()
-                entry.update(usage=memory.total - memory.available, limit=memory.total,
-                             threshold=1 - guard.spec.min_available
-                             if isinstance(guard.spec.min_available, float) else 0.0)
-            guards.append(entry)
-        recent = list(getattr(self.log, "recent", []))
         return {"daemon": True, "pid": self.self_pid, "dry_run": self.config.dry_run,
-                "guards": guards, "recent_events": recent}
+                "guards": guard_entries(self.guards, self.meminfo),
+                "recent_events": list(getattr(self.log, "recent", []))}
 
     # -- cgroup rules --------------------------------------------------------------------------
 
