@@ -17,11 +17,14 @@ from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner, ChainSettings
 from oomguard.checkpoint import ON_FAILURE_KILL
 from oomguard.config import GuardConfig
+from oomguard.dbusnotify import restore_command
+from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone
 from oomguard.policy import ProcessTree
 from oomguard.preferences import Preferences, apply_preferences, compile_patterns
 from oomguard.units import format_size
 
+MiB = 1 << 20
 MAX_VICTIM_ATTEMPTS = 3
 NEXT_VICTIM_SHARE = 4  # a fallback victim must hold at least a quarter of the top one's RSS
 # A task throttled at memory.high sleeps out its penalty (up to 2 s, killable only) before the
@@ -65,10 +68,12 @@ class Request:
 class Actor:
     def __init__(self, runner: ChainRunner, log: Any, *, dry_run: bool,
                  on_checkpoint: Callable[[int, float], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 decisions: DecisionLog | None = None) -> None:
         self.runner = runner
         self.log = log
         self.dry_run = dry_run
+        self.decisions = decisions or DecisionLog(clock)  # a dry run's repeated decisions
         self.on_checkpoint = on_checkpoint
         self.clock = clock
         self._threads: dict[str, threading.Thread] = {}
@@ -121,8 +126,9 @@ class Actor:
     def _run(self, request: Request, thaw: Callable[[], None]) -> None:
         ranked = apply_preferences(request.candidates(), request.parts.prefs)
         if not ranked:
-            self.log.warning("victim.none", cgroup=request.name,
-                             explanation="no process here may be checkpointed")
+            if not self.dry_run or self.decisions.due(request.name, "victim", None) is not None:
+                self.log.warning("victim.none", cgroup=request.name,
+                                 explanation="no process here may be checkpointed")
             return
         # After a failure only trees that would free real memory are worth a try.
         worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
@@ -131,8 +137,7 @@ class Actor:
             fields = {"cgroup": request.name, "pid": tree.root.pid, "comm": tree.root.comm,
                       "rss": tree.rss_bytes, "tasks": len(tree.members)}
             if self.dry_run:
-                self.log.warning("victim.chosen", dry_run=True,
-                                 actions=[str(s) for s in request.parts.chain], **fields)
+                self._say_chosen(request, tree, fields)
                 return
 
             def frozen(pids: list[int], at: float, fields: dict[str, Any] = fields) -> None:
@@ -155,7 +160,7 @@ class Actor:
                     commit_s=round(t.commit_s, 3),
                     mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
                     usage_after=_usage(cgroup), path=str(result.path), uid=meta.uid,
-                    command=meta.command, **fields)
+                    command=meta.command, restore=restore_command(meta.id), **fields)
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(meta.image_bytes, t.dump_s)
             elif outcome.result == "gone":
@@ -172,6 +177,17 @@ class Actor:
                                  **fields)
             if outcome.settled:
                 return
+
+
+    def _say_chosen(self, request: Request, tree: ProcessTree, fields: dict[str, Any]) -> None:
+        """A dry run's decision: said once, then when it changes or once a minute."""
+        actions = [str(s) for s in request.parts.chain]
+        decision = (tree.root.pid, tree.root.starttime, tuple(actions))
+        unsaid = self.decisions.due(request.name, "victim", decision)
+        if unsaid is not None:
+            self.log.warning("victim.chosen", dry_run=True, actions=actions,
+                             command=tree.root.command, rss_mib=round(tree.rss_bytes / MiB),
+                             reason=request.reason, unchanged_since=unsaid or None, **fields)
 
 
 def _usage(cgroup: MemoryCgroup | None) -> int | None:

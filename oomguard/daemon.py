@@ -29,6 +29,7 @@ from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig, check_config, config_warnings, load_config
+from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone, ConfigError, ConfigIssue, ProcessGone
 from oomguard.gpuwatch import GpuWatch
 from oomguard.guards import (
@@ -48,6 +49,7 @@ from oomguard.guards import (
     put_back_oom_kill,
     set_high_at_threshold,
 )
+from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
 from oomguard.ledger import SavedLimits
@@ -67,6 +69,7 @@ from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.restore import Restorer
 from oomguard.selfguard import ancestors_of, own_family
+from oomguard.startup import guard_line
 from oomguard.store import CheckpointMeta
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, pressure_reason
 
@@ -100,12 +103,13 @@ class Daemon:
         self._next_system_poll = 0.0
         self.saved_high = SavedLimits(config.store / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
+        self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   restorer=restorer, clock=clock, wall_clock=wall_clock)
         self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
                                        clock=clock, containers=containers),
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
-                           clock=clock)
+                           clock=clock, decisions=self.decisions)
         self._reload = False
         self._globs: list[tuple[Any, str]] = []
         # Called after every loop turn (systemd watchdog pings, metrics); the loop never
@@ -154,7 +158,9 @@ class Daemon:
                 arm_system(system, self.psi_trigger)
                 self._register(system)
                 self.log.info("guard.armed", cgroup="system", detection=system.detection,
-                              min_available=spec.min_available)
+                              min_available=spec.min_available,
+                              summary=guard_line(system, None, self.meminfo().total,
+                                                 self.config.dry_run))
                 continue
             for path in spec.cgroups:
                 if glob.has_magic(path):
@@ -223,7 +229,8 @@ class Daemon:
             self._register(guard)
         self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
                       detection=guard.detection, limit=snap.limit_bytes,
-                      threshold=guard.spec.threshold, usage=snap.usage_bytes)
+                      threshold=guard.spec.threshold, usage=snap.usage_bytes,
+                      summary=guard_line(guard, snap.limit_bytes, dry_run=self.config.dry_run))
         # Already over the threshold when armed: no crossing will come, look now.
         if self._examine_on_arm:
             self._examine_cgroup(guard, self.clock(), source="arm")
@@ -479,31 +486,12 @@ class Daemon:
 
     def summary(self, stored: list[CheckpointMeta] | None = None) -> str:
         """One line for systemd's STATUS=."""
-        present = [g for g in self.guards if g.present]
-        stored = self.keeper.store.list() if stored is None else stored
-        waiting = sum(1 for m in stored if m.state == "checkpointed")
-        return (f"guarding {len(present)} of {len(self.guards)} cgroup(s); "
-                f"{waiting} checkpoint(s) waiting to be restored")
+        return summary_line(self.guards, self.keeper.store.list() if stored is None else stored)
 
     def status(self) -> dict[str, Any]:
-        guards = []
-        for guard in self.guards:
-            entry: dict[str, Any] = {"cgroup": guard.name, "detection": guard.detection,
-                                     "threshold": guard.spec.threshold, "present": guard.present}
-            if isinstance(guard, CgroupGuard) and guard.present:
-                with contextlib.suppress(CgroupGone):
-                    snap = guard.cgroup.snapshot()
-                    entry.update(usage=snap.usage_bytes, limit=snap.limit_bytes,
-                                 anon=snap.anon_bytes, oom_kills=snap.oom_kills)
-            elif isinstance(guard, SystemGuard):
-                memory = self.meminfo()
-                entry.update(usage=memory.total - memory.available, limit=memory.total,
-                             threshold=1 - guard.spec.min_available
-                             if isinstance(guard.spec.min_available, float) else 0.0)
-            guards.append(entry)
-        recent = list(getattr(self.log, "recent", []))
         return {"daemon": True, "pid": self.self_pid, "dry_run": self.config.dry_run,
-                "guards": guards, "recent_events": recent}
+                "guards": guard_entries(self.guards, self.meminfo),
+                "recent_events": list(getattr(self.log, "recent", []))}
 
     # -- cgroup rules --------------------------------------------------------------------------
 
@@ -526,6 +514,7 @@ class Daemon:
         if decision.verdict is not Verdict.ACT:
             predicted = self._predict(guard, snap)
             if predicted is None:
+                self.decisions.forget(guard.name)
                 return
             reason = predicted
         else:
@@ -535,10 +524,9 @@ class Daemon:
         since = self.clock() - self.actor.last_done.get(guard.name, -1e9)
         if since < guard.spec.post_action_delay:
             return
-        self.log.warning("threshold.crossed", cgroup=guard.name, source=source,
-                         usage=snap.usage_bytes, anon=snap.anon_bytes,
-                         resident=snap.unreclaimable_bytes, limit=snap.limit_bytes,
-                         reason=reason)
+        self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
+                          anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,
+                          limit=snap.limit_bytes, reason=reason)
         cgroup = guard.cgroup
         threshold = guard.spec.threshold
         floor = int((snap.limit_bytes or 0) * min(threshold, guard.spec.predict_from)) \
@@ -566,6 +554,13 @@ class Daemon:
                             and decision.verdict is Verdict.ACT) else None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
                                  lambda tree: cgroup, still_pressing, freeze))
+
+    def _say_crossed(self, name: str, **fields: Any) -> None:
+        """threshold.crossed; in a dry run, where nothing ends the condition, once (then
+        once a minute) until the condition is over."""
+        if self.config.dry_run and self.decisions.due(name, "crossed", True) is None:
+            return
+        self.log.warning("threshold.crossed", cgroup=name, **fields)
 
     def _predict(self, guard: CgroupGuard, snap: MemorySnapshot) -> str | None:
         """Time-to-limit: over `predict_from` of the limit, keep recent usage samples and act
@@ -629,14 +624,15 @@ class Daemon:
         else:
             pressed = pressure_reason(self._full_avg10(), guard.spec.psi_full_avg10)
             if pressed is None:
+                self.decisions.forget(guard.name)
                 return
             reason = pressed
         if self.actor.busy(guard.name):
             return
         if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
             return
-        self.log.warning("threshold.crossed", cgroup="system", source=source,
-                         available=memory.available, total=memory.total, reason=reason)
+        self._say_crossed(guard.name, source=source, available=memory.available,
+                          total=memory.total, reason=reason)
 
         def candidates() -> list[ProcessTree]:
             processes = self.proc.processes(self.proc.all_pids())

@@ -72,3 +72,7 @@ class AmbiguousId(StoreError):
     def __init__(self, message: str, candidates: list[str]) -> None:
         self.candidates = candidates
         super().__init__(message)
+
+
+class UnknownCheckpoint(StoreError):
+    """No such checkpoint (or none the caller may see): a request for nothing, not a failure."""

@@ -105,7 +105,7 @@ def arm_v1(guard: CgroupGuard, limit: int) -> None:
     for mark in marks:
         guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
     guard.fds[guard.cgroup.register_oom()] = EVENTFD
-    guard.detection = "eventfd: memory.usage_in_bytes thresholds + memory.oom_control"
+    guard.detection = "v1 memory threshold eventfd + OOM notification"
 
 
 def arm_v2(guard: CgroupGuard, limit: int, psi_trigger: str) -> list[str]:

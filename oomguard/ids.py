@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from oomguard.errors import AmbiguousId, StoreError
+from oomguard.errors import AmbiguousId, UnknownCheckpoint
 from oomguard.store import CheckpointMeta
 
 LAST = "last"
@@ -16,7 +16,7 @@ CANDIDATES_SHOWN = 10  # an ambiguous prefix lists at most this many matches
 
 def resolve_id(text: str, visible: Iterable[CheckpointMeta], *, whose: str = "") -> str:
     """The id `text` names among `visible`: an exact id, `last`, or a unique prefix. Raises
-    StoreError ("no checkpoint ...") when none matches, AmbiguousId when several do. `whose`
+    UnknownCheckpoint ("no checkpoint ...") when none matches, AmbiguousId when several do. `whose`
     ends the not-found message (" of yours")."""
     metas = list(visible)
     ids = [m.id for m in metas]
@@ -24,11 +24,11 @@ def resolve_id(text: str, visible: Iterable[CheckpointMeta], *, whose: str = "")
         return text
     if text == LAST:
         if not metas:
-            raise StoreError(f"no checkpoint{whose} yet ('{LAST}' names the newest)")
+            raise UnknownCheckpoint(f"no checkpoint{whose} yet ('{LAST}' names the newest)")
         return max(metas, key=lambda m: (m.created, m.id)).id
     matches = sorted(i for i in ids if i.startswith(text))
     if not matches:
-        raise StoreError(f"no checkpoint {text!r}{whose}")
+        raise UnknownCheckpoint(f"no checkpoint {text!r}{whose}")
     if len(matches) > 1:
         shown = ", ".join(matches[:CANDIDATES_SHOWN])
         more = f" and {len(matches) - CANDIDATES_SHOWN} more" if len(matches) > CANDIDATES_SHOWN \

@@ -10,12 +10,12 @@ from typing import Any
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.config import DaemonConfig
-from oomguard.errors import RestoreFailed, StoreError
+from oomguard.errors import OomguardError, StoreError
 from oomguard.guards import CgroupGuard
 from oomguard.ledger import FrozenLedger
 from oomguard.policy import restore_fits
 from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
-from oomguard.restore import Restorer, memory_pages_bytes
+from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.retention import Stored, choose_prunes
 from oomguard.store import Store
 
@@ -145,10 +145,10 @@ class StoreKeeper:
         assert self.restorer is not None
         try:
             result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
-        except (RestoreFailed, StoreError) as exc:
+        except (OomguardError, OSError) as exc:  # whatever it was, said and retried later
             self._restore_backoff[checkpoint_id] = self.clock() + RESTORE_BACKOFF
             self.log.error("restore.failed", id=checkpoint_id, cgroup=guard.name, auto=True,
-                           error=str(exc), retry_in_s=RESTORE_BACKOFF)
+                           retry_in_s=RESTORE_BACKOFF, **failure_fields(exc))
             return
         self.log.warning("restore.done", id=checkpoint_id, pid=result.pid, auto=True,
                          cgroup=guard.name, seconds=round(result.seconds, 3),

@@ -46,13 +46,31 @@ def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
 
-def one_line(exc: CriuError) -> str:
-    """CRIU's failure in one line: what it said first (the cause; later errors follow from
-    it), without its timestamp and source location."""
+def criu_cause(exc: CriuError) -> str:
+    """What CRIU said first in its log (the cause; later errors follow from it), without its
+    timestamp and source location; "" where its log says no error."""
     first = next((line for line in exc.log_tail.splitlines() if "Error" in line), "")
-    cause = re.sub(r"^\(\s*[\d.]+\)\s*(\d+:\s*)?Error \([^)]*\):\s*", "", first.strip())
+    return re.sub(r"^\(\s*[\d.]+\)\s*(\d+:\s*)?Error \([^)]*\):\s*", "", first.strip())
+
+
+def one_line(exc: CriuError) -> str:
+    """CRIU's failure in one line: its message and CRIU's own cause."""
+    cause = criu_cause(exc)
     head = str(exc).splitlines()[0] if str(exc) else "criu restore failed"
     return f"{head}: {cause}" if cause else head
+
+
+def failure_fields(exc: BaseException) -> dict[str, str]:
+    """The fields of a `restore.failed` event: the error in one line and, where CRIU failed,
+    CRIU's own error line (criu_error)."""
+    text = str(exc).strip()
+    fields = {"error": text.splitlines()[0] if text else type(exc).__name__}
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, CriuError):
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(seen, CriuError) and criu_cause(seen):
+        fields["criu_error"] = criu_cause(seen)
+    return fields
 
 
 def cgroup_root_arg(cgroup: MemoryCgroup) -> str:

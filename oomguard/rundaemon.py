@@ -24,6 +24,7 @@ from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
 from oomguard.slurm import SlurmNotifier, find_scontrol
+from oomguard.startup import gpu_summary
 from oomguard.store import Store
 from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
@@ -131,6 +132,9 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     if config.metrics_port:
         try:
             metrics_server = metrics.serve(config.metrics_port, config.metrics_address)
+            log.info("metrics.listening", address=f"{config.metrics_address}:"
+                     f"{metrics_server.port}", url=f"http://{config.metrics_address}:"
+                     f"{metrics_server.port}/metrics")
         except OSError as exc:
             log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
     beat = Heartbeat(daemon, notifier, metrics, textfile,
@@ -162,11 +166,12 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         except OSError as exc:
             log.warning("oomd.prekill_unavailable", dir=str(config.oomd_prekill_dir),
                         error=str(exc))
+    gpu_words, gpu_detail = gpu_summary(gpu)  # no probe text where there is no driver
     log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
              socket=str(config.socket) if server else None, criu=criu.binary,
              criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
              guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
-             gpu=gpu.engine if gpu.accounting else "off", gpu_detail=gpu.why)
+             gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}))
     if not config.guards:
         log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
                     "to the config or pass --cgroup")

@@ -18,18 +18,21 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
+from oomguard.dbusnotify import restore_command
 from oomguard.errors import (
+    AmbiguousId,
     CgroupGone,
     CheckpointFailed,
     OomguardError,
     ProcessGone,
     RestoreFailed,
     StoreError,
+    UnknownCheckpoint,
 )
 from oomguard.ids import resolve_id
 from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
-from oomguard.restore import Restorer, memory_pages_bytes
+from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.restorefit import GuardLookup, check_fits
 from oomguard.rights import foreign_task, untouchable_task
 from oomguard.selfguard import own_family
@@ -86,7 +89,7 @@ class Service:
                 raise  # root is told why it is skipped (a symlink, a malformed meta.json...)
             meta = None
         if meta is None or (uid != ROOT and meta.uid != uid):
-            raise StoreError(f"no checkpoint {checkpoint_id!r}"
+            raise UnknownCheckpoint(f"no checkpoint {checkpoint_id!r}"
                              + ("" if uid == ROOT else " of yours"))
         return meta
 
@@ -137,7 +140,17 @@ class Service:
 
     def restore(self, uid: int, checkpoint_id: str, cgroup: str | None = None,
                 force: bool = False) -> dict[str, Any]:
-        meta = self._visible(uid, checkpoint_id)
+        """Every way a restore of an existing checkpoint fails is told (on_failure:
+        restore.failed) before it is raised; an unknown id, or one the caller may not see or
+        restore there, is only answered."""
+        validate_id(checkpoint_id)
+        try:
+            meta = self._visible(uid, checkpoint_id)
+        except (UnknownCheckpoint, AmbiguousId):  # a request for nothing: answered, not counted
+            raise
+        except StoreError as exc:  # root's entry is there but unreadable
+            self._restore_failed(checkpoint_id, exc, uid, cgroup)
+            raise
         try:
             target, original = self._target_cgroup(uid, cgroup, meta)
             with self.restore_lock:
@@ -145,10 +158,14 @@ class Service:
                     self._check_guard(meta, target or original)
                 result = self.restorer.restore(meta.id, target=target, original=original,
                                                force=force)
-        except (RestoreFailed, StoreError, CgroupGone) as exc:
-            if self.on_failure is not None:
-                self.on_failure("restore.failed", id=meta.id, auto=False, error=str(exc),
-                                cgroup=cgroup or meta.cgroup, uid=meta.uid, requested_by=uid)
+        except PermissionDenied:
+            raise
+        except OSError as exc:  # answered as a failure, not a dropped connection
+            failed = RestoreFailed(f"restore of {meta.id} failed: {exc}")
+            self._restore_failed(meta.id, failed, uid, cgroup or meta.cgroup, meta.uid)
+            raise failed from exc
+        except OomguardError as exc:
+            self._restore_failed(meta.id, exc, uid, cgroup or meta.cgroup, meta.uid)
             raise
         if self.on_event is not None:
             self.on_event("restore.done", id=meta.id, pid=result.pid, auto=False,
@@ -161,6 +178,12 @@ class Service:
         if result.gpu_pids or result.gpu_error:
             found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)
         return found
+
+    def _restore_failed(self, checkpoint_id: str, exc: BaseException, requested_by: int,
+                        cgroup: str | None, owner: int | None = None) -> None:
+        if self.on_failure is not None:
+            self.on_failure("restore.failed", id=checkpoint_id, auto=False, cgroup=cgroup,
+                            uid=owner, requested_by=requested_by, **failure_fields(exc))
 
     def _check_guard(self, meta: CheckpointMeta, into: MemoryCgroup | None) -> None:
         """A rule guards the target: the checkpoint must fit under its threshold with the
@@ -207,7 +230,8 @@ class Service:
         if self.on_event is not None:
             self.on_event("checkpoint.done", id=meta.id, pid=meta.pid, comm=meta.comm,
                           image_bytes=meta.image_bytes, rss=meta.rss_bytes, uid=meta.uid,
-                          command=meta.command, requested_by=uid, **timings)
+                          command=meta.command, requested_by=uid,
+                          restore=restore_command(meta.id), **timings)
         return {**asdict(meta), **timings}
 
     def gpu_resume(self, uid: int, pid: int) -> dict[str, Any]:
