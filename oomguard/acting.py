@@ -69,8 +69,10 @@ class Actor:
     def __init__(self, runner: ChainRunner, log: Any, *, dry_run: bool,
                  on_checkpoint: Callable[[int, float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 decisions: DecisionLog | None = None) -> None:
+                 decisions: DecisionLog | None = None,
+                 on_done: Callable[[str], None] | None = None) -> None:
         self.runner = runner
+        self.on_done = on_done  # called (from the action's thread) when an action has ended
         self.log = log
         self.dry_run = dry_run
         self.decisions = decisions or DecisionLog(clock)  # a dry run's repeated decisions
@@ -122,9 +124,13 @@ class Actor:
                 with contextlib.suppress(OSError):
                     ledger.clear_cgroup(cgroup.path)
             self.last_done[request.name] = self.clock()
+            if self.on_done is not None:
+                self.on_done(request.name)
 
     def _run(self, request: Request, thaw: Callable[[], None]) -> None:
+        began = self.clock()
         ranked = apply_preferences(request.candidates(), request.parts.prefs)
+        choose_ms = round((self.clock() - began) * 1000, 2)  # reading and ranking the trees
         if not ranked:
             if not self.dry_run or self.decisions.due(request.name, "victim", None) is not None:
                 self.log.warning("victim.none", cgroup=request.name,
@@ -142,7 +148,8 @@ class Actor:
 
             def frozen(pids: list[int], at: float, fields: dict[str, Any] = fields) -> None:
                 self.log.info("victim.frozen",
-                              detect_to_frozen_ms=round((at - request.woke) * 1000, 2), **fields)
+                              detect_to_frozen_ms=round((at - request.woke) * 1000, 2),
+                              choose_ms=choose_ms, **fields)
 
             cgroup = request.cgroup_for(tree)
             outcome = self.runner.run(request.parts.chain, tree, cgroup, request.reason,

@@ -95,7 +95,7 @@ class DaemonConfig:
     source: str
     store: Path = Path("/var/lib/oomguard")
     poll_interval: float = 0.1
-    rescan_interval: float = 2.0
+    rescan_interval: float = 60.0  # the safety rescan: inotify and the kernel's events tell the rest
     dry_run: bool = False
     socket: Path = Path("/run/oomguard/control.sock")
     store_max_size: int | None = None  # size budget of the store; None: no budget

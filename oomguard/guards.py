@@ -20,6 +20,7 @@ from oomguard.config import GuardConfig
 from oomguard.errors import CgroupGone
 from oomguard.ledger import SavedLimits
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
+from oomguard.sense.cgroupfiles import Stamp
 
 EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
 EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI}
@@ -47,7 +48,11 @@ class CgroupGuard:
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
     predicting: bool = False  # time-to-limit: usage is in the zone where growth is watched
     samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=20))
-    last_snapshot: MemorySnapshot | None = None  # the latest rescan's reading (for the gauges)
+    last_snapshot: MemorySnapshot | None = None  # the latest reading (for the gauges)
+    limit_stamp: Stamp | None = None  # the limit file when last read (the safety rescan)
+    due_at: float | None = None  # look again then without an event (polls, a cache-only watch)
+    watch_sample: tuple[float, int] | None = None  # (when, resident) at the last watch look
+    watch_interval: float = 0.0  # the cache-only watch's current interval when not growing
 
     @property
     def name(self) -> str:
@@ -97,15 +102,38 @@ def psi_trigger_for(proc_root: str = "/proc") -> str:
     return trigger_string("some", window // PSI_STALL_SHARE, window)
 
 
-def arm_v1(guard: CgroupGuard, limit: int) -> None:
-    assert isinstance(guard.cgroup, V1MemoryCgroup)
+def v1_marks(guard: CgroupGuard, limit: int) -> tuple[list[int], list[int]]:
+    """The usage levels to register on v1, as (first, later): first the threshold itself (and,
+    with time_to_limit, the level where growth starts being watched), which make the guard
+    armed; then the marks beyond the threshold, which only catch up with page cache."""
     marks = threshold_marks(limit, guard.spec.threshold)
+    first = marks[:1]
     if guard.spec.time_to_limit:  # wake where growth starts being watched
-        marks.insert(0, int(limit * guard.spec.predict_from))
-    for mark in marks:
+        first.insert(0, int(limit * guard.spec.predict_from))
+    return first, marks[1:]
+
+
+def arm_v1_first(guard: CgroupGuard, limit: int) -> None:
+    """The threshold mark and the OOM notification: from here on the guard is armed."""
+    assert isinstance(guard.cgroup, V1MemoryCgroup)
+    first, _later = v1_marks(guard, limit)
+    for mark in first:
         guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
     guard.fds[guard.cgroup.register_oom()] = EVENTFD
     guard.detection = "v1 memory threshold eventfd + OOM notification"
+
+
+def arm_v1_later(guard: CgroupGuard, limit: int) -> None:
+    """The marks beyond the threshold (each registration waits for an RCU grace period, so
+    they come after every guard's first mark)."""
+    assert isinstance(guard.cgroup, V1MemoryCgroup)
+    for mark in v1_marks(guard, limit)[1]:
+        guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
+
+
+def arm_v1(guard: CgroupGuard, limit: int) -> None:
+    arm_v1_first(guard, limit)
+    arm_v1_later(guard, limit)
 
 
 def arm_v2(guard: CgroupGuard, limit: int, psi_trigger: str) -> list[str]:
@@ -147,55 +175,66 @@ def consume(fd: int, kind: str) -> None:
             rearm_watch(fd)
 
 
+def high_to_set(guard: CgroupGuard, limit: int, current: int | None) -> bool:
+    """Whether arming sets memory.high at the threshold: a memory.high the user set at or
+    below it already throttles there (and wakes us), and is left alone."""
+    return guard.spec.memory_high and not (
+        current is not None and current <= int(limit * guard.spec.threshold))
+
+
 def set_high_at_threshold(guard: CgroupGuard, cgroup: V2MemoryCgroup, limit: int,
-                          saved: SavedLimits) -> None:
+                          change: bool, original: int | None) -> None:
     """memory.high at the threshold: the kernel throttles there and counts a `high` event,
-    which wakes us exactly at the crossing (v2 has no usage thresholds). A memory.high the
-    user set at or below the threshold already does that, and is left alone."""
+    which wakes us exactly at the crossing (v2 has no usage thresholds). `original` was
+    saved (SavedLimits) before this is called."""
     if not guard.spec.memory_high:
         return
-    mark = int(limit * guard.spec.threshold)
-    original = saved.remember(guard.name, cgroup.high())
     guard.high_set = True
-    if original is not None and original <= mark:
-        saved.forget(guard.name)
+    if not change:
         return
-    cgroup.set_high(mark)
+    cgroup.set_high(int(limit * guard.spec.threshold))
     guard.high_original = original
     guard.high_changed = True
 
 
-def put_back_high(guard: CgroupGuard, saved: SavedLimits) -> None:
+def put_back_high(guard: CgroupGuard) -> list[str]:
+    """memory.high as it was; returns the SavedLimits key to forget (the caller forgets many
+    in one write)."""
+    keys = []
     if guard.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
             guard.cgroup.set_high(guard.high_original)
-        saved.forget(guard.name)
+        keys.append(guard.name)
     guard.high_set = False
     guard.high_changed = False
+    return keys
 
 
 OOM_KILL_KEY = "#oom_kill_disable"  # SavedLimits key suffix: the cgroup's path + this
 
 
-def disable_oom_kill(guard: CgroupGuard, cgroup: V1MemoryCgroup, saved: SavedLimits) -> None:
+def disable_oom_kill(guard: CgroupGuard, cgroup: V1MemoryCgroup, original: int | None) -> None:
     """v1 `oom_kill_disable` (the default): a task that reaches the limit before oomguard has
     stopped it (memory taken inside one system call, which no SIGSTOP interrupts) waits instead
     of being killed; its OOM event wakes the daemon, which stops it, lifts the limit a little
-    and dumps it. Put back when the guard stops (and after a crash, at start)."""
+    and dumps it. Put back when the guard stops (and after a crash, at start). `original` was
+    saved (SavedLimits, key name + OOM_KILL_KEY) before this is called."""
     if not guard.spec.oom_kill_disable:
         return
-    original = saved.remember(guard.name + OOM_KILL_KEY, int(cgroup.oom_kill_disabled()))
     cgroup.set_oom_kill_disable(True)
     guard.oom_disable_original = bool(original)
     guard.oom_disable_changed = True
 
 
-def put_back_oom_kill(guard: CgroupGuard, saved: SavedLimits) -> None:
+def put_back_oom_kill(guard: CgroupGuard) -> list[str]:
+    """oom_kill_disable as it was; returns the SavedLimits key to forget."""
+    keys = []
     if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
             guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
-        saved.forget(guard.name + OOM_KILL_KEY)
+        keys.append(guard.name + OOM_KILL_KEY)
     guard.oom_disable_changed = False
+    return keys
 
 
 def claimed_keys(guards: list[CgroupGuard]) -> set[str]:
@@ -215,6 +254,7 @@ def put_back_leftovers(saved: SavedLimits, claimed: set[str],
     before it could, and its config no longer guards that cgroup, or no longer that way).
     Returns (cgroup, what was put back); a cgroup that is gone is only forgotten."""
     done = []
+    forgotten = []
     for key, original in saved.items().items():
         if key in claimed:
             continue
@@ -227,5 +267,6 @@ def put_back_leftovers(saved: SavedLimits, claimed: set[str],
             elif not key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V2MemoryCgroup):
                 cgroup.set_high(original)
                 done.append((path, f"memory.high {'max' if original is None else original}"))
-        saved.forget(key)
+        forgotten.append(key)
+    saved.forget_many(forgotten)
     return done

@@ -3,6 +3,7 @@ it left stopped, pruning by age and size, and bringing checkpoints back once the
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,9 +18,10 @@ from oomguard.policy import restore_fits
 from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
 from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.retention import Stored, choose_prunes
-from oomguard.store import Store
+from oomguard.store import CheckpointMeta, Store
 
 PRUNE_INTERVAL = 60.0
+LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often
 RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long
 
 
@@ -42,6 +44,7 @@ class StoreKeeper:
         self._next_partials = 0.0  # incomplete checkpoints (a failed commit) are retried then
         self._skipped_warned: set[str] = set()  # store entries already warned about
         self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
+        self._listing: tuple[tuple[int, int] | None, float, list[CheckpointMeta]] | None = None
 
     def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
         self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
@@ -58,14 +61,38 @@ class StoreKeeper:
         still over its threshold is then caught again at once, not left to the OOM killer)."""
         self._thaw_leftovers()
 
-    def tick(self) -> None:
-        """On every rescan: what could not be settled at start, and retention now and then."""
+    def tick(self) -> bool:
+        """What could not be settled at start, and retention when it is due. True while
+        something waits (a dead run's CRIU still writing, a leftover not yet thawed): the
+        daemon asks again soon."""
         if self._partials_busy or self.clock() >= self._next_partials:
             self._recover_store()
-        if self.ledger.pending():
+        pending = self.ledger.pending()
+        if pending:
             self._thaw_leftovers()
+            pending = self.ledger.pending()
         if self.clock() >= self._next_prune:
             self.prune()
+        return self._partials_busy or pending
+
+    def listed(self) -> list[CheckpointMeta]:
+        """The store's checkpoints, read again only when its directory changed (a checkpoint
+        committed, forgotten or pruned), after one of this daemon's restores, or after
+        LISTING_MAX_AGE (another process's restore changes only a meta.json)."""
+        try:
+            st = os.stat(self.store.root)
+            key: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+        except OSError:
+            key = None
+        now = self.clock()
+        if self._listing is None or self._listing[0] != key or now >= self._listing[1]:
+            self._listing = (key, now + LISTING_MAX_AGE, self.store.list())
+        return self._listing[2]
+
+    def waiting_cgroups(self) -> set[str]:
+        """The cgroups (as /proc/PID/cgroup names them) with a checkpoint waiting to be
+        restored."""
+        return {m.cgroup for m in self.listed() if m.state == "checkpointed"}
 
     def _thaw_leftovers(self) -> None:
         thawed = self.ledger.recover()
@@ -150,6 +177,7 @@ class StoreKeeper:
             self.log.error("restore.failed", id=checkpoint_id, cgroup=guard.name, auto=True,
                            retry_in_s=RESTORE_BACKOFF, **failure_fields(exc))
             return
+        self._listing = None  # its state changed inside its own directory
         self.log.warning("restore.done", id=checkpoint_id, pid=result.pid, auto=True,
                          cgroup=guard.name, seconds=round(result.seconds, 3),
                          uid=result.meta.uid, command=result.meta.command)

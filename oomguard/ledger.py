@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +147,7 @@ class SavedLimits:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.Lock()  # guards are armed from several threads at once
 
     def _load(self) -> dict[str, int | None]:
         try:
@@ -162,16 +164,28 @@ class SavedLimits:
 
     def remember(self, key: str, current: int | None) -> int | None:
         """The original value for `key`: the saved one if oomguard already replaced it."""
-        data = self._load()
-        if key not in data:
-            data[key] = current
-            self._save(data)
-        return data[key]
+        return self.remember_many({key: current})[key]
+
+    def remember_many(self, current: dict[str, int | None]) -> dict[str, int | None]:
+        """remember() for many keys in one durable write (a thousand guards arm at once)."""
+        with self._lock:
+            data = self._load()
+            new = {key: value for key, value in current.items() if key not in data}
+            if new:
+                data.update(new)
+                self._save(data)
+            return {key: data[key] for key in current}
 
     def items(self) -> dict[str, int | None]:
-        return self._load()
+        with self._lock:
+            return self._load()
 
     def forget(self, key: str) -> None:
-        data = self._load()
-        if data.pop(key, "absent") != "absent":
-            self._save(data)
+        self.forget_many([key])
+
+    def forget_many(self, keys: Iterable[str]) -> None:
+        with self._lock:
+            data = self._load()
+            dropped = [key for key in keys if data.pop(key, "absent") != "absent"]
+            if dropped:
+                self._save(data)

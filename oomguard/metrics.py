@@ -22,6 +22,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 OUTCOME_DONE = "done"
 OUTCOME_FAILED = "failed"
@@ -47,13 +49,33 @@ def _non_negative(what: str, value: float) -> None:
         raise ValueError(f"{what} must not be negative, got {value!r}")
 
 
+class _BeforeRender(Collector):
+    """Registered first, so collected first: calls Metrics.before_render, which sets the
+    gauges from what is true now (read when scraped, never on a timer). Yields nothing."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # no names of its own (and registering does not collect)
+
+    def collect(self) -> list[Metric]:
+        hook = self.metrics.before_render
+        if hook is not None:
+            hook()
+        return []
+
+
 class Metrics:
     """All of oomguard's metrics, on a registry of their own."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._cgroup_lock = threading.Lock()
+        # Called before every rendering (a scrape, a textfile write) to set the gauges.
+        self.before_render: Callable[[], None] | None = None
         r = self.registry
+        r.register(_BeforeRender(self))
 
         self._checkpoints = Counter(
             "oomguard_checkpoints_total",

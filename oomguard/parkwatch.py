@@ -1,9 +1,16 @@
 """The park watchdog: a thread, independent of the event loop, that hands a v1 cgroup back to
 the kernel's OOM killer when its tasks have waited at the limit (oom_kill_disable) for longer
-than the rule's park_deadline, so that no task stays parked forever."""
+than the rule's park_deadline, so that no task stays parked forever.
+
+It holds an OOM notification of its own for each watched cgroup and sleeps on them: it reads
+memory.oom_control only of cgroups whose notification fired (and until their park is over),
+so a thousand quiet cgroups cost it nothing."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +41,8 @@ class ParkableCgroup(Protocol):
 
     def set_oom_kill_disable(self, disabled: bool) -> None: ...
 
+    def register_oom(self) -> int: ...
+
 
 @dataclass
 class _Watched:
@@ -41,6 +50,14 @@ class _Watched:
     deadline: float
     parked_since: float | None = None
     released: bool = False  # oom_kill_disable is 0 now, by the watchdog's hand
+    oom_fd: int | None = None  # its own OOM notification (None: it could not: read every round)
+    suspect: bool = True  # to be read at the next round (its notification fired, or new)
+
+    @property
+    def followed(self) -> bool:
+        """Read at every round: parked, released, just notified, or without a notification."""
+        return self.suspect or self.parked_since is not None or self.released \
+            or self.oom_fd is None
 
 
 class ParkWatchdog:
@@ -59,18 +76,40 @@ class ParkWatchdog:
         self.clock = clock
         self.interval = interval
         self._watched: dict[str, _Watched] = {}
+        self._by_fd: dict[int, str] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._epoll = select.epoll()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._epoll.register(self._wake_r, select.EPOLLIN)
 
     def watch(self, name: str, cgroup: ParkableCgroup, deadline: float) -> None:
+        entry = _Watched(cgroup, deadline)
+        with contextlib.suppress(OSError, CgroupGone):
+            entry.oom_fd = cgroup.register_oom()
         with self._lock:
-            self._watched[name] = _Watched(cgroup, deadline)
+            self._forget(name)
+            self._watched[name] = entry
+            if entry.oom_fd is not None:
+                self._by_fd[entry.oom_fd] = name
+                self._epoll.register(entry.oom_fd, select.EPOLLIN)
+        self._wake()  # read it once: tasks may be waiting already
 
     def unwatch(self, name: str) -> None:
         """After this returns the watchdog writes nothing more to that cgroup."""
         with self._lock:
-            self._watched.pop(name, None)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """(With the lock held.)"""
+        entry = self._watched.pop(name, None)
+        if entry is not None and entry.oom_fd is not None:
+            self._by_fd.pop(entry.oom_fd, None)
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(entry.oom_fd)
+            with contextlib.suppress(OSError):
+                os.close(entry.oom_fd)
 
     def watching(self) -> list[str]:
         with self._lock:
@@ -78,14 +117,22 @@ class ParkWatchdog:
 
     def check(self) -> None:
         """One round over every watched cgroup."""
+        self._round(everyone=True)
+
+    def _round(self, everyone: bool = False) -> bool:
+        """Read the cgroups that need it (all, with `everyone`); True while any still does."""
         with self._lock:
             for name, entry in list(self._watched.items()):
+                if not (everyone or entry.followed):
+                    continue
+                entry.suspect = False
                 try:
                     self._check_one(name, entry)
                 except CgroupGone:
-                    del self._watched[name]
+                    self._forget(name)
                 except OSError as exc:
                     self.log.warning("oom.watchdog_failed", cgroup=name, error=str(exc))
+            return any(entry.followed for entry in self._watched.values())
 
     def _check_one(self, name: str, entry: _Watched) -> None:
         now = self.clock()
@@ -122,15 +169,39 @@ class ParkWatchdog:
                                         daemon=True)
         self._thread.start()
 
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"w")
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        following = True  # read everything once at the start
+        while not self._stop.is_set():
+            ready = self._epoll.poll(self.interval if following else -1)
+            with self._lock:
+                for fd, _mask in ready:
+                    if fd == self._wake_r:
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            os.read(self._wake_r, 64)
+                        continue
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(fd, 8)
+                    name = self._by_fd.get(fd)
+                    if name is not None:
+                        self._watched[name].suspect = True
+            if self._stop.is_set():
+                return
             try:
-                self.check()
+                following = self._round()
             except Exception as exc:  # the watchdog must outlive any one bad round
                 self.log.error("oom.watchdog_failed", error=repr(exc))
+                following = True
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._lock:
+            for name in list(self._watched):
+                self._forget(name)

@@ -48,6 +48,38 @@ def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
     return Decision(Verdict.IDLE, "below threshold")
 
 
+# A cache-only watch (usage over the threshold, resident memory not yet): how soon to look again.
+WATCH_FIRST_S = 0.002  # right after the crossing: the second reading gives the growth
+WATCH_MIN_S = 0.001
+WATCH_MAX_S = 1.0  # while nothing grows (a cgroup full of page cache): backs off up to this
+
+
+@dataclass(frozen=True)
+class WatchLook:
+    delay: float  # seconds until the next reading
+    idle_interval: float  # the backed-off interval to carry while nothing grows (0: growing)
+
+
+def next_watch_look(now: float, resident: int, mark: float, previous: tuple[float, int] | None,
+                    idle_interval: float, poll_interval: float) -> WatchLook:
+    """Usage is over the threshold but resident memory is not (the rest is page cache): read
+    again when, at the growth seen since the `previous` (time, resident) reading, resident
+    memory would be half way to the mark, so that the crossing is confirmed within about a
+    millisecond whatever the rate; while it does not grow, back off from poll_interval to
+    WATCH_MAX_S (the kernel's marks beyond the threshold, and on v1 its OOM notification,
+    still wake the daemon at once)."""
+    if previous is None:
+        return WatchLook(min(WATCH_FIRST_S, poll_interval), 0.0)
+    then, before = previous
+    elapsed = now - then
+    growth = (resident - before) / elapsed if elapsed > 0 else 0.0
+    if growth <= 0:
+        backed_off = min(max(WATCH_MAX_S, poll_interval), max(poll_interval, idle_interval * 2))
+        return WatchLook(backed_off, backed_off)
+    eta = (mark - resident) / growth
+    return WatchLook(min(poll_interval, max(WATCH_MIN_S, eta / 2)), 0.0)
+
+
 @dataclass(frozen=True)
 class ProcessTree:
     """A victim candidate: a process and its descendants inside the cgroup."""

@@ -39,33 +39,47 @@ from oomguard.wiring import (
 
 
 class Heartbeat:
-    """After every loop turn: the watchdog ping, and now and then the STATUS= line, the
-    gauges and the node_exporter textfile."""
+    """After every loop turn: the watchdog ping, and every EVERY seconds the STATUS= line
+    (under systemd) and the node_exporter textfile (when configured). Where neither is wanted
+    it asks the loop for no wake-up at all; a metrics port reads the gauges when scraped."""
 
     EVERY = 2.0
 
     def __init__(self, daemon: Daemon, notifier: Notifier, metrics: Metrics,
-                 textfile: TextfileWriter | None, exported: bool = True) -> None:
+                 textfile: TextfileWriter | None, clock: Callable[[], float] = time.monotonic,
+                 ) -> None:
         self.daemon = daemon
         self.notifier = notifier
         self.metrics = metrics
         self.textfile = textfile
-        self.exported = exported  # someone reads the gauges (a metrics port or a textfile)
+        self.clock = clock
         self._next = 0.0
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the next beat is wanted; None: only when the loop turns anyway."""
+        if self.textfile is None and not self.notifier.enabled:
+            return None
+        return max(0.0, self._next - now)
 
     def __call__(self) -> None:
         self.notifier.watchdog()
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next:
             return
         self._next = now + self.EVERY
-        checkpoints = self.daemon.keeper.store.list()  # read once for both
-        self.notifier.status(self.daemon.summary(checkpoints))
-        if self.exported:
-            publish_gauges(self.metrics, self.daemon.guards, checkpoints)
+        if self.notifier.enabled:
+            self.notifier.status(self.daemon.summary())
         if self.textfile is not None:
             with contextlib.suppress(OSError):
-                self.textfile.write(self.metrics)
+                self.textfile.write(self.metrics)  # the gauges are read as it renders
+
+
+def gauge_reader(metrics: Metrics, daemon: Daemon) -> Callable[[], None]:
+    """What the metrics read when they are rendered (a scrape, a textfile write): the guards'
+    usage and limits now, and the store; nothing is read on a timer."""
+    def refresh() -> None:
+        publish_gauges(metrics, list(daemon.guards), daemon.keeper.listed())
+    return refresh
 
 
 def build_slurm(settings: SlurmConfig) -> SlurmNotifier | None:
@@ -137,9 +151,10 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
                      f"{metrics_server.port}/metrics")
         except OSError as exc:
             log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
-    beat = Heartbeat(daemon, notifier, metrics, textfile,
-                     exported=textfile is not None or metrics_server is not None)
+    metrics.before_render = gauge_reader(metrics, daemon)
+    beat = Heartbeat(daemon, notifier, metrics, textfile)
     daemon.heartbeat = beat
+    daemon.heartbeat_due = beat.due_in
     daemon.max_sleep = notifier.watchdog_interval()
     server = None
     try:

@@ -21,6 +21,16 @@ def next_poll(available: int, total: int, floor: float | int, min_interval: floa
     return min(SYSTEM_MAX_POLL, max(min_interval, distance / WORST_GROWTH_BYTES_PER_S))
 
 
+PREPARE_MIN_BYTES = 512 << 20
+
+
+def preparing(available: int, total: int, floor: float | int) -> bool:
+    """Close enough to the floor to keep a ranking of the processes ready (within the floor
+    again, and at least PREPARE_MIN_BYTES, above it)."""
+    room = floor_bytes(total, floor)
+    return available - room < max(room, PREPARE_MIN_BYTES)
+
+
 def floor_reason(available: int, floor: float | int) -> str:
     if isinstance(floor, float):
         return (f"MemAvailable {format_size(available)} at or below the floor "

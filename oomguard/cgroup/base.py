@@ -51,6 +51,7 @@ class MemoryCgroup(Protocol):
     """A memory cgroup: v1 (`memory` hierarchy) or v2 (unified, memory controller enabled)."""
 
     version: int
+    limit_file: str  # the file holding the limit (memory.limit_in_bytes, memory.max)
     path: Path  # directory in the cgroup filesystem
     rel_path: str  # path inside its hierarchy, '/'-rooted (what /proc/PID/cgroup shows)
 

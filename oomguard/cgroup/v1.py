@@ -31,6 +31,7 @@ class _Node:
 
 class V1MemoryCgroup:
     version = 1
+    limit_file = "memory.limit_in_bytes"  # written when the limit changes (inotify IN_MODIFY)
 
     def __init__(self, path: Path | str, mount: Path | str) -> None:
         self.path = Path(path)

@@ -21,6 +21,7 @@ def parse_max(text: str) -> int | None:
 
 class V2MemoryCgroup:
     version = 2
+    limit_file = "memory.max"  # written when the limit changes (inotify IN_MODIFY)
 
     def __init__(self, path: Path | str, mount: Path | str) -> None:
         self.path = Path(path)

@@ -87,7 +87,7 @@ def test_empty_config_is_all_defaults() -> None:
     config = load_config_text("", "empty.toml")
     assert config == DaemonConfig(source="empty.toml")
     assert config.store == Path("/var/lib/oomguard")
-    assert (config.poll_interval, config.rescan_interval, config.dry_run) == (0.1, 2.0, False)
+    assert (config.poll_interval, config.rescan_interval, config.dry_run) == (0.1, 60.0, False)
     assert config.criu == CriuConfig(binary="auto", ghost_limit=64 * MiB, timeout=300.0,
                                      tcp_close=True, cgroup_limit=256 * MiB)
     assert config.guards == ()

@@ -3,6 +3,10 @@ park_deadline (fake clock, fake memory.oom_control), and parked again once none 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -25,19 +29,33 @@ class Log:
 
 
 class FakeCgroup:
-    """memory.oom_control as the kernel shows it; writes recorded."""
+    """memory.oom_control as the kernel shows it; writes and reads recorded; its OOM
+    notification a real eventfd that `notify()` signals, as the kernel does."""
 
     def __init__(self) -> None:
         self.under_oom = 0
         self.disabled = True
         self.writes: list[bool] = []
+        self.reads = 0
         self.gone = False
+        self.notifications: list[int] = []
 
     def oom_control(self) -> dict[str, int]:
+        self.reads += 1
         if self.gone:
             raise CgroupGone("gone")
         return {"oom_kill_disable": int(self.disabled), "under_oom": self.under_oom,
                 "oom_kill": 0}
+
+    def register_oom(self) -> int:
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.notifications.append(fd)
+        return fd
+
+    def notify(self) -> None:
+        for fd in self.notifications:
+            with contextlib.suppress(OSError):
+                os.eventfd_write(fd, 1)
 
     def set_oom_kill_disable(self, disabled: bool) -> None:
         self.disabled = disabled
@@ -151,8 +169,6 @@ def test_a_failing_read_is_logged_and_retried() -> None:
 
 def test_the_thread_releases_without_the_event_loop() -> None:
     """The real thread (a short interval, the real clock): nothing but the watchdog runs."""
-    import threading
-
     log, cgroup = Log(), FakeCgroup()
     cgroup.under_oom = 1
     released = threading.Event()
@@ -181,3 +197,39 @@ def test_the_thread_releases_without_the_event_loop() -> None:
 ])
 def test_park_reason(idle: float, acting: bool, reason: str) -> None:
     assert park_reason(idle, 6.0, acting) == reason
+
+
+def test_the_thread_reads_only_cgroups_whose_oom_notification_fired() -> None:
+    """A thousand quiet cgroups cost the watchdog nothing: it sleeps on their OOM
+    notifications, reads a cgroup once it fired, and follows it until its park is over."""
+    log = Log()
+    quiet, parked = FakeCgroup(), FakeCgroup()
+    released = threading.Event()
+
+    def reason(name: str, waited: float) -> str:
+        released.set()
+        return "loop wedged"
+
+    watchdog = ParkWatchdog(log, reason, interval=0.01)
+    watchdog.watch("/quiet", quiet, 0.05)
+    watchdog.watch("/parked", parked, 0.05)
+    watchdog.start()
+    try:
+        time.sleep(0.3)  # 30 intervals: each read once (at watch), never again
+        assert quiet.reads <= 2 and parked.reads <= 2
+        parked.under_oom = 1
+        parked.notify()
+        assert released.wait(10)
+        assert parked.writes[:1] == [False]
+        parked.under_oom = 0  # the OOM killer acted: parked again, then left alone
+        deadline = time.monotonic() + 10
+        while parked.writes[-1:] != [True] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert parked.writes == [False, True]
+        settled = parked.reads
+        time.sleep(0.3)
+        assert parked.reads <= settled + 1
+    finally:
+        watchdog.stop()
+    assert quiet.reads <= 2 and quiet.writes == []
+    assert log.names()[:2] == ["oom.released", "oom.rearmed"]

@@ -254,3 +254,38 @@ def test_exiting_tasks_are_never_victims() -> None:
     released = replace(proc_info(502, 1, rss_mib=0), cmdline=())
     trees = build_trees([alive, zombie, released], frozenset())
     assert [t.root.pid for t in trees] == [500]
+
+
+# -- next_watch_look: a cache-only crossing confirmed as resident memory catches up ------------
+
+def test_watch_look_reads_again_at_once_after_the_crossing() -> None:
+    from oomguard.policy import WATCH_FIRST_S, next_watch_look
+    look = next_watch_look(10.0, 100 * MiB, 128 * MiB, None, 0.0, 0.1)
+    assert look.delay == WATCH_FIRST_S and look.idle_interval == 0.0
+
+
+@pytest.mark.parametrize(("rate_mb_s", "gap_mib"), [(100, 4), (500, 4), (2000, 4), (100, 0.5)])
+def test_watch_look_is_half_the_way_to_the_mark_at_the_growth_seen(rate_mb_s: int,
+                                                                    gap_mib: float) -> None:
+    from oomguard.policy import WATCH_MIN_S, next_watch_look
+    mark = 128 * MiB
+    resident = int(mark - gap_mib * MiB)
+    growth = rate_mb_s * 1e6
+    before = (9.99, int(resident - growth * 0.01))
+    look = next_watch_look(10.0, resident, mark, before, 0.0, 0.1)
+    eta = gap_mib * MiB / growth
+    assert look.delay == pytest.approx(min(0.1, max(WATCH_MIN_S, eta / 2)), rel=1e-6)
+    assert look.idle_interval == 0.0
+
+
+def test_watch_look_backs_off_while_nothing_grows_and_comes_back_when_it_does() -> None:
+    from oomguard.policy import WATCH_MAX_S, next_watch_look
+    mark, resident = 128 * MiB, 60 * MiB  # a cgroup full of page cache, resident flat
+    interval, delays = 0.0, []
+    for step in range(8):
+        look = next_watch_look(10.0 + step, resident, mark, (9.0 + step, resident), interval, 0.1)
+        interval = look.idle_interval
+        delays.append(round(look.delay, 3))
+    assert delays == [0.1, 0.2, 0.4, 0.8, WATCH_MAX_S, WATCH_MAX_S, WATCH_MAX_S, WATCH_MAX_S]
+    growing = next_watch_look(20.0, resident + 50 * MiB, mark, (19.0, resident), interval, 0.1)
+    assert growing.idle_interval == 0.0 and growing.delay <= 0.1

@@ -1,0 +1,153 @@
+"""Arming cgroup guards, many at once: at start, on reload, and as cgroups appear.
+
+On v1 each usage threshold registered through cgroup.event_control waits for an RCU grace
+period in the kernel (about 12 ms here), one after another for one cgroup but independently
+for different cgroups: a thousand cgroups with three marks each took 30 s one at a time and
+take under a second from a pool of threads. Every cgroup's threshold mark and OOM
+notification come first (from then on it is armed); the marks beyond the threshold follow.
+The settings oomguard replaces (v1 oom_kill_disable, v2 memory.high) are saved in one durable
+write before any of them is changed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import TypeVar
+
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.errors import CgroupGone
+from oomguard.guards import (
+    OOM_KILL_KEY,
+    CgroupGuard,
+    arm_v1_first,
+    arm_v1_later,
+    arm_v2,
+    disable_oom_kill,
+    high_to_set,
+    set_high_at_threshold,
+)
+from oomguard.ledger import SavedLimits
+
+ARM_WORKERS = 64  # concurrent registrations: past this the kernel's grace periods dominate
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass
+class Prepared:
+    """What arming found and did for one guard (read by the loop, which registers the fds)."""
+
+    guard: CgroupGuard
+    snapshot: MemorySnapshot | None = None  # None: the cgroup is gone
+    setting_now: int | None = None  # v1 oom_kill_disable, v2 memory.high, as found
+    change_setting: bool = False  # oomguard replaces it (its original is saved first)
+    error: str | None = None  # the kernel's notifications could not be armed: polled
+    later_error: str | None = None  # the marks beyond the threshold could not be added
+
+    @property
+    def saved_key(self) -> str:
+        return self.guard.name + (OOM_KILL_KEY if self.guard.cgroup.version == 1 else "")
+
+
+class Armer:
+    """Arms guards from a pool of threads (inline for one). `own_snapshot` reads a cgroup with
+    its own limit (never one oomguard lifted for a dump)."""
+
+    def __init__(self, own_snapshot: Callable[[MemoryCgroup], MemorySnapshot],
+                 saved: SavedLimits, psi_trigger: str, *, dry_run: bool = False,
+                 workers: int = ARM_WORKERS) -> None:
+        self.own_snapshot = own_snapshot
+        self.saved = saved
+        self.psi_trigger = psi_trigger
+        self.dry_run = dry_run
+        self.workers = workers
+
+    def arm(self, guards: Iterable[CgroupGuard]) -> list[Prepared]:
+        """Arm every guard (their fds empty: the loop disarmed them); returns one Prepared
+        each, in order. Raises nothing for a cgroup: its Prepared says what went wrong."""
+        prepared = self._map(self._read, list(guards))
+        changing = [p for p in prepared if p.change_setting]
+        originals = self.saved.remember_many({p.saved_key: p.setting_now for p in changing})
+        armed = [p for p in prepared if p.snapshot is not None and p.snapshot.limit_bytes]
+        self._two_phases(armed, lambda p: self._first(p, originals.get(p.saved_key)),
+                         self._later)
+        return prepared
+
+    # -- the phases (each runs in a worker thread, one guard at a time) ------------------------
+
+    def _read(self, guard: CgroupGuard) -> Prepared:
+        found = Prepared(guard)
+        try:
+            found.snapshot = snap = self.own_snapshot(guard.cgroup)
+            if snap.limit_bytes is None or not guard.spec.events:
+                return found
+            cgroup = guard.cgroup
+            if isinstance(cgroup, V1MemoryCgroup):
+                if guard.spec.oom_kill_disable and not self.dry_run:  # nothing acts in a dry run
+                    found.setting_now = int(cgroup.oom_kill_disabled())
+                    found.change_setting = True
+            elif isinstance(cgroup, V2MemoryCgroup) and guard.spec.memory_high:
+                found.setting_now = cgroup.high()
+                found.change_setting = high_to_set(guard, snap.limit_bytes, found.setting_now)
+        except CgroupGone:
+            found.snapshot = None
+        except OSError as exc:
+            found.error = str(exc)
+        return found
+
+    def _first(self, found: Prepared, original: int | None) -> bool:
+        """The threshold mark, the OOM notification and the replaced setting; False when the
+        guard could not be armed (it is polled)."""
+        guard, snap = found.guard, found.snapshot
+        if found.error is not None or snap is None or snap.limit_bytes is None \
+                or not guard.spec.events:
+            return False
+        limit = snap.limit_bytes
+        try:
+            if isinstance(guard.cgroup, V1MemoryCgroup):
+                arm_v1_first(guard, limit)
+                if found.change_setting:
+                    disable_oom_kill(guard, guard.cgroup, original)
+            elif isinstance(guard.cgroup, V2MemoryCgroup):
+                set_high_at_threshold(guard, guard.cgroup, limit, found.change_setting, original)
+                arm_v2(guard, limit, self.psi_trigger)
+        except (OSError, CgroupGone) as exc:
+            found.error = str(exc)
+            return False
+        return isinstance(guard.cgroup, V1MemoryCgroup)  # v2 has no later marks
+
+    def _later(self, found: Prepared) -> None:
+        assert found.snapshot is not None and found.snapshot.limit_bytes is not None
+        try:
+            arm_v1_later(found.guard, found.snapshot.limit_bytes)
+        except (OSError, CgroupGone) as exc:
+            found.later_error = str(exc)
+
+    # -- the pool ------------------------------------------------------------------------------
+
+    def _map(self, work: Callable[[T], R], items: list[T]) -> list[R]:
+        if len(items) <= 1 or self.workers <= 1:
+            return [work(item) for item in items]
+        with ThreadPoolExecutor(min(self.workers, len(items)),
+                                thread_name_prefix="oomguard-arm") as pool:
+            return list(pool.map(work, items))
+
+    def _two_phases(self, items: list[Prepared], first: Callable[[Prepared], bool],
+                    later: Callable[[Prepared], None]) -> None:
+        """`first` for every item, then `later` for those whose first said so: queued behind
+        every first (the pool takes work in order), so all first marks are in before any later."""
+        if len(items) <= 1 or self.workers <= 1:
+            for item in [i for i in items if first(i)]:
+                later(item)
+            return
+        with ThreadPoolExecutor(min(self.workers, len(items)),
+                                thread_name_prefix="oomguard-arm") as pool:
+            firsts: dict[Future[bool], Prepared] = {pool.submit(first, item): item
+                                                    for item in items}
+            for done in as_completed(firsts):
+                if done.result():
+                    pool.submit(later, firsts[done])

@@ -1,0 +1,298 @@
+"""The daemon's cgroup guards over their life: built from the rules, armed many at once,
+followed as the kernel reports changes (a limit written, a cgroup created or removed: inotify),
+looked over by a slow safety rescan, and released with everything oomguard changed put back.
+
+Nothing here re-reads a cgroup on a timer: an idle guard costs nothing between events."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import select
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oomguard.acting import rule_parts
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
+from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.checkpoint import Checkpointer
+from oomguard.config import DaemonConfig, GuardConfig
+from oomguard.daemon.arming import Armer, Prepared
+from oomguard.errors import CgroupGone
+from oomguard.guards import (
+    EPOLL_MASK,
+    CgroupGuard,
+    Guard,
+    claimed_keys,
+    put_back_high,
+    put_back_leftovers,
+    put_back_oom_kill,
+)
+from oomguard.ledger import SavedLimits
+from oomguard.parkwatch import ParkWatchdog
+from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
+from oomguard.startup import guard_line
+
+
+class CgroupGuardsMixin:
+    """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
+
+    config: DaemonConfig
+    layout: CgroupLayout
+    log: Any
+    guards: list[Guard]
+    epoll: select.epoll
+    checkpointer: Checkpointer
+    saved_high: SavedLimits
+    armer: Armer
+    files: CgroupFiles
+    park_watch: ParkWatchdog
+    _fd_owner: dict[int, tuple[Guard, str]]
+    _globs: list[tuple[GuardConfig, str]]
+    _examine_on_arm: bool
+
+    clock: Callable[[], float]
+
+    if TYPE_CHECKING:
+        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None: ...
+
+    # -- building and arming ---------------------------------------------------------------------
+
+    def _new_cgroup_guard(self, spec: GuardConfig, path: str, pattern: str = "") -> CgroupGuard:
+        guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout), pattern=pattern)
+        guard.parts = rule_parts(spec)
+        self.guards.append(guard)
+        return guard
+
+    def _glob_matches(self) -> list[CgroupGuard]:
+        """Rules may name cgroups by glob (`/slurm/uid_*/job_*`): a guard for each that exists
+        now and has none; those that went away are dropped."""
+        new = []
+        known = {g.name for g in self.guards if isinstance(g, CgroupGuard)}
+        for spec, pattern in self._globs:
+            for match in sorted(glob.glob(self._fs_pattern(pattern))):
+                if match not in known and os.path.isdir(match):
+                    new.append(self._new_cgroup_guard(spec, match, pattern))
+                    known.add(match)
+        for guard in list(self.guards):
+            if isinstance(guard, CgroupGuard) and guard.pattern and not guard.cgroup.exists():
+                self._cgroup_gone(guard)
+                self.guards.remove(guard)
+        return new
+
+    def _fs_pattern(self, pattern: str) -> str:
+        mount = self.layout.memory_mount
+        return pattern if mount is None or pattern.startswith(str(mount)) else \
+            str(mount) + "/" + pattern.lstrip("/")
+
+    def _expand_globs(self) -> None:
+        self._arm_guards(self._glob_matches())
+        self._watch_directories()
+
+    def _arm_guards(self, guards: list[CgroupGuard]) -> None:
+        """Arm these guards together (concurrently: see arming.py), then register and report
+        each, and look at each that is over its threshold already."""
+        if not guards:
+            return
+        for guard in guards:
+            self._disarm(guard)
+        for prepared in self.armer.arm(guards):
+            self._finish_arming(prepared)
+
+    def _finish_arming(self, prepared: Prepared) -> None:
+        guard, snap = prepared.guard, prepared.snapshot
+        if snap is None:
+            if guard.present:
+                self.log.warning("guard.cgroup_missing", cgroup=guard.name)
+            guard.present = False
+            guard.limit_stamp = None
+            self._watch_directories()  # to see it appear
+            return
+        guard.present = True
+        guard.armed_limit = snap.limit_bytes
+        guard.oom_kills = snap.oom_kills
+        guard.last_snapshot = snap
+        guard.limit_stamp = stamp(guard.cgroup.path / guard.cgroup.limit_file)
+        self.files.watch_limit(guard.name, guard.cgroup.path / guard.cgroup.limit_file)
+        if snap.limit_bytes is None:
+            guard.detection = "none (no memory limit)"
+        else:
+            if prepared.error is not None:
+                self.log.warning("guard.events_unavailable", cgroup=guard.name,
+                                 error=prepared.error)
+                self._disarm(guard)
+            elif prepared.later_error is not None:
+                self.log.warning("guard.marks_incomplete", cgroup=guard.name,
+                                 error=prepared.later_error, explanation="the threshold mark "
+                                 "is armed; page cache above it is polled")
+            if not guard.fds:
+                guard.detection = ""
+            # v2 reports no usage crossings by itself: without memory.high it is polled.
+            guard.poll_only = not guard.fds or (
+                isinstance(guard.cgroup, V2MemoryCgroup) and not guard.high_set)
+            if guard.poll_only:
+                polled = f"polling every {self.config.poll_interval * 1000:.0f}ms"
+                guard.detection = f"{guard.detection} + {polled}" if guard.fds else polled
+                guard.due_at = self.clock()
+            self._register(guard)
+            if guard.oom_disable_changed and not guard.oom_disable_original \
+                    and isinstance(guard.cgroup, V1MemoryCgroup):
+                self.park_watch.watch(guard.name, guard.cgroup, guard.spec.park_deadline)
+        self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
+                      detection=guard.detection, limit=snap.limit_bytes,
+                      threshold=guard.spec.threshold, usage=snap.usage_bytes,
+                      summary=guard_line(guard, snap.limit_bytes, dry_run=self.config.dry_run))
+        # Already over the threshold when armed: no crossing will come, look now.
+        if self._examine_on_arm and snap.limit_bytes is not None:
+            self._examine_cgroup(guard, self.clock(), source="arm")
+
+    def _register(self, guard: Guard) -> None:
+        for fd, kind in guard.fds.items():
+            self.epoll.register(fd, EPOLL_MASK[kind])
+            self._fd_owner[fd] = (guard, kind)
+
+    def _disarm(self, guard: Guard) -> None:
+        for fd in guard.fds:
+            with contextlib.suppress(OSError):
+                self.epoll.unregister(fd)
+            self._fd_owner.pop(fd, None)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        guard.fds.clear()
+
+    # -- what the kernel says changed ------------------------------------------------------------
+
+    def _cgroup_guards(self) -> list[CgroupGuard]:
+        return [g for g in self.guards if isinstance(g, CgroupGuard)]
+
+    def _apply_changes(self, changes: Changes) -> None:
+        """inotify: limits written, cgroups gone, entries where rules look for cgroups."""
+        if changes.overflow:
+            self._safety_rescan()
+            return
+        by_name: dict[str, list[CgroupGuard]] = {}
+        for guard in self._cgroup_guards():
+            by_name.setdefault(guard.name, []).append(guard)
+        for name in changes.gone:
+            for guard in by_name.get(name, []):
+                if not guard.cgroup.exists():
+                    self._cgroup_gone(guard)
+        rearm = [g for name in changes.limits for g in by_name.get(name, [])
+                 if self._limit_changed(g)]
+        if changes.directories:
+            if self._globs:
+                rearm += self._glob_matches()
+            rearm += [g for g in self._cgroup_guards() if not g.present and not g.pattern
+                      and g.cgroup.exists()]
+        self._arm_guards(rearm)
+        if changes.directories or changes.gone:
+            self._watch_directories()
+
+    def _limit_changed(self, guard: CgroupGuard) -> bool:
+        """Whether `guard` must be armed again: it came back, or its own limit changed (a
+        limit oomguard lifted for a dump's headroom is never taken for the cgroup's own)."""
+        guard.limit_stamp = stamp(guard.cgroup.path / guard.cgroup.limit_file)
+        if not guard.present:
+            return guard.cgroup.exists()
+        try:
+            snap = guard.cgroup.snapshot()
+        except CgroupGone:
+            self._cgroup_gone(guard)
+            return False
+        guard.last_snapshot = snap
+        lifted = self.checkpointer.limit_lifted(guard.cgroup.path)
+        return snap.limit_bytes != guard.armed_limit and not lifted
+
+    def _safety_rescan(self) -> None:
+        """Every rescan_interval (and when inotify lost events): what notifications could have
+        missed. Each guard costs one stat(2) of its limit file unless it changed."""
+        rearm = self._glob_matches() if self._globs else []
+        for guard in self._cgroup_guards():
+            if guard in rearm:
+                continue
+            now = stamp(guard.cgroup.path / guard.cgroup.limit_file)
+            if now is None:
+                if guard.present and not guard.cgroup.exists():
+                    self._cgroup_gone(guard)
+                continue
+            if not guard.present or now != guard.limit_stamp:
+                if self._limit_changed(guard):
+                    rearm.append(guard)
+                elif guard.present and self.files.available:
+                    self.files.watch_limit(guard.name,
+                                           guard.cgroup.path / guard.cgroup.limit_file)
+        self._arm_guards(rearm)
+        self._watch_directories()
+
+    def _watch_directories(self) -> None:
+        """Where cgroups would appear: below each glob's fixed part, and the nearest existing
+        ancestor of each configured cgroup that does not exist (yet)."""
+        wanted: set[str] = set()
+        for _spec, pattern in self._globs:
+            wanted.update(directories_to_watch(self._fs_pattern(pattern)))
+        for guard in self._cgroup_guards():
+            if not guard.present and not guard.pattern:
+                wanted.update(directories_to_watch(str(guard.cgroup.path)))
+        self.files.watch_directories(wanted)
+
+    # -- letting go --------------------------------------------------------------------------------
+
+    def _cgroup_gone(self, guard: CgroupGuard) -> None:
+        if guard.present:
+            self.log.warning("guard.cgroup_gone", cgroup=guard.name)
+            self._disarm(guard)
+            self.files.unwatch_limit(guard.name)
+            self.saved_high.forget_many(self._put_back(guard))  # the cgroup is gone: forgets
+            guard.present = False
+            guard.due_at = None
+            guard.limit_stamp = None
+
+    def _put_back(self, guard: CgroupGuard) -> list[str]:
+        """memory.high and oom_kill_disable as they were; returns the SavedLimits keys."""
+        keys = put_back_high(guard)
+        self.park_watch.unwatch(guard.name)  # before: the watchdog must not write after it
+        return keys + put_back_oom_kill(guard)
+
+    def _release_cgroup_guards(self) -> None:
+        forgotten: list[str] = []
+        for guard in self.guards:
+            self._disarm(guard)
+            if isinstance(guard, CgroupGuard):
+                self.files.unwatch_limit(guard.name)
+                forgotten += self._put_back(guard)
+        self.saved_high.forget_many(forgotten)
+        self.files.watch_directories(set())
+
+    def _put_back_leftovers(self) -> None:
+        """What a dead run changed on cgroups that no rule now changes the same way."""
+        for cgroup, setting in put_back_leftovers(
+                self.saved_high, claimed_keys(self._cgroup_guards()),
+                lambda path: open_cgroup(path, self.layout)):
+            self.log.info("guard.setting_restored", cgroup=cgroup, setting=setting,
+                          explanation="put back after a previous run that did not stop cleanly")
+        for pid in self.checkpointer.shield.recover():
+            self.log.info("guard.setting_restored", pid=pid, setting="oom_score_adj",
+                          explanation="put back after a previous run that did not stop cleanly")
+
+    def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
+        if snap.oom_kills > guard.oom_kills:
+            self.log.error("oom.kill_seen", cgroup=guard.name,
+                           kills=snap.oom_kills - guard.oom_kills,
+                           explanation="the kernel OOM killer acted before oomguard could")
+        guard.oom_kills = snap.oom_kills
+
+    def _cgroup_at(self, path: str) -> MemoryCgroup | None:
+        try:
+            return open_cgroup(path, self.layout)
+        except ValueError:
+            return None
+
+    def _guard_at(self, path: Path) -> CgroupGuard | None:
+        for guard in self._cgroup_guards():
+            if guard.present and guard.cgroup.path == path:
+                return guard
+        return None

@@ -1,0 +1,252 @@
+"""Looking at a guard when something woke the daemon (a kernel event, a due poll, arming) and
+deciding whether to act: the cgroup rules (resident memory against the threshold, time to the
+limit) and the system rules (MemAvailable, PSI). The decisions are the policy's; this module
+reads the sensors, schedules the next look and hands the action to the Actor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oomguard.acting import Actor, Request
+from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
+from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.checkpoint import Checkpointer
+from oomguard.config import DaemonConfig
+from oomguard.decisionlog import DecisionLog
+from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.guards import CgroupGuard, Guard, SystemGuard
+from oomguard.keeper import StoreKeeper
+from oomguard.policy import (
+    ProcessTree,
+    Verdict,
+    below_min_available,
+    build_trees,
+    evaluate,
+    next_watch_look,
+    rank_victims,
+    system_candidates,
+    with_vram,
+)
+from oomguard.prediction import forecast
+from oomguard.procfs import ProcessInfo, ProcReader
+from oomguard.psi import parse_pressure
+from oomguard.sense.ranking import ProcessRanking
+from oomguard.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
+
+PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
+
+
+class ExaminingMixin:
+    """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
+
+    config: DaemonConfig
+    layout: CgroupLayout
+    log: Any
+    proc: ProcReader
+    clock: Callable[[], float]
+    meminfo: Callable[[], Any]
+    checkpointer: Checkpointer
+    actor: Actor
+    decisions: DecisionLog
+    keeper: StoreKeeper
+    ranking: ProcessRanking
+    _next_system_poll: float
+
+    if TYPE_CHECKING:  # Daemon's (never defined here: they would shadow the real ones)
+        def _cgroup_gone(self, guard: CgroupGuard) -> None: ...
+
+        def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None: ...
+
+        def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]: ...
+
+    def _examine(self, guard: Guard, woke: float, source: str) -> None:
+        if isinstance(guard, SystemGuard):
+            self._examine_system(guard, woke, source)
+        else:
+            self._examine_cgroup(guard, woke, source)
+
+    # -- cgroup rules ----------------------------------------------------------------------------
+
+    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None:
+        try:
+            snap = self.checkpointer.own_snapshot(guard.cgroup)  # never a limit we lifted
+        except CgroupGone:
+            self._cgroup_gone(guard)
+            return
+        guard.last_snapshot = snap
+        self._note_oom_kills(guard, snap)
+        decision = evaluate(snap, guard.spec.threshold)
+        watching = decision.verdict is Verdict.WATCH
+        if watching and not guard.watching:
+            self.log.info("threshold.cache_only", cgroup=guard.name, source=source,
+                          usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
+                          explanation="usage is over the threshold in reclaimable page cache; "
+                          "watching until it drops")
+        guard.watching = watching
+        reason = decision.reason
+        predicted = self._predict(guard, snap) if decision.verdict is not Verdict.ACT else None
+        self._schedule(guard, snap)
+        if decision.verdict is not Verdict.ACT:
+            if predicted is None:
+                self.decisions.forget(guard.name)
+                return
+            reason = predicted
+        else:
+            guard.samples.clear()
+        if snap.under_oom:  # parked at the limit: never left waiting for an event
+            guard.due_at = min(guard.due_at or 1e18, self.clock() + PARKED_RETRY)
+        if self.actor.busy(guard.name):
+            return
+        since = self.clock() - self.actor.last_done.get(guard.name, -1e9)
+        if since < guard.spec.post_action_delay:
+            return
+        self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
+                          anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,
+                          limit=snap.limit_bytes, reason=reason)
+        self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT)
+
+    def _schedule(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
+        """When to look at this guard again without an event: a cache-only watch follows the
+        growth of resident memory; time-to-limit and polled guards every poll_interval."""
+        now = self.clock()
+        due: float | None = None
+        if guard.poll_only or guard.predicting:
+            due = now + self.config.poll_interval
+        if guard.watching and snap.limit_bytes is not None:
+            look = next_watch_look(now, snap.unreclaimable_bytes,
+                                   snap.limit_bytes * guard.spec.threshold, guard.watch_sample,
+                                   guard.watch_interval, self.config.poll_interval)
+            guard.watch_sample = (now, snap.unreclaimable_bytes)
+            guard.watch_interval = look.idle_interval
+            due = min(due or 1e18, now + look.delay)
+        else:
+            guard.watch_sample = None
+            guard.watch_interval = 0.0
+        guard.due_at = due
+
+    def _act_on_cgroup(self, guard: CgroupGuard, snap: MemorySnapshot, woke: float, reason: str,
+                       acting: bool) -> None:
+        cgroup = guard.cgroup
+        threshold = guard.spec.threshold
+        floor = 0 if acting else int((snap.limit_bytes or 0)
+                                     * min(threshold, guard.spec.predict_from))
+
+        def still_pressing() -> bool:
+            try:
+                now = self.checkpointer.own_snapshot(cgroup)
+            except CgroupGone:
+                return False
+            if floor:
+                return now.unreclaimable_bytes >= floor
+            return evaluate(now, threshold).verdict is Verdict.ACT
+
+        def candidates() -> list[ProcessTree]:
+            try:
+                members = self.proc.processes(subtree_procs(cgroup.path))
+            except CgroupGone:
+                return []
+            return rank_victims(with_vram(build_trees(members, self.protected_among(members)),
+                                          self._vram()))
+
+        assert guard.parts is not None
+        freeze = cgroup if (guard.spec.freeze_cgroup and isinstance(cgroup, V2MemoryCgroup)
+                            and acting) else None
+        self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
+                                 lambda tree: cgroup, still_pressing, freeze))
+
+    def _say_crossed(self, name: str, **fields: Any) -> None:
+        """threshold.crossed; in a dry run, where nothing ends the condition, once (then
+        once a minute) until the condition is over."""
+        if self.config.dry_run and self.decisions.due(name, "crossed", True) is None:
+            return
+        self.log.warning("threshold.crossed", cgroup=name, **fields)
+
+    def _predict(self, guard: CgroupGuard, snap: MemorySnapshot) -> str | None:
+        """Time-to-limit: over `predict_from` of the limit, keep recent usage samples and act
+        when, at the current growth, the limit comes before a checkpoint could finish."""
+        limit = snap.limit_bytes
+        if not guard.spec.time_to_limit or limit is None:
+            return None
+        guard.predicting = snap.usage_bytes >= limit * guard.spec.predict_from
+        if not guard.predicting:
+            guard.samples.clear()
+            return None
+        guard.samples.append((self.clock(), snap.usage_bytes))
+        outlook = forecast(list(guard.samples), limit, snap.anon_bytes, self.keeper.throughput)
+        if outlook is None or not outlook.act:
+            return None
+        guard.samples.clear()
+        return outlook.reason()
+
+    def _vram(self) -> dict[int, int]:
+        gpu = self.checkpointer.gpu
+        return gpu.vram_by_pid() if gpu is not None and gpu.accounting else {}
+
+    # -- system-wide rules -----------------------------------------------------------------------
+
+    def _examine_system(self, guard: SystemGuard, woke: float, source: str) -> None:
+        memory = self.meminfo()
+        floor = guard.spec.min_available
+        self._next_system_poll = self.clock() + next_poll(
+            memory.available, memory.total, floor, self.config.poll_interval)
+        if preparing(memory.available, memory.total, floor):
+            self.ranking.prepare()  # the crossing then reads a few processes, not all
+        if below_min_available(memory.available, memory.total, floor):
+            reason = floor_reason(memory.available, floor)
+        else:
+            pressed = pressure_reason(self._full_avg10(), guard.spec.psi_full_avg10)
+            if pressed is None:
+                self.decisions.forget(guard.name)
+                return
+            reason = pressed
+        if self.actor.busy(guard.name):
+            return
+        if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
+            return
+        self._say_crossed(guard.name, source=source, available=memory.available,
+                          total=memory.total, reason=reason)
+
+        def candidates() -> list[ProcessTree]:
+            ranking = self.ranking.current()
+            processes = self.proc.processes(
+                self.proc.all_pids() if ranking is None else self.ranking.to_read(ranking))
+            if guard.spec.victim_cgroups:
+                processes = [p for p in processes
+                             if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
+            return rank_victims(with_vram(system_candidates(processes,
+                                                            self.protected_among(processes)),
+                                          self._vram()))
+
+        def still_pressing() -> bool:
+            now = self.meminfo()
+            return below_min_available(now.available, now.total, floor) or pressure_reason(
+                self._full_avg10(), guard.spec.psi_full_avg10) is not None
+
+        assert guard.parts is not None
+        self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
+                                 self._cgroup_of, still_pressing))
+        self._next_system_poll = self.clock()
+
+    def _full_avg10(self) -> float:
+        try:
+            pressure = parse_pressure(Path("/proc/pressure/memory").read_text())
+        except (OSError, ValueError):
+            return 0.0
+        return pressure.full.avg10 if pressure.full is not None else 0.0
+
+    def _in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
+        try:
+            rel = self.proc.memory_cgroup(pid) or "/"
+        except ProcessGone:
+            return False
+        return in_cgroups(rel, str(self.layout.memory_mount or ""), roots)
+
+    def _cgroup_of(self, tree: ProcessTree) -> MemoryCgroup | None:
+        try:
+            rel = self.proc.memory_cgroup(tree.root.pid)
+            return open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
+        except (ProcessGone, ValueError):
+            return None

@@ -1,0 +1,424 @@
+"""The guard loop: kernel notifications in, decisions out, one action per guard at a time.
+
+Sleeps in epoll until a watched fd fires (v1 usage thresholds and OOM events, v2 memory.high /
+memory.events changes, PSI triggers, inotify on the cgroup filesystem), a signal arrives, or
+some work falls due. Nothing is read on a timer while all is quiet: a guard is re-read when one
+of its own events fires; polls run only where notifications cannot tell a crossing (v2 without
+memory.high, usage over the threshold in page cache, system-wide MemAvailable as it nears the
+floor); the safety rescan (rescan_interval) costs one stat(2) per guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from oomguard.acting import Actor, rule_parts
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.mounts import CgroupLayout
+from oomguard.chain import ChainRunner
+from oomguard.checkpoint import Checkpointer
+from oomguard.config import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
+from oomguard.daemon.arming import Armer
+from oomguard.daemon.cgroupguards import CgroupGuardsMixin
+from oomguard.daemon.examining import ExaminingMixin
+from oomguard.decisionlog import DecisionLog
+from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.gpuwatch import GpuWatch
+from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, consume, psi_trigger_for
+from oomguard.guardstatus import guard_entries, summary_line
+from oomguard.keeper import StoreKeeper
+from oomguard.kubelet import ContainerCheckpointer
+from oomguard.ledger import SavedLimits
+from oomguard.parkwatch import ParkWatchdog, park_reason
+from oomguard.procfs import ProcessInfo, ProcReader
+from oomguard.restore import Restorer
+from oomguard.selfguard import ancestors_of, own_family
+from oomguard.sense.cgroupfiles import CgroupFiles
+from oomguard.sense.ranking import ProcessRanking
+from oomguard.startup import guard_line
+from oomguard.store import CheckpointMeta
+
+SAVED_HIGH = ".memory-high.json"
+SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often
+STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
+
+
+class Daemon(ExaminingMixin, CgroupGuardsMixin):
+    def __init__(self, config: DaemonConfig, checkpointer: Checkpointer, layout: CgroupLayout,
+                 log: Any, *, proc: ProcReader | None = None,
+                 clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
+                 meminfo: Callable[[], Any] = psutil.virtual_memory,
+                 restorer: Restorer | None = None,
+                 wall_clock: Callable[[], float] = time.time,
+                 containers: ContainerCheckpointer | None = None,
+                 files: CgroupFiles | None = None,
+                 ranking: ProcessRanking | None = None) -> None:
+        self.config = config
+        self.checkpointer = checkpointer
+        self.layout = layout
+        self.log = log
+        self.proc = proc or ProcReader()
+        self.clock = clock
+        self.self_pid = self_pid if self_pid is not None else os.getpid()
+        self.meminfo = meminfo
+        self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock)
+        self.guards: list[Guard] = []
+        self.epoll = select.epoll()
+        self._fd_owner: dict[int, tuple[Guard, str]] = {}
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.epoll.register(self._wake_r, select.EPOLLIN)
+        self.files = files if files is not None else CgroupFiles()
+        files_fd = self.files.fileno()
+        if files_fd is not None:
+            self.epoll.register(files_fd, select.EPOLLIN)
+        self._next_rescan = 0.0
+        self._next_system_poll = 0.0
+        self._next_settle: float | None = None  # None: nothing waits to be settled
+        self.saved_high = SavedLimits(config.store / SAVED_HIGH)
+        self.psi_trigger = psi_trigger_for()
+        self.armer = Armer(checkpointer.own_snapshot, self.saved_high, self.psi_trigger,
+                           dry_run=config.dry_run)
+        self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
+        self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
+                                  restorer=restorer, clock=clock, wall_clock=wall_clock)
+        self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
+                                       clock=clock, containers=containers),
+                           self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
+                           clock=clock, decisions=self.decisions, on_done=self._action_done)
+        self._reload = False
+        self._globs: list[tuple[GuardConfig, str]] = []
+        # Called after every loop turn (systemd watchdog pings, metrics); the loop never
+        # sleeps longer than max_sleep, so a hung loop stops the pings and gets restarted.
+        self.heartbeat: Callable[[], None] | None = None
+        self.heartbeat_due: Callable[[float], float | None] | None = None  # seconds, or None
+        self.max_sleep: float | None = None
+        self._examine_on_arm = True  # False while arm() builds the guards at start
+        self._limit_busy: set[str] = set()  # cgroups whose lifted limit could not be put back yet
+        self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
+                                  self.proc, self.log, protected=self.protected_pids,
+                                  in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
+                                  clock=clock) if checkpointer.gpu is not None else None
+        self._gpu_watching = self._wants_gpu_watch()
+        self.last_turn = clock()
+        self._turn_began: float | None = None  # set while the loop is inside a turn
+        self._acted = threading.Event()  # an action ended (set from the Actor's threads)
+        self.park_watch = ParkWatchdog(self.log, self._park_reason, clock=clock)
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def arm(self) -> None:
+        self._warn_config(config_warnings(self.config, self.layout))
+        self.keeper.recover_store()
+        self.keeper.prune()
+        if not self.files.available:
+            self.log.info("guard.inotify_unavailable", reason=self.files.why,
+                          explanation="limit changes and new cgroups are seen at each rescan "
+                          f"(every {self.config.rescan_interval:g}s)")
+        # Arm every guard before thawing what a dead run left stopped, and only then look at
+        # the cgroups: a thawed victim over its threshold grows again at once, and must find
+        # the guard in place rather than the OOM killer.
+        self._examine_on_arm = False
+        try:
+            self._build_guards()
+        finally:
+            self._examine_on_arm = True
+        self._put_back_leftovers()
+        self.park_watch.start()
+        self.keeper.thaw_leftovers()
+        self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
+        for guard in self._cgroup_guards():
+            if guard.present and guard.armed_limit is not None:
+                self._examine_cgroup(guard, self.clock(), source="arm")
+        self._next_rescan = self.clock() + self.config.rescan_interval
+
+    def _build_guards(self) -> None:
+        fixed: list[CgroupGuard] = []
+        for spec in self.config.guards:
+            if spec.system:
+                system = SystemGuard(spec=spec)
+                system.parts = rule_parts(spec)
+                self.guards.append(system)
+                arm_system(system, self.psi_trigger)
+                self._register(system)
+                self.log.info("guard.armed", cgroup="system", detection=system.detection,
+                              min_available=spec.min_available,
+                              summary=guard_line(system, None, self.meminfo().total,
+                                                 self.config.dry_run))
+                continue
+            for path in spec.cgroups:
+                if glob.has_magic(path):
+                    self._globs.append((spec, path))
+                    continue
+                fixed.append(self._new_cgroup_guard(spec, path))
+        self._arm_guards(fixed + self._glob_matches())  # one batch: see arming.py
+        self._watch_directories()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.stop())
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.request_reload())
+
+    def request_reload(self) -> None:
+        self._reload = True
+        self._wake(b"r")
+
+    def reload(self) -> None:
+        """SIGHUP: read the config file again. A config with any error is rejected, every error
+        logged, and the running rules stay; a good one replaces the rules."""
+        self._reload = False
+        source = self.config.source
+        if not os.path.isfile(source):
+            self.log.warning("config.reload_ignored", source=source,
+                             explanation="rules came from the command line, not a file")
+            return
+        try:
+            new = load_config(source)
+            warnings = check_config(new, self.layout)
+        except ConfigError as exc:
+            issues = [str(i) for i in exc.issues]
+            self.log.error("config.rejected", source=source, issues=issues,
+                           explanation="the running rules stay in force")
+            return
+        for key in ("store", "socket", "criu"):
+            if getattr(new, key) != getattr(self.config, key):
+                self.log.warning("config.restart_needed", key=f"daemon.{key}",
+                                 explanation="this setting takes effect at the next start")
+        self._warn_config(warnings)
+        self._release_guards()
+        self.guards = []
+        self._globs = []
+        self.config = replace(new, store=self.config.store, socket=self.config.socket,
+                              criu=self.config.criu)
+        self._gpu_watching = self._wants_gpu_watch()
+        self.actor.dry_run = self.armer.dry_run = self.config.dry_run
+        self.log.info("config.reloaded", source=source, guards=len(new.guards))
+        self._build_guards()
+
+    def _warn_config(self, warnings: list[ConfigIssue]) -> None:
+        """What check-config prints as warnings: the rules run, the mistake is logged."""
+        for issue in warnings:
+            self.log.warning("config.warning", source=issue.source, key=issue.key,
+                             reason=issue.reason)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake(b"x")
+
+    def _wake(self, why: bytes) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, why)
+
+    def _release_guards(self) -> None:
+        """Let actions in flight finish, then unregister every guard and put back what
+        oomguard changed on its cgroup (memory.high, oom_kill_disable)."""
+        self.actor.join()
+        self._release_cgroup_guards()
+
+    def close(self) -> None:
+        self._release_guards()
+        self.park_watch.stop()
+        self.files.close()
+        self.epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stopping:
+            self.tick()
+
+    def _timeout(self) -> float:
+        """Until the first piece of work falls due (the epoll wait's timeout, in seconds)."""
+        now = self.clock()
+        due = [self._next_rescan]
+        if self._next_settle is not None:
+            due.append(self._next_settle)
+        if self.max_sleep is not None:
+            due.append(now + self.max_sleep)
+        beat = self.heartbeat_due(now) if self.heartbeat_due is not None else None
+        if beat is not None:
+            due.append(now + beat)
+        if self._gpu_watching:
+            assert self.gpu_watch is not None
+            due.append(now + self.gpu_watch.due_in(now))
+        for guard in self.guards:
+            if isinstance(guard, SystemGuard):
+                due.append(self._next_system_poll)
+            elif guard.present and guard.due_at is not None:
+                due.append(guard.due_at)
+        return max(0.0, min(due) - now)
+
+    def tick(self) -> None:
+        ready = self.epoll.poll(self._timeout())
+        woke = self._turn_began = self.clock()
+        try:
+            self._turn(ready, woke)
+        finally:
+            self._turn_began = None
+        self.last_turn = self.clock()
+        if self.heartbeat is not None:
+            self.heartbeat()
+
+    def _turn(self, ready: list[tuple[int, int]], woke: float) -> None:
+        fired: list[Guard] = []
+        files_ready = False
+        for fd, _mask in ready:
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 64)
+                continue
+            if fd == self.files.fileno():
+                files_ready = True
+                continue
+            owner = self._fd_owner.get(fd)
+            if owner is None:
+                continue
+            guard, kind = owner
+            consume(fd, kind)
+            if guard not in fired:
+                fired.append(guard)
+        if self._stopping:
+            return
+        if self._reload:
+            self.reload()
+            return
+        for guard in fired:  # first: a crossing never waits behind bookkeeping
+            self._examine(guard, woke, "event")
+        if files_ready:
+            self._apply_changes(self.files.read())
+        now = self.clock()
+        for guard in self.guards:
+            if guard in fired:
+                continue
+            if isinstance(guard, SystemGuard):
+                if now >= self._next_system_poll:
+                    self._examine(guard, now, "poll")
+            elif guard.present and guard.due_at is not None and now >= guard.due_at:
+                self._examine(guard, now, "poll")
+        if self._gpu_watching:
+            assert self.gpu_watch is not None
+            self.gpu_watch.tick(self.guards)
+        if self._acted.is_set() or (self._next_settle is not None
+                                    and self.clock() >= self._next_settle):
+            self._acted.clear()
+            self._settle()
+        if self.clock() >= self._next_rescan:
+            self._safety_rescan()
+            self._settle()
+            self._next_rescan = self.clock() + self.config.rescan_interval
+
+    def _action_done(self, name: str) -> None:
+        """From an Actor thread: an action ended; the loop settles what it left (a lifted
+        limit to put back, a store to prune) at once."""
+        self._acted.set()
+        self._wake(b"a")
+
+    # -- work that waits ---------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Limits to put back, a dead run's leftovers, auto-restores that wait for room: done
+        now, and retried every SETTLE_INTERVAL while any is left."""
+        waiting = False
+        if self.checkpointer.lifts.pending() or self._limit_busy:
+            self._settle_lifts()
+            waiting = waiting or self.checkpointer.lifts.pending() or bool(self._limit_busy)
+        waiting = self.keeper.tick() or waiting
+        restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present]
+        if restoring:
+            wanted = self.keeper.waiting_cgroups()
+            for guard in restoring:
+                if guard.cgroup.rel_path not in wanted:
+                    guard.quiet_since = None
+                    continue
+                waiting = True
+                snap = guard.last_snapshot
+                with contextlib.suppress(OSError):
+                    snap = guard.cgroup.snapshot()
+                    guard.last_snapshot = snap
+                if snap is not None:
+                    self.keeper.consider_restore(guard, snap)
+        self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
+
+    def _settle_lifts(self) -> None:
+        """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
+        that cannot be put back (something grew into the lifted room) is retried, and its guard
+        acts on the grower at once: the limit comes back, never stays."""
+        for path in sorted(self._limit_busy):
+            if not self.checkpointer.lifts.lifted(Path(path)):  # put back by a later dump
+                self._limit_busy.discard(path)
+                self.log.info("limit.restored", cgroup=path,
+                              explanation="the limit lifted for a dump's headroom is back")
+        for settled in self.checkpointer.lifts.settle(self._cgroup_at):
+            if settled.outcome == "restored":
+                self.log.info("limit.restored", cgroup=settled.path,
+                              explanation="the limit lifted for a dump's headroom is back")
+                self._limit_busy.discard(settled.path)
+            elif settled.outcome == "busy":
+                if settled.path not in self._limit_busy:
+                    self._limit_busy.add(settled.path)
+                    self.log.error("limit.restore_failed", cgroup=settled.path,
+                                   error=settled.detail, explanation="the cgroup grew into the "
+                                   "room lifted for a dump; acting on it until the limit is back")
+                guard = self._guard_at(Path(settled.path))
+                if guard is not None:
+                    self._examine_cgroup(guard, self.clock(), "limit-restore")
+
+    def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
+        self.keeper.note_dump(image_bytes, dump_seconds)
+        self.keeper.prune()
+
+    # -- asked by others (the control service, the park watchdog, the GPU watch) --------------
+
+    def summary(self, stored: list[CheckpointMeta] | None = None) -> str:
+        """One line for systemd's STATUS=."""
+        return summary_line(self.guards, self.keeper.listed() if stored is None else stored)
+
+    def status(self) -> dict[str, Any]:
+        return {"daemon": True, "pid": self.self_pid, "dry_run": self.config.dry_run,
+                "guards": guard_entries(self.guards, self.meminfo),
+                "recent_events": list(getattr(self.log, "recent", []))}
+
+    def _park_reason(self, name: str, waited: float) -> str:  # asked from the watchdog's thread
+        now = self.clock()
+        began = self._turn_began
+        stuck = self.actor.busy(name) and now - self.actor.last_done.get(name, -1e9) >= waited
+        return park_reason(now - began if began is not None else 0.0, STALE_TURN, stuck)
+
+    def _wants_gpu_watch(self) -> bool:
+        """NVML is read only while a rule has a gpu_threshold and NVML works (decided at
+        start and on each reload, not on every loop turn)."""
+        return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
+                                                              self.config.guards)
+
+    def user_headroom(self, cgroup: MemoryCgroup) -> int:
+        """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its
+        rule says `user_headroom = true`."""
+        for guard in self._cgroup_guards():
+            if guard.cgroup.path == cgroup.path:
+                return guard.spec.headroom if guard.spec.user_headroom else 0
+        return 0
+
+    def protected_pids(self) -> frozenset[int]:
+        """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""
+        return own_family(self.proc, self.self_pid)
+
+    def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
+        """The daemon and what it started, among `processes`: cheap whatever the number of
+        the daemon's own threads (one per control connection); and its ancestors (a tree
+        rooted at one holds the daemon)."""
+        return self.proc.descended_from(self.self_pid, processes) | ancestors_of(
+            self.proc, self.self_pid)

@@ -1,0 +1,1 @@
+"""Sensors: what the kernel tells, read into frozen dataclasses; no decisions here."""

@@ -1,0 +1,161 @@
+"""What changed in the cgroup filesystem, as the kernel tells it (inotify), so that nothing is
+re-read on a timer: a guarded cgroup's limit file written (IN_MODIFY), the cgroup removed (its
+watch ends: IN_IGNORED), a directory created or removed where a glob rule looks or where a
+configured cgroup that does not exist yet would appear.
+
+Where inotify is unavailable the daemon's safety rescan does the same by comparing `stamp`s
+(inode and mtime: kernfs updates a file's mtime on every write)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from oomguard.sense.inotify import DIR_ENTRIES, FILE_CHANGES, IN_ONLYDIR, Inotify
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """A file's identity and last write: a different one means "read it again"."""
+
+    inode: int
+    mtime_ns: int
+
+
+def stamp(path: Path | str) -> Stamp | None:
+    """The file's stamp; None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return Stamp(st.st_ino, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class Changes:
+    limits: frozenset[str] = frozenset()  # names whose limit file was written
+    gone: frozenset[str] = frozenset()  # names whose limit file (the cgroup) went away
+    directories: bool = False  # an entry appeared or went in a watched directory
+    overflow: bool = False  # events were lost: look at everything again
+
+    def __bool__(self) -> bool:
+        return bool(self.limits or self.gone or self.directories or self.overflow)
+
+
+def directories_to_watch(pattern: str) -> list[str]:
+    """Where a cgroup matching a glob `pattern` would appear: the directory above its first
+    wildcard, and every existing directory that matches the pattern down to (not including)
+    its last component. /m/slurm/uid_*/job_* watches /m/slurm and each /m/slurm/uid_*."""
+    parts = Path(pattern).parts
+    first_magic = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    found = [nearest_existing(str(Path(*parts[:max(1, first_magic)])))]
+    for depth in range(first_magic + 1, len(parts)):
+        found += [m for m in sorted(glob.glob(str(Path(*parts[:depth])))) if os.path.isdir(m)]
+    return found
+
+
+def nearest_existing(path: str) -> str:
+    """`path`, or the nearest of its ancestors that exists (where it would be created)."""
+    current = Path(path)
+    while not current.is_dir() and current != current.parent:
+        current = current.parent
+    return str(current)
+
+
+class CgroupFiles:
+    """One inotify instance for every guard. `available` is False (with `why`) where inotify
+    cannot be used; then nothing is watched and the safety rescan is all there is."""
+
+    def __init__(self, open_inotify: type[Inotify] = Inotify) -> None:
+        self.why: str | None = None
+        self._inotify: Inotify | None = None
+        try:
+            self._inotify = open_inotify()
+        except OSError as exc:
+            self.why = f"inotify unavailable: {exc.strerror or exc}"
+        self._limit_wd: dict[str, int] = {}  # name -> wd
+        self._limit_names: dict[int, set[str]] = {}  # wd -> names (one cgroup, several rules)
+        self._dir_wd: dict[str, int] = {}  # directory -> wd
+        self._dir_of: dict[int, str] = {}
+
+    @property
+    def available(self) -> bool:
+        return self._inotify is not None
+
+    def fileno(self) -> int | None:
+        return self._inotify.fileno() if self._inotify is not None else None
+
+    def watch_limit(self, name: str, limit_file: Path) -> bool:
+        """Tell when `limit_file` is written or goes away; False if it cannot be watched."""
+        if self._inotify is None:
+            return False
+        self.unwatch_limit(name)
+        try:
+            wd = self._inotify.add(limit_file, FILE_CHANGES)
+        except OSError:
+            return False
+        self._limit_wd[name] = wd
+        self._limit_names.setdefault(wd, set()).add(name)
+        return True
+
+    def unwatch_limit(self, name: str) -> None:
+        wd = self._limit_wd.pop(name, None)
+        if wd is None:
+            return
+        names = self._limit_names.get(wd, set())
+        names.discard(name)
+        if not names:
+            self._limit_names.pop(wd, None)
+            if self._inotify is not None:
+                self._inotify.remove(wd)
+
+    def watch_directories(self, directories: set[str]) -> None:
+        """Watch exactly these directories for entries coming and going."""
+        if self._inotify is None:
+            return
+        for gone in set(self._dir_wd) - directories:
+            wd = self._dir_wd.pop(gone)
+            self._dir_of.pop(wd, None)
+            if wd not in self._limit_names:
+                self._inotify.remove(wd)
+        for directory in sorted(directories - set(self._dir_wd)):
+            try:
+                wd = self._inotify.add(directory, DIR_ENTRIES | IN_ONLYDIR)
+            except OSError:
+                continue  # gone meanwhile: its parent's watch tells when it comes back
+            self._dir_wd[directory] = wd
+            self._dir_of[wd] = directory
+
+    def watched_directories(self) -> set[str]:
+        return set(self._dir_wd)
+
+    def read(self) -> Changes:
+        """What the queued events say (non-blocking)."""
+        if self._inotify is None:
+            return Changes()
+        limits: set[str] = set()
+        gone: set[str] = set()
+        directories = overflow = False
+        for event in self._inotify.read():
+            if event.overflow:
+                overflow = True
+                continue
+            names = self._limit_names.get(event.wd)
+            if names is not None:
+                (gone if event.gone else limits).update(names)
+                if event.gone:
+                    for name in list(names):
+                        self._limit_wd.pop(name, None)
+                    self._limit_names.pop(event.wd, None)
+            if event.wd in self._dir_of:
+                directories = True
+                if event.gone:
+                    self._dir_wd.pop(self._dir_of.pop(event.wd), None)
+        return Changes(frozenset(limits - gone), frozenset(gone), directories, overflow)
+
+    def close(self) -> None:
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None

@@ -1,0 +1,84 @@
+"""The daemon learns of cgroup changes from the kernel, not from a timer: with the safety rescan
+an hour away, a cgroup created under a glob is armed (and a hog in it checkpointed), a removed
+one is let go, a configured cgroup that appears later is armed, and a limit written by someone
+is followed (the thresholds move with it), all within seconds. Real cgroups, real daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from oomguard.cgroup.base import MemoryCgroup
+from tests.helpers import CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup
+
+pytestmark = pytest.mark.integration
+NO_RESCAN = '[daemon]\nrescan_interval = "1h"\n\n'
+
+
+def _child(cgroups: CgroupFactory, parent: MemoryCgroup, name: str, limit: int) -> MemoryCgroup:
+    child = parent.child(name)
+    child.create()
+    child.set_limit(limit)
+    cgroups.created.append(child)  # removed (after what runs in it) before its parent
+    return child
+
+
+def test_a_cgroup_created_under_a_glob_is_guarded_at_once(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    jobs = cgroups.make("globjobs", None)
+    config = tmp_path / "glob.toml"
+    config.write_text(NO_RESCAN + f'[[guard]]\ncgroups = ["{jobs.path}/job_*"]\n'
+                      'threshold = "85%"\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.started")
+        assert guard.events("guard.armed") == []  # nothing matches yet
+        job = _child(cgroups, jobs, "job_1", 256 * MiB)
+        armed = guard.wait_event("guard.armed", timeout=10)[0]
+        assert armed["cgroup"] == str(job.path) and armed["limit"] == 256 * MiB
+        hog = start_in_cgroup(job, hog_argv(tmp_path / "hog.log", target=400, rate=200,
+                                            count=100_000))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert done["pid"] == hog.pid
+        hog.wait(timeout=10)
+        job.path.rmdir()
+        cgroups.created.remove(job)
+        gone = guard.wait_event("guard.cgroup_gone", timeout=10)[0]
+        assert gone["cgroup"] == str(job.path)
+        again = _child(cgroups, jobs, "job_2", 128 * MiB)
+        rearmed = guard.wait_event("guard.armed", timeout=10, count=2)[1]
+        assert rearmed["cgroup"] == str(again.path) and rearmed["limit"] == 128 * MiB
+    assert job.path.exists() is False and again.snapshot().oom_kills == 0
+
+
+def test_a_configured_cgroup_that_appears_later_is_armed(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    parent = cgroups.make("later", None)
+    target = parent.child("build")
+    config = tmp_path / "later.toml"
+    config.write_text(NO_RESCAN + f'[[guard]]\ncgroups = ["{target.path}"]\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.cgroup_missing")
+        _child(cgroups, parent, "build", 300 * MiB)
+        armed = guard.wait_event("guard.armed", timeout=10)[0]
+        assert armed["cgroup"] == str(target.path) and armed["limit"] == 300 * MiB
+
+
+def test_a_limit_written_is_followed_without_a_rescan(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("limitmove", 1024 * MiB)
+    config = tmp_path / "limit.toml"
+    config.write_text(NO_RESCAN + f'[[guard]]\ncgroups = ["{cg.path}"]\nthreshold = "85%"\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        assert guard.wait_event("guard.armed")[0]["limit"] == 1024 * MiB
+        cg.set_limit(256 * MiB)
+        moved = guard.wait_event("guard.armed", timeout=10, count=2)[1]
+        assert moved["limit"] == 256 * MiB
+        # The thresholds moved with it: a hog past 85% of the new limit is checkpointed
+        # (at the old one it would have been OOM-killed first).
+        hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=400, rate=200,
+                                           count=100_000))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert done["pid"] == hog.pid
+        hog.wait(timeout=10)
+    assert cg.snapshot().oom_kills == 0
