@@ -47,7 +47,8 @@ class CgroupGuard:
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
     predicting: bool = False  # time-to-limit: usage is in the zone where growth is watched
-    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=20))
+    # time-to-limit's recent (time, usage) readings; made only once usage enters its zone
+    samples: deque[tuple[float, int]] | None = None
     last_snapshot: MemorySnapshot | None = None  # the latest reading (for the gauges)
     limit_stamp: Stamp | None = None  # the limit file when last read (the safety rescan)
     due_at: float | None = None  # look again then without an event (polls, a cache-only watch)

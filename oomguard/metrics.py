@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from oomguard.quietserve import QuietServing
 
 OUTCOME_DONE = "done"
 OUTCOME_FAILED = "failed"
@@ -41,7 +44,29 @@ TEXTFILE_MODE = 0o644
 DEFAULT_ADDRESS = "127.0.0.1"
 SERVER_JOIN_TIMEOUT = 5.0
 
-StartServer = Callable[..., tuple[WSGIServer, threading.Thread]]
+StartServer = Callable[..., tuple[WSGIServer, QuietServing]]
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def start_http_server(port: int, addr: str = DEFAULT_ADDRESS,
+                      registry: CollectorRegistry | None = None) -> tuple[WSGIServer, QuietServing]:
+    """prometheus_client's start_http_server (its WSGI app, its threading server, its quiet
+    request handler), served without serve_forever's twice-a-second wake-up."""
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    httpd = make_server(addr, port, make_wsgi_app(registry or REGISTRY), Server,
+                        handler_class=_QuietHandler)
+    serving = QuietServing(httpd, "oomguard-metrics")
+    serving.start()
+    return httpd, serving
 
 
 def _non_negative(what: str, value: float) -> None:
@@ -225,16 +250,16 @@ class Metrics:
         ``port`` 0 binds an ephemeral port (see ``MetricsServer.port``). Raises OSError when the
         address cannot be bound. Shut it down with ``close()`` (or use it as a context manager).
         """
-        server, thread = start(port, addr=address, registry=self.registry)
-        return MetricsServer(server=server, thread=thread)
+        server, serving = start(port, addr=address, registry=self.registry)
+        return MetricsServer(server=server, serving=serving)
 
 
 @dataclass
 class MetricsServer:
-    """A running metrics HTTP server and its serving thread."""
+    """A running metrics HTTP server and what serves it."""
 
     server: WSGIServer
-    thread: threading.Thread
+    serving: QuietServing
     _closed: bool = field(default=False, init=False)
 
     @property
@@ -247,9 +272,8 @@ class MetricsServer:
         if self._closed:
             return
         self._closed = True
-        self.server.shutdown()
+        self.serving.stop(timeout)
         self.server.server_close()
-        self.thread.join(timeout)
 
     def __enter__(self) -> MetricsServer:
         return self

@@ -42,6 +42,7 @@ from oomguard.control.protocol import (
     reply,
 )
 from oomguard.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
+from oomguard.quietserve import QuietServing
 from oomguard.service import PermissionDenied, Service
 
 
@@ -204,7 +205,7 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         super().__init__(str(path), _Handler)
         # Anyone may connect; what each caller may see is decided per call from SO_PEERCRED.
         os.chmod(path, mode)
-        self._thread: threading.Thread | None = None
+        self._serving: QuietServing | None = None
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         """Runs in the accepting thread before a handler thread is started: a connection over
@@ -253,12 +254,13 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                       suppressed=suppressed or None)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self.serve_forever, name="oomguard-control",
-                                        daemon=True)
-        self._thread.start()
+        self._serving = QuietServing(self, "oomguard-control")
+        self._serving.start()
 
     def stop(self) -> None:
-        self.shutdown()
+        if self._serving is not None:
+            self._serving.stop()
+            self._serving = None
         self.server_close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

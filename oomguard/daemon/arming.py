@@ -10,8 +10,8 @@ write before any of them is changed."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -130,24 +130,58 @@ class Armer:
     # -- the pool ------------------------------------------------------------------------------
 
     def _map(self, work: Callable[[T], R], items: list[T]) -> list[R]:
-        if len(items) <= 1 or self.workers <= 1:
-            return [work(item) for item in items]
-        with ThreadPoolExecutor(min(self.workers, len(items)),
-                                thread_name_prefix="oomguard-arm") as pool:
-            return list(pool.map(work, items))
+        results: list[R | None] = [None] * len(items)
+
+        def one(index: int) -> None:
+            results[index] = work(items[index])
+
+        self._run_all(one, list(range(len(items))))
+        return [r for r in results if r is not None]
 
     def _two_phases(self, items: list[Prepared], first: Callable[[Prepared], bool],
                     later: Callable[[Prepared], None]) -> None:
-        """`first` for every item, then `later` for those whose first said so: queued behind
-        every first (the pool takes work in order), so all first marks are in before any later."""
+        """`first` for every item, then `later` for those whose first said so: every
+        threshold mark is in before any later mark."""
+        needs_later: list[Prepared] = []
+        lock = threading.Lock()
+
+        def one(item: Prepared) -> None:
+            if first(item):
+                with lock:
+                    needs_later.append(item)
+
+        self._run_all(one, items)
+        self._run_all(later, needs_later)
+
+    def _run_all(self, work: Callable[[T], None], items: list[T]) -> None:
+        """`work` on every item from up to `workers` threads, each taking the next item until
+        none is left (no future per item: a thousand of them would stay in the heap)."""
         if len(items) <= 1 or self.workers <= 1:
-            for item in [i for i in items if first(i)]:
-                later(item)
+            for item in items:
+                work(item)
             return
-        with ThreadPoolExecutor(min(self.workers, len(items)),
-                                thread_name_prefix="oomguard-arm") as pool:
-            firsts: dict[Future[bool], Prepared] = {pool.submit(first, item): item
-                                                    for item in items}
-            for done in as_completed(firsts):
-                if done.result():
-                    pool.submit(later, firsts[done])
+        queue = iter(items)
+        lock = threading.Lock()
+        failures: list[BaseException] = []
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    try:
+                        item = next(queue)
+                    except StopIteration:
+                        return
+                try:
+                    work(item)
+                except BaseException as exc:  # a bug, not a cgroup's error: raised below
+                    failures.append(exc)
+                    return
+
+        threads = [threading.Thread(target=worker, name="oomguard-arm", daemon=True)
+                   for _ in range(min(self.workers, len(items)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]

@@ -37,6 +37,8 @@ from oomguard.parkwatch import ParkWatchdog
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
 from oomguard.startup import guard_line
 
+SWEEP_SLICES = 10  # with inotify, each safety rescan stats this share of the guards
+
 
 class CgroupGuardsMixin:
     """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
@@ -54,6 +56,9 @@ class CgroupGuardsMixin:
     _fd_owner: dict[int, tuple[Guard, str]]
     _globs: list[tuple[GuardConfig, str]]
     _examine_on_arm: bool
+    _rule_parts: dict[int, Any]  # id(rule) -> its compiled parts (acting.RuleParts)
+    _sweep_turn: int  # which slice of the guards the next safety rescan looks at
+    _dirs_stale: bool  # a guard went: the directories watched must be worked out again
 
     clock: Callable[[], float]
 
@@ -64,7 +69,9 @@ class CgroupGuardsMixin:
 
     def _new_cgroup_guard(self, spec: GuardConfig, path: str, pattern: str = "") -> CgroupGuard:
         guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout), pattern=pattern)
-        guard.parts = rule_parts(spec)
+        guard.parts = self._rule_parts.get(id(spec))
+        if guard.parts is None:  # compiled once per rule, shared by all its cgroups
+            guard.parts = self._rule_parts[id(spec)] = rule_parts(spec)
         self.guards.append(guard)
         return guard
 
@@ -102,6 +109,7 @@ class CgroupGuardsMixin:
             self._disarm(guard)
         for prepared in self.armer.arm(guards):
             self._finish_arming(prepared)
+        self._watch_directories()  # where the missing would appear, beside the present
 
     def _finish_arming(self, prepared: Prepared) -> None:
         guard, snap = prepared.guard, prepared.snapshot
@@ -110,7 +118,6 @@ class CgroupGuardsMixin:
                 self.log.warning("guard.cgroup_missing", cgroup=guard.name)
             guard.present = False
             guard.limit_stamp = None
-            self._watch_directories()  # to see it appear
             return
         guard.present = True
         guard.armed_limit = snap.limit_bytes
@@ -172,22 +179,23 @@ class CgroupGuardsMixin:
     def _apply_changes(self, changes: Changes) -> None:
         """inotify: limits written, cgroups gone, entries where rules look for cgroups."""
         if changes.overflow:
-            self._safety_rescan()
+            self._safety_rescan(everything=True)
             return
         by_name: dict[str, list[CgroupGuard]] = {}
         for guard in self._cgroup_guards():
             by_name.setdefault(guard.name, []).append(guard)
-        for name in changes.gone:
-            for guard in by_name.get(name, []):
-                if not guard.cgroup.exists():
-                    self._cgroup_gone(guard)
+        beside = [g for g in self._cgroup_guards()
+                  if str(g.cgroup.path.parent) in changes.directories]
+        for guard in [*(g for n in changes.gone for g in by_name.get(n, [])), *beside]:
+            if guard.present and not guard.cgroup.exists():
+                self._cgroup_gone(guard)
         rearm = [g for name in changes.limits for g in by_name.get(name, [])
                  if self._limit_changed(g)]
         if changes.directories:
             if self._globs:
                 rearm += self._glob_matches()
             rearm += [g for g in self._cgroup_guards() if not g.present and not g.pattern
-                      and g.cgroup.exists()]
+                      and g.cgroup.exists() and g not in rearm]
         self._arm_guards(rearm)
         if changes.directories or changes.gone:
             self._watch_directories()
@@ -207,11 +215,17 @@ class CgroupGuardsMixin:
         lifted = self.checkpointer.limit_lifted(guard.cgroup.path)
         return snap.limit_bytes != guard.armed_limit and not lifted
 
-    def _safety_rescan(self) -> None:
-        """Every rescan_interval (and when inotify lost events): what notifications could have
-        missed. Each guard costs one stat(2) of its limit file unless it changed."""
+    def _safety_rescan(self, everything: bool = False) -> None:
+        """Every rescan_interval (and, for `everything`, when inotify lost events): what
+        notifications could have missed. Each guard looked at costs one stat(2) of its limit
+        file unless it changed; with inotify at work a tenth of the guards is looked at each
+        time (all of them every SWEEP_SLICES rescans), without it all of them."""
         rearm = self._glob_matches() if self._globs else []
-        for guard in self._cgroup_guards():
+        guards = self._cgroup_guards()
+        if self.files.available and not everything:
+            self._sweep_turn = (self._sweep_turn + 1) % SWEEP_SLICES
+            guards = guards[self._sweep_turn::SWEEP_SLICES]
+        for guard in guards:
             if guard in rearm:
                 continue
             now = stamp(guard.cgroup.path / guard.cgroup.limit_file)
@@ -226,7 +240,8 @@ class CgroupGuardsMixin:
                     self.files.watch_limit(guard.name,
                                            guard.cgroup.path / guard.cgroup.limit_file)
         self._arm_guards(rearm)
-        self._watch_directories()
+        if self._globs or self._dirs_stale:  # glob directories may have come or gone
+            self._watch_directories()
 
     def _watch_directories(self) -> None:
         """Where cgroups would appear: below each glob's fixed part, and the nearest existing
@@ -234,8 +249,13 @@ class CgroupGuardsMixin:
         wanted: set[str] = set()
         for _spec, pattern in self._globs:
             wanted.update(directories_to_watch(self._fs_pattern(pattern)))
+        self._dirs_stale = False
         for guard in self._cgroup_guards():
-            if not guard.present and not guard.pattern:
+            if guard.pattern:
+                continue  # its parent is among its glob's directories
+            if guard.present:
+                wanted.add(str(guard.cgroup.path.parent))  # to see it removed
+            else:
                 wanted.update(directories_to_watch(str(guard.cgroup.path)))
         self.files.watch_directories(wanted)
 
@@ -250,6 +270,7 @@ class CgroupGuardsMixin:
             guard.present = False
             guard.due_at = None
             guard.limit_stamp = None
+            self._dirs_stale = True  # watch where it would be made again
 
     def _put_back(self, guard: CgroupGuard) -> list[str]:
         """memory.high and oom_kill_disable as they were; returns the SavedLimits keys."""

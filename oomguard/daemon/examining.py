@@ -5,6 +5,7 @@ reads the sensors, schedules the next look and hands the action to the Actor."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from oomguard.psi import parse_pressure
 from oomguard.sense.ranking import ProcessRanking
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 
+PREDICT_SAMPLES = 20  # time-to-limit: the growth is measured over this many recent readings
 PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
 
 
@@ -95,7 +97,7 @@ class ExaminingMixin:
                 return
             reason = predicted
         else:
-            guard.samples.clear()
+            guard.samples = None
         if snap.under_oom:  # parked at the limit: never left waiting for an event
             guard.due_at = min(guard.due_at or 1e18, self.clock() + PARKED_RETRY)
         if self.actor.busy(guard.name):
@@ -172,13 +174,15 @@ class ExaminingMixin:
             return None
         guard.predicting = snap.usage_bytes >= limit * guard.spec.predict_from
         if not guard.predicting:
-            guard.samples.clear()
+            guard.samples = None
             return None
+        if guard.samples is None:
+            guard.samples = deque(maxlen=PREDICT_SAMPLES)
         guard.samples.append((self.clock(), snap.usage_bytes))
         outlook = forecast(list(guard.samples), limit, snap.anon_bytes, self.keeper.throughput)
         if outlook is None or not outlook.act:
             return None
-        guard.samples.clear()
+        guard.samples = None
         return outlook.reason()
 
     def _vram(self) -> dict[int, int]:

@@ -100,6 +100,9 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
                            clock=clock, decisions=self.decisions, on_done=self._action_done)
         self._reload = False
         self._globs: list[tuple[GuardConfig, str]] = []
+        self._rule_parts: dict[int, Any] = {}
+        self._sweep_turn = 0
+        self._dirs_stale = False
         # Called after every loop turn (systemd watchdog pings, metrics); the loop never
         # sleeps longer than max_sleep, so a hung loop stops the pings and gets restarted.
         self.heartbeat: Callable[[], None] | None = None
@@ -200,6 +203,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self._release_guards()
         self.guards = []
         self._globs = []
+        self._rule_parts = {}
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
                               criu=self.config.criu)
         self._gpu_watching = self._wants_gpu_watch()

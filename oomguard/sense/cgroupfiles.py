@@ -1,7 +1,8 @@
 """What changed in the cgroup filesystem, as the kernel tells it (inotify), so that nothing is
-re-read on a timer: a guarded cgroup's limit file written (IN_MODIFY), the cgroup removed (its
-watch ends: IN_IGNORED), a directory created or removed where a glob rule looks or where a
-configured cgroup that does not exist yet would appear.
+re-read on a timer: a guarded cgroup's limit file written (IN_MODIFY), a directory created or
+removed where a glob rule looks, where a configured cgroup that does not exist yet would
+appear, or beside a guarded cgroup (its parent's IN_DELETE: kernfs sends no IN_IGNORED to a
+watch inside a removed cgroup).
 
 Where inotify is unavailable the daemon's safety rescan does the same by comparing `stamp`s
 (inode and mtime: kernfs updates a file's mtime on every write)."""
@@ -37,7 +38,7 @@ def stamp(path: Path | str) -> Stamp | None:
 class Changes:
     limits: frozenset[str] = frozenset()  # names whose limit file was written
     gone: frozenset[str] = frozenset()  # names whose limit file (the cgroup) went away
-    directories: bool = False  # an entry appeared or went in a watched directory
+    directories: frozenset[str] = frozenset()  # watched directories an entry came to or left
     overflow: bool = False  # events were lost: look at everything again
 
     def __bool__(self) -> bool:
@@ -137,7 +138,8 @@ class CgroupFiles:
             return Changes()
         limits: set[str] = set()
         gone: set[str] = set()
-        directories = overflow = False
+        directories: set[str] = set()
+        overflow = False
         for event in self._inotify.read():
             if event.overflow:
                 overflow = True
@@ -149,11 +151,13 @@ class CgroupFiles:
                     for name in list(names):
                         self._limit_wd.pop(name, None)
                     self._limit_names.pop(event.wd, None)
-            if event.wd in self._dir_of:
-                directories = True
+            directory = self._dir_of.get(event.wd)
+            if directory is not None:
+                directories.add(directory)
                 if event.gone:
                     self._dir_wd.pop(self._dir_of.pop(event.wd), None)
-        return Changes(frozenset(limits - gone), frozenset(gone), directories, overflow)
+        return Changes(frozenset(limits - gone), frozenset(gone), frozenset(directories),
+                       overflow)
 
     def close(self) -> None:
         if self._inotify is not None:

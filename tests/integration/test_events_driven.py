@@ -82,3 +82,20 @@ def test_a_limit_written_is_followed_without_a_rescan(
         assert done["pid"] == hog.pid
         hog.wait(timeout=10)
     assert cg.snapshot().oom_kills == 0
+
+
+def test_a_configured_cgroup_removed_and_made_again_is_followed(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """kernfs tells a watch inside a removed cgroup nothing: its parent's watch does."""
+    parent = cgroups.make("remade", None)
+    build = _child(cgroups, parent, "build", 300 * MiB)
+    config = tmp_path / "remade.toml"
+    config.write_text(NO_RESCAN + f'[[guard]]\ncgroups = ["{build.path}"]\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.armed")
+        build.path.rmdir()
+        assert guard.wait_event("guard.cgroup_gone", timeout=10)[0]["cgroup"] == str(build.path)
+        build.create()
+        build.set_limit(200 * MiB)
+        again = guard.wait_event("guard.armed", timeout=10, count=2)[1]
+        assert again["cgroup"] == str(build.path) and again["limit"] == 200 * MiB

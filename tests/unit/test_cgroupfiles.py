@@ -82,9 +82,9 @@ def test_directories_report_entries_coming_and_going(tmp_path: Path) -> None:
     try:
         files.watch_directories({str(parent)})
         (parent / "job_1").mkdir()
-        assert files.read() == Changes(directories=True)
+        assert files.read() == Changes(directories=frozenset({str(parent)}))
         (parent / "job_1").rmdir()
-        assert files.read().directories
+        assert files.read().directories == {str(parent)}
         files.watch_directories(set())  # no longer watched: nothing more is told
         (parent / "job_2").mkdir()
         assert not files.read()

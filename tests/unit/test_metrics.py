@@ -238,7 +238,7 @@ def test_serve_http() -> None:
         server.close()
     assert families(body) == families(m.render())
     assert samples(body) == samples(m.render())
-    assert not server.thread.is_alive()
+    assert not server.serving.thread.is_alive()
     server.close()  # idempotent
 
 
