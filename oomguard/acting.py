@@ -1,10 +1,11 @@
 """Acting on a rule's verdict: choose the victim (in order of preference), run the rule's action
-chain on it, report. Runs in a worker thread per guard, so a signal's grace period or a long
-dump never holds up the guard loop; one action per guard at a time."""
+chain on it, report. Runs in worker threads (kept between actions), so a signal's grace period
+or a long dump never holds up the guard loop; one action per guard at a time."""
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,46 @@ NEXT_VICTIM_SHARE = 4  # a fallback victim must hold at least a quarter of the t
 # A task throttled at memory.high sleeps out its penalty (up to 2 s, killable only) before the
 # freezer can park it; it allocates nothing meanwhile, so waiting longer buys nothing.
 CGROUP_FREEZE_TIMEOUT = 0.25
+
+
+KEEP_WORKERS = 4  # idle action threads kept for the next crossing
+
+
+class Workers:
+    """Daemon threads that outlive one action: starting a thread costs about half a
+    millisecond, on the path from a crossing to SIGSTOP. A thread is started only when none is
+    idle; up to KEEP_WORKERS idle ones are kept."""
+
+    def __init__(self, keep: int = KEEP_WORKERS) -> None:
+        self.keep = keep
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = \
+            queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def run(self, work: Callable[[], None]) -> threading.Event:
+        """Run `work` in a worker thread; the event is set when it has ended."""
+        done = threading.Event()
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1  # that idle thread takes an item off the queue
+        self._queue.put((work, done))
+        if spawn:
+            threading.Thread(target=self._serve, name="oomguard-act", daemon=True).start()
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            work, done = self._queue.get()
+            try:
+                work()
+            finally:
+                done.set()
+            with self._lock:
+                if self._idle >= self.keep:
+                    return
+                self._idle += 1
 
 
 @dataclass(frozen=True)
@@ -78,23 +119,21 @@ class Actor:
         self.decisions = decisions or DecisionLog(clock)  # a dry run's repeated decisions
         self.on_checkpoint = on_checkpoint
         self.clock = clock
-        self._threads: dict[str, threading.Thread] = {}
+        self._workers = Workers()
+        self._running: dict[str, threading.Event] = {}  # guard name -> set once its action ended
         self.last_done: dict[str, float] = {}
 
     def busy(self, name: str) -> bool:
-        thread = self._threads.get(name)
-        return thread is not None and thread.is_alive()
+        done = self._running.get(name)
+        return done is not None and not done.is_set()
 
     def start(self, request: Request) -> None:
-        thread = threading.Thread(target=self._act, args=(request,), daemon=True,
-                                  name=f"oomguard-act-{request.name}")
-        self._threads[request.name] = thread
-        thread.start()
+        self._running[request.name] = self._workers.run(lambda: self._act(request))
 
     def join(self, timeout: float | None = None) -> None:
         """Let actions in flight finish (a dump is not abandoned half way)."""
-        for thread in list(self._threads.values()):
-            thread.join(timeout)
+        for done in list(self._running.values()):
+            done.wait(timeout)
 
     def _act(self, request: Request) -> None:
         ledger = self.runner.checkpointer.ledger

@@ -162,11 +162,13 @@ class Checkpointer:
         try:
             room = self.headroom if headroom is None else headroom
             if cgroup is not None and room > 0:
-                snap = self.own_snapshot(cgroup)
-                raised_limit = headroom_needed(snap, room)
+                raised_limit = headroom_needed(self._room_reading(cgroup, own=True), room)
                 if raised_limit is not None:
                     undo_limit = self._lift(cgroup, raised_limit, cap=room)
             self.freezer.wait_frozen(pids, self.freeze_timeout)
+            frozen_at = self.clock()
+            if on_frozen is not None:
+                on_frozen(pids, frozen_at)
             # Stopped by the user too while (or just before) oomguard stopped them.
             frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
             self._unrecord(frozen.user_stopped)
@@ -175,12 +177,9 @@ class Checkpointer:
             if cgroup is not None and room > 0:
                 # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
                 # out, and may have used up the limit (or the headroom given above) by then.
-                raised_limit = headroom_needed(cgroup.snapshot(), room)
+                raised_limit = headroom_needed(self._room_reading(cgroup, own=False), room)
                 if raised_limit is not None:
                     undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
-            frozen_at = self.clock()
-            if on_frozen is not None:
-                on_frozen(pids, frozen_at)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
             ttys = external_ttys(self.proc.root, pids)
             if ttys:
@@ -268,6 +267,14 @@ class Checkpointer:
     def limit_lifted(self, path: Path) -> bool:
         """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
         return self.lifts.lifted(path)
+
+    def _room_reading(self, cgroup: MemoryCgroup, own: bool) -> MemorySnapshot:
+        """Usage and limit only (what headroom needs; no memory.stat on the way to the dump),
+        with the cgroup's `own` limit or the one in force."""
+        lifted, own_limit = self.lifts.own_limit(cgroup.path) if own else (False, None)
+        return MemorySnapshot(usage_bytes=cgroup.usage(),
+                              limit_bytes=own_limit if lifted else cgroup.limit(),
+                              anon_bytes=0, file_bytes=0, oom_kills=0, under_oom=False)
 
     def own_snapshot(self, cgroup: MemoryCgroup) -> MemorySnapshot:
         """A snapshot with the cgroup's own limit, not one oomguard lifted for a dump."""

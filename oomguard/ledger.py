@@ -77,9 +77,9 @@ class FrozenLedger:
         """Note the tasks about to be stopped (a stale entry for a reused PID is replaced)."""
         fresh = {}
         for pid in pids:
-            with contextlib.suppress(ProcessGone):
-                fresh[pid] = FrozenEntry(pid, self.proc.process(pid).starttime, "",
-                                         self.owner, self._owner_start)
+            started = self.proc.starttime(pid)  # one read of /proc/PID/stat; 0: gone
+            if started:
+                fresh[pid] = FrozenEntry(pid, started, "", self.owner, self._owner_start)
         with self._lock:
             entries = [e for e in self._load() if e.cgroup or e.pid not in fresh]
             self._save(entries + list(fresh.values()))

@@ -208,9 +208,12 @@ class ProcReader:
                        max_depth: int = 256) -> frozenset[int]:
         """Those of `processes` that are `root` or descend from it, found by walking each one's
         parent chain: the cost grows with the candidates, not with root's threads (a daemon
-        with thousands of connection threads would make descendants(root) slow)."""
+        with thousands of connection threads would make descendants(root) slow). A chain ends
+        at the first process that started before `root`: it cannot descend from it."""
         members = list(processes)
+        root_start = self.starttime(root)
         parent = {p.pid: p.ppid for p in members}
+        started = {p.pid: p.starttime for p in members}
         known: dict[int, bool] = {root: True, 0: False, 1: False, 2: False}
 
         def reaches(pid: int) -> bool:
@@ -218,12 +221,17 @@ class ProcReader:
             for _ in range(max_depth):
                 if current in known:
                     break
-                chain.append(current)
                 if current not in parent:
                     try:
-                        parent[current] = self.ppid(current)
-                    except ProcessGone:
-                        parent[current] = 0
+                        stat = parse_stat((self.root / str(current) / "stat").read_text(
+                            errors="replace"))
+                        parent[current], started[current] = stat.ppid, stat.starttime
+                    except (OSError, ValueError):
+                        parent[current], started[current] = 0, 0
+                if root_start and 0 < started[current] < root_start:
+                    known[current] = False
+                    break
+                chain.append(current)
                 current = parent[current]
             verdict = known.get(current, False)
             for pid_on_way in chain:

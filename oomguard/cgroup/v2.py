@@ -56,6 +56,9 @@ class V2MemoryCgroup:
     def events(self) -> dict[str, int]:
         return parse_flat_keyed(self._read("memory.events"))
 
+    def usage(self) -> int:
+        return int(self._read("memory.current"))
+
     def snapshot(self) -> MemorySnapshot:
         stat = parse_flat_keyed(self._read("memory.stat"))
         events = self.events()
