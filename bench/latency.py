@@ -105,9 +105,8 @@ def detection_latency(factory: CgroupFactory, work: Path, rates: list[float],
     }
 
 
-def scale_latency(factory: CgroupFactory, work: Path, rate: float, runs: int,
+def scale_latency(factory: CgroupFactory, work: Path, rates: list[float], runs: int,
                   cgroups: int) -> dict[str, Any]:
-    """Detection latency with `cgroups` guarded cgroups, one of them under pressure."""
-    found: dict[str, Any] = run_guard(factory, work, f"scale{cgroups}", [rate], runs,
-                                      poll=False, extra_cgroups=cgroups - 1)[f"{rate:g}"]
-    return found
+    """Detection latency with `cgroups` guarded cgroups, one of them under pressure, per rate."""
+    return {"cgroups": cgroups, **run_guard(factory, work, f"scale{cgroups}", rates, runs,
+                                            poll=False, extra_cgroups=cgroups - 1)}

@@ -104,6 +104,9 @@ class Request:
     cgroup_for: Callable[[ProcessTree], MemoryCgroup | None]
     still_pressing: Callable[[], bool]
     freeze_first: V2MemoryCgroup | None = None
+    # A tree ranked from cached readings is read afresh before anything is done to it (None:
+    # the candidates are fresh already); returns None if its root is gone.
+    refresh: Callable[[ProcessTree], ProcessTree | None] | None = None
 
 
 class Actor:
@@ -178,11 +181,18 @@ class Actor:
         # After a failure only trees that would free real memory are worth a try.
         worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
         after_signal: Callable[[], None] | None = thaw
-        for tree in [ranked[0], *worth][:MAX_VICTIM_ATTEMPTS]:
-            fields = {"cgroup": request.name, "pid": tree.root.pid, "comm": tree.root.comm,
-                      "rss": tree.rss_bytes, "tasks": len(tree.members)}
+        for candidate in [ranked[0], *worth][:MAX_VICTIM_ATTEMPTS]:
+            read_at = self.clock()
+            tree = request.refresh(candidate) if request.refresh is not None else candidate
+            if tree is None:
+                continue  # gone since it was ranked
+            fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
+                                      "comm": tree.root.comm, "rss": tree.rss_bytes,
+                                      "tasks": len(tree.members)}
+            if request.refresh is not None:  # the chosen tree read afresh, after the choice
+                fields["reread_ms"] = round((self.clock() - read_at) * 1000, 2)
             if self.dry_run:
-                self._say_chosen(request, tree, fields)
+                self._say_chosen(request, tree, {**fields, "choose_ms": choose_ms})
                 return
 
             def frozen(pids: list[int], at: float, fields: dict[str, Any] = fields) -> None:

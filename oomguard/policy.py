@@ -145,17 +145,41 @@ def _grow(root: ProcessInfo, children: dict[int, list[ProcessInfo]]) -> ProcessT
     return ProcessTree(root=root, members=tuple(members))
 
 
+SYSTEM_VICTIMS = 5  # system rules: trees rooted at this many of the largest processes
+
+
+def system_heads(processes: Iterable[ProcessInfo], protected_pids: frozenset[int],
+                 limit: int = SYSTEM_VICTIMS) -> list[ProcessInfo]:
+    """The `limit` processes with the most resident memory of their own that may be victims."""
+    eligible = [p for p in processes if not is_protected(p, protected_pids)]
+    return sorted(eligible, key=lambda p: (-p.rss_bytes, -p.starttime))[:limit]
+
+
+def system_tree(root_pid: int, processes: Iterable[ProcessInfo],
+                protected_pids: frozenset[int]) -> ProcessTree | None:
+    """The tree system_candidates would give the process `root_pid` among `processes` (its
+    descendants that may be victims), None if it is absent or protected."""
+    eligible = {p.pid: p for p in processes if not is_protected(p, protected_pids)}
+    root = eligible.get(root_pid)
+    if root is None:
+        return None
+    children: dict[int, list[ProcessInfo]] = {}
+    for proc in eligible.values():
+        children.setdefault(proc.ppid, []).append(proc)
+    return _grow(root, children)
+
+
 def system_candidates(processes: Iterable[ProcessInfo], protected_pids: frozenset[int],
-                      limit: int = 5) -> list[ProcessTree]:
+                      limit: int = SYSTEM_VICTIMS) -> list[ProcessTree]:
     """System-wide rules: the `limit` processes with the most resident memory of their own (like
     earlyoom; a tree rooted at the session manager would hold the whole desktop), each with its
     descendants, largest first."""
+    processes = list(processes)
     eligible = {p.pid: p for p in processes if not is_protected(p, protected_pids)}
     children: dict[int, list[ProcessInfo]] = {}
     for proc in eligible.values():
         children.setdefault(proc.ppid, []).append(proc)
-    top = sorted(eligible.values(), key=lambda p: (-p.rss_bytes, -p.starttime))[:limit]
-    return [_grow(root, children) for root in top]
+    return [_grow(root, children) for root in system_heads(processes, protected_pids, limit)]
 
 
 def below_min_available(available: int, total: int, min_available: float | int) -> bool:

@@ -29,12 +29,14 @@ from oomguard.policy import (
     next_watch_look,
     rank_victims,
     system_candidates,
+    system_heads,
+    system_tree,
     with_vram,
 )
 from oomguard.prediction import forecast
 from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
-from oomguard.sense.ranking import ProcessRanking
+from oomguard.sense.ranking import ProcessRanking, stand_in
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 
 PREDICT_SAMPLES = 20  # time-to-limit: the growth is measured over this many recent readings
@@ -214,12 +216,10 @@ class ExaminingMixin:
                           total=memory.total, reason=reason)
 
         def candidates() -> list[ProcessTree]:
-            ranking = self.ranking.current()
-            processes = self.proc.processes(
-                self.proc.all_pids() if ranking is None else self.ranking.to_read(ranking))
-            if guard.spec.victim_cgroups:
-                processes = [p for p in processes
-                             if self._in_cgroups(p.pid, guard.spec.victim_cgroups)]
+            if guard.spec.victim_cgroups:  # their members only, from their cgroup.procs
+                processes = self.proc.processes(self._members_of(guard.spec.victim_cgroups))
+            else:  # the ranking kept while memory got low, else every process
+                processes = self._ranked_processes()
             return rank_victims(with_vram(system_candidates(processes,
                                                             self.protected_among(processes)),
                                           self._vram()))
@@ -230,8 +230,9 @@ class ExaminingMixin:
                 self._full_avg10(), guard.spec.psi_full_avg10) is not None
 
         assert guard.parts is not None
+        refresh = None if guard.spec.victim_cgroups else self._refresh_tree
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
-                                 self._cgroup_of, still_pressing))
+                                 self._cgroup_of, still_pressing, refresh=refresh))
         self._next_system_poll = self.clock()
 
     def _full_avg10(self) -> float:
@@ -240,6 +241,39 @@ class ExaminingMixin:
         except (OSError, ValueError):
             return 0.0
         return pressure.full.avg10 if pressure.full is not None else 0.0
+
+    def _ranked_processes(self) -> list[ProcessInfo]:
+        """A system rule's candidates: with a ranking, the largest processes read afresh, and
+        the families of those that would be chosen as the ranking saw them (stand-ins: the
+        tree chosen is read in full before anything is done to it, _refresh_tree); without a
+        ranking, every process."""
+        ranking = self.ranking.current()
+        if ranking is None:
+            return self.proc.processes(self.proc.all_pids())
+        heads = self.proc.processes(self.ranking.to_read(ranking))
+        chosen = system_heads(heads, self.protected_among(heads))
+        known = {p.pid for p in heads}
+        family = [ranking.by_pid[pid] for pid in ranking.family([p.pid for p in chosen])
+                  if pid not in known and pid in ranking.by_pid]
+        return heads + [stand_in(brief) for brief in family]
+
+    def _refresh_tree(self, tree: ProcessTree) -> ProcessTree | None:
+        """A tree ranked from the ranking's readings, read afresh (None: its root is gone)."""
+        fresh = self.proc.processes(list(tree.pids))
+        return system_tree(tree.root.pid, fresh, self.protected_among(fresh))
+
+    def _members_of(self, roots: tuple[str, ...]) -> list[int]:
+        """The processes in these subtrees of the memory hierarchy (filesystem or hierarchy
+        paths, as victim_cgroups holds them): from cgroup.procs, no walk of /proc."""
+        mount = str(self.layout.memory_mount or "")
+        pids: list[int] = []
+        for root in roots:
+            inner = root[len(mount):] if mount and root.startswith(mount) else root
+            try:
+                pids += subtree_procs(Path(mount + "/" + inner.strip("/")).resolve())
+            except (CgroupGone, OSError):
+                continue
+        return list(dict.fromkeys(pids))
 
     def _in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
         try:

@@ -51,18 +51,32 @@ def test_ranking_largest_first_with_families(tmp_path: Path) -> None:
     assert len(ranking.processes) == 44
 
 
-def test_to_read_is_the_top_their_families_and_newcomers(tmp_path: Path) -> None:
+def test_to_read_is_the_top_and_the_newcomers(tmp_path: Path) -> None:
     add(tmp_path, 1, 0, 1)
     add(tmp_path, 20, 1, 5000)
     add(tmp_path, 21, 20, 1)
     for pid in range(100, 200):
         add(tmp_path, pid, 1, 2)
-    ranker = ProcessRanking(tmp_path, clock=Clock(), page_size=PAGE)
+    started: list[int] = []
+    ranker = ProcessRanking(tmp_path, clock=Clock(), page_size=PAGE,
+                            newcomers=lambda since: list(started))
     ranking = ranker.refresh()
-    add(tmp_path, 500, 1, 9999)  # started after the ranking was taken
-    wanted = ranker.to_read(ranking, count=2)
+    add(tmp_path, 500, 1, 9999)  # started after the ranking was taken...
     second = ranking.top(2)[1]
-    assert wanted == [20, second, 21, 500]  # not the hundred small ones
+    assert ranker.to_read(ranking, count=2) == [20, second]  # ...unknown without events
+    started.append(500)  # ...named by the process events
+    assert ranker.to_read(ranking, count=2) == [20, second, 500]  # not the hundred small
+
+
+def test_a_refresh_reads_stat_only_of_processes_it_has_not_seen(tmp_path: Path) -> None:
+    add(tmp_path, 1, 0, 1)
+    add(tmp_path, 30, 1, 10)
+    ranker = ProcessRanking(tmp_path, clock=Clock(), page_size=PAGE)
+    ranker.refresh()
+    (tmp_path / "30" / "stat").unlink()  # a second refresh does not need it
+    (tmp_path / "30" / "statm").write_text("40 20 1 1 0 20 0\n")
+    again = ranker.refresh()
+    assert again.top(1) == [30] and again.processes[0].rss_bytes == 20 * PAGE
 
 
 def test_an_old_ranking_is_not_used(tmp_path: Path) -> None:
@@ -76,7 +90,7 @@ def test_an_old_ranking_is_not_used(tmp_path: Path) -> None:
     assert ranker.current() is None
 
 
-def test_prepare_refreshes_in_the_background_at_most_every_second(tmp_path: Path) -> None:
+def test_prepare_refreshes_in_the_background_at_most_every_five_seconds(tmp_path: Path) -> None:
     add(tmp_path, 1, 0, 1)
     clock = Clock()
     ranker = ProcessRanking(tmp_path, clock=clock, page_size=PAGE)
@@ -87,7 +101,7 @@ def test_prepare_refreshes_in_the_background_at_most_every_second(tmp_path: Path
     assert first is not None
     ranker.prepare()  # within a second: no new refresh
     assert ranker.current() is first
-    clock.now += 1.5
+    clock.now += 5.5
     ranker.prepare()
     ranker._thread.join(10)
     assert ranker.current() is not first
