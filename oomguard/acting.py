@@ -216,7 +216,8 @@ class Actor:
                     commit_s=round(t.commit_s, 3),
                     mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
                     usage_after=_usage(cgroup), path=str(result.path), uid=meta.uid,
-                    command=meta.command, restore=restore_command(meta.id), **fields)
+                    command=meta.command, restore=restore_command(meta.id),
+                    **owner_of_meta(meta.extra), **fields)
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(meta.image_bytes, t.dump_s)
             elif outcome.result == "gone":
@@ -244,6 +245,16 @@ class Actor:
             self.log.warning("victim.chosen", dry_run=True, actions=actions,
                              command=tree.root.command, rss_mib=round(tree.rss_bytes / MiB),
                              reason=request.reason, unchanged_since=unsaid or None, **fields)
+
+
+OWNER_KEYS = ("scheduler", "slurm_job_id", "slurm_step", "slurm_uid", "pod_uid", "qos",
+              "container_id", "container_runtime")
+
+
+def owner_of_meta(extra: dict[str, Any]) -> dict[str, Any]:
+    """meta.json's scheduler fields (scheduler.owner_fields), for the event that tells whose
+    job was checkpointed (the Slurm notifier reads them)."""
+    return {key: extra[key] for key in OWNER_KEYS if key in extra}
 
 
 def _usage(cgroup: MemoryCgroup | None) -> int | None:

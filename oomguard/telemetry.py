@@ -19,9 +19,24 @@ from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
 from oomguard.metrics import Metrics
 from oomguard.psi import parse_pressure
-from oomguard.scheduler import slurm_step
+from oomguard.scheduler import SlurmStep
 from oomguard.slurm import SlurmError, SlurmNotifier
 from oomguard.store import CheckpointMeta
+
+
+def slurm_owner(fields: dict[str, Any]) -> SlurmStep | None:
+    """The Slurm job step a checkpoint.done event's owner fields (meta.json's) name."""
+    if fields.get("scheduler") != "slurm":
+        return None
+    try:
+        job_id = int(fields["slurm_job_id"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    step = fields.get("slurm_step")
+    uid = fields.get("slurm_uid")
+    return SlurmStep(job_id, None if step is None else str(step),
+                     uid if isinstance(uid, int) else None)
+
 
 HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
           "victim.killed": "on_kill"}
@@ -39,8 +54,10 @@ class EventTap:
 
     def _tell_slurm(self, fields: dict[str, Any]) -> None:
         """A Slurm job step was checkpointed: AdminComment and requeue, off the caller's
-        thread (the log line of the checkpoint comes first)."""
-        step = slurm_step(str(fields.get("cgroup") or ""))
+        thread (the log line of the checkpoint comes first). Whose job it was comes from the
+        checkpoint's own owner fields (the cgroup the tree was in), never from the guard's
+        name, which is "system" for a system rule and "PATH (GPU)" for a GPU rule."""
+        step = slurm_owner(fields)
         if step is None or self.slurm is None:
             return
         notifier, log = self.slurm, self.log

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,43 @@ def test_requeue_with_more_memory(tmp_path: Path) -> None:
 def test_job_memory(text: str, mib: int | None) -> None:
     from oomguard.slurm import job_memory_mib
     assert job_memory_mib(text) == mib
+
+
+# -- whose job a checkpoint was: the checkpoint's owner fields, not the guard's name -----------
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str | None, str]] = []
+        self.done = threading.Event()
+
+    def notify(self, job_id: int, step: str | None, checkpoint_id: str, when: float,
+               reason: str) -> str:
+        self.calls.append((job_id, step, checkpoint_id))
+        self.done.set()
+        return "requeue"
+
+
+@pytest.mark.parametrize("guard_name", [
+    "system",  # a system rule's checkpoint
+    "/sys/fs/cgroup/memory/slurm/uid_1000/job_42 (GPU)",  # a GPU rule's
+    "/sys/fs/cgroup/memory/slurm/uid_1000/job_42",  # a cgroup rule's
+])
+def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> None:
+    from oomguard.telemetry import EventTap
+    recorder = _Recorder()
+    tap = EventTap(slurm=recorder)  # type: ignore[arg-type]
+    tap("warning", "checkpoint.done", {"cgroup": guard_name, "id": "20261201-1-ab",
+                                       "scheduler": "slurm", "slurm_job_id": 42,
+                                       "slurm_step": "0", "slurm_uid": 1000})
+    assert recorder.done.wait(5)
+    assert recorder.calls == [(42, "0", "20261201-1-ab")]
+
+
+def test_no_owner_fields_no_slurm_call() -> None:
+    from oomguard.telemetry import EventTap, slurm_owner
+    recorder = _Recorder()
+    EventTap(slurm=recorder)("warning", "checkpoint.done",  # type: ignore[arg-type]
+                             {"cgroup": "/sys/fs/cgroup/memory/slurm/uid_1/job_7", "id": "x"})
+    assert not recorder.done.wait(0.2) and recorder.calls == []
+    assert slurm_owner({"scheduler": "kubernetes", "pod_uid": "p"}) is None
+    assert slurm_owner({"scheduler": "slurm", "slurm_job_id": "nope"}) is None
