@@ -21,6 +21,7 @@ import psutil
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.configtypes import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.fileids import FILES_RECORD
@@ -37,8 +38,6 @@ from oomguard.selfguard import refuse_own_tree
 from oomguard.store import CheckpointMeta, Store, new_id
 from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
 
-ON_FAILURE_THAW = "thaw"
-ON_FAILURE_KILL = "kill"
 FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.actions import Step
-from oomguard.checkpoint import ON_FAILURE_THAW
 from oomguard.errors import ConfigIssue
+
+ON_FAILURE_THAW = "thaw"  # a failed checkpoint: the tree is thawed and runs on
+ON_FAILURE_KILL = "kill"  # ...or killed (the chain checkpoint, kill)
 
 
 @dataclass(frozen=True)

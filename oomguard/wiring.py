@@ -13,8 +13,9 @@ from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.checkpoint import ON_FAILURE_THAW, Checkpointer
+from oomguard.checkpoint import Checkpointer
 from oomguard.config import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
+from oomguard.configtypes import ON_FAILURE_THAW
 from oomguard.criu import Criu, CriuOptions, find_criu
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.freezer import SigstopFreezer

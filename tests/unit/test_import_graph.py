@@ -1,0 +1,27 @@
+"""The import graph's layers (issue 17): the config at the bottom, the pure parts free of the
+ones that act. Each import runs in a fresh interpreter, so nothing else loaded it first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+ACTING = ("oomguard.checkpoint", "oomguard.restore", "oomguard.criu", "oomguard.store",
+          "oomguard.daemon", "oomguard.service", "oomguard.freezer", "oomguard.chain")
+
+
+def loaded_by(module: str) -> set[str]:
+    code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60).stdout
+    return {name for name in out.split() if name.startswith("oomguard")}
+
+
+@pytest.mark.parametrize("module", ["oomguard.config", "oomguard.policy",
+                                    "oomguard.sense.cgroupfiles", "oomguard.sense.ranking"])
+def test_lower_layers_load_nothing_that_acts(module: str) -> None:
+    loaded = loaded_by(module)
+    assert not {name for name in loaded for acting in ACTING
+                if name == acting or name.startswith(acting + ".")}, loaded
