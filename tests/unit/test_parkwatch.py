@@ -167,17 +167,20 @@ def test_a_failing_read_is_logged_and_retried() -> None:
     assert log.names() == ["oom.watchdog_failed"] and watchdog.watching() == ["/cg"]
 
 
+def releasing(released: threading.Event) -> Any:
+    """A reason() that says the watchdog released a park."""
+    def reason(name: str, waited: float) -> str:
+        released.set()
+        return "loop wedged"
+    return reason
+
+
 def test_the_thread_releases_without_the_event_loop() -> None:
     """The real thread (a short interval, the real clock): nothing but the watchdog runs."""
     log, cgroup = Log(), FakeCgroup()
     cgroup.under_oom = 1
     released = threading.Event()
-
-    def reason(name: str, waited: float) -> str:
-        released.set()
-        return "loop wedged"
-
-    watchdog = ParkWatchdog(log, reason, interval=0.01)
+    watchdog = ParkWatchdog(log, releasing(released), interval=0.01)
     watchdog.watch("/cg", cgroup, 0.05)
     watchdog.start()
     try:
@@ -205,12 +208,7 @@ def test_the_thread_reads_only_cgroups_whose_oom_notification_fired() -> None:
     log = Log()
     quiet, parked = FakeCgroup(), FakeCgroup()
     released = threading.Event()
-
-    def reason(name: str, waited: float) -> str:
-        released.set()
-        return "loop wedged"
-
-    watchdog = ParkWatchdog(log, reason, interval=0.01)
+    watchdog = ParkWatchdog(log, releasing(released), interval=0.01)
     watchdog.watch("/quiet", quiet, 0.05)
     watchdog.watch("/parked", parked, 0.05)
     watchdog.start()
