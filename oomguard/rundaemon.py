@@ -19,10 +19,10 @@ from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
-from oomguard.procconn import ProcessExit
 from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
+from oomguard.sense.procevents import ProcessExit
 from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.startup import gpu_summary
 from oomguard.store import Store
@@ -137,7 +137,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     checkpointer = build_checkpointer(config, criu, proc)
     restorer = build_restorer(config, criu, proc)
     restorer.exits = exit_watch = ExitWatch(_exit_recorder(
-        restorer.store, log, lambda: exit_watch.why_no_status))
+        restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
