@@ -34,6 +34,7 @@ import struct
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -263,13 +264,15 @@ class ProcEvents:
         self._ack = random.getrandbits(31)
         self._early: list[ProcessEvent] = []  # events that came before the answer
         self._lost = 0
-        self._closed = False
         try:
             self.sock.send(control_message(PROC_CN_MCAST_LISTEN, self._ack))
             self._await_ack(ack_timeout, clock)
         except OSError:
             self.sock.close()
             raise
+        # Dropped unclosed (an exception between a freeze and its wait): IGNORE all the same,
+        # or the kernel keeps counting a listener and formatting every event for nobody.
+        self._close = weakref.finalize(self, _unsubscribe, self.sock, self._ack)
 
     def _await_ack(self, timeout: float, clock: Callable[[], float]) -> None:
         deadline = clock() + timeout
@@ -313,12 +316,13 @@ class ProcEvents:
         return EventBatch(tuple(events), lost)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self.sock.send(control_message(PROC_CN_MCAST_IGNORE, self._ack))
-        self.sock.close()
+        self._close()
+
+
+def _unsubscribe(sock: socket.socket, ack: int) -> None:
+    with contextlib.suppress(OSError):
+        sock.send(control_message(PROC_CN_MCAST_IGNORE, ack))
+    sock.close()
 
 
 # -- availability, in words -------------------------------------------------------------------
@@ -374,3 +378,10 @@ class Subscriber:
             return self.why_not or self.last_error
         events.close()
         return None
+
+
+def process_events_words(why_not: str | None) -> str:
+    """One line on how forks and exits are seen (doctor, guard.started)."""
+    if why_not is None:
+        return "kernel connector (fork/exit seen at once)"
+    return f"unavailable ({why_not}): freeze re-lists /proc"

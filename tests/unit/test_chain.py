@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +95,9 @@ class FakeFreezer:
         self.frozen.extend(pids)
         return Frozen(pids, [p for p in self.user_stopped if p in pids and p not in held])
 
-    def wait_frozen(self, pids: list[int], timeout: float) -> bool:
-        self.waited.append((list(pids), timeout))
-        return True
+    def wait_frozen(self, frozen: Frozen, timeout: float) -> Frozen:
+        self.waited.append((list(frozen.pids), timeout))
+        return replace(frozen, stopped=True)
 
     def stopped_again(self, pids: list[int]) -> list[int]:
         return [pid for pid in pids if pid in self.again]
@@ -177,7 +177,7 @@ class FakeCheckpointer:
         self.events = events if events is not None else []
 
     def checkpoint(self, tree: ProcessTree, cgroup: Any, reason: str,
-                   on_frozen: Callable[[list[int], float], None] | None = None, *,
+                   on_frozen: Callable[[Frozen, float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
                    held: Collection[int] = ()) -> Any:
@@ -315,7 +315,7 @@ def make_rig(tmp_path: Path, *, free: int = 1 << 40, error: Exception | None = N
 
 def run(rig: Rig, steps: tuple[Step, ...], tree: ProcessTree, *,
         settings: ChainSettings = SETTINGS, pressing: Callable[[], bool] | None = None,
-        on_frozen: Callable[[list[int], float], None] | None = None,
+        on_frozen: Callable[[Frozen, float], None] | None = None,
         after_signal: Callable[[], None] | None = None) -> ChainOutcome:
     return rig.runner.run(steps, tree, None, REASON, settings, pressing or Pressure(),
                           dict(FIELDS), on_frozen=on_frozen, after_signal=after_signal)
@@ -428,8 +428,8 @@ def test_chain_table(tmp_path: Path, case: Case) -> None:
     pressing = Pressure(case.pressing)
     frozen_calls: list[tuple[list[int], float]] = []
 
-    def on_frozen(pids: list[int], at: float) -> None:
-        frozen_calls.append((pids, at))
+    def on_frozen(frozen: Frozen, at: float) -> None:
+        frozen_calls.append((frozen.pids, at))
         rig.clock.advance(case.stall_after_freeze)
 
     outcome = run(rig, chain(*case.steps), tree, settings=case.settings, pressing=pressing,
@@ -466,7 +466,7 @@ def test_checkpoint_gets_rule_settings_and_thaw_on_failure(tmp_path: Path) -> No
 def test_without_freeze_step_callbacks_go_to_the_checkpoint(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
 
-    def on_frozen(pids: list[int], at: float) -> None:
+    def on_frozen(frozen: Frozen, at: float) -> None:
         pass
 
     def after_signal() -> None:
@@ -486,8 +486,8 @@ def test_freeze_step_calls_callbacks_once_then_not_the_checkpoint(tmp_path: Path
     def after_signal() -> None:
         seen.append(("after_signal", list(rig.freezer.waited)))
 
-    def on_frozen(pids: list[int], at: float) -> None:
-        seen.append(("on_frozen", pids, at))
+    def on_frozen(frozen: Frozen, at: float) -> None:
+        seen.append(("on_frozen", frozen.pids, at))
 
     outcome = run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD),
                   on_frozen=on_frozen, after_signal=after_signal)

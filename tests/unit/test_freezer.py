@@ -64,7 +64,7 @@ def test_a_task_found_stopped_gets_no_sigstop_and_no_sigcont(
     frozen = freezer.freeze(root)
     assert sorted(frozen.pids) == sorted([root, user_stopped, running])
     assert frozen.user_stopped == [user_stopped]
-    assert freezer.wait_frozen(frozen.pids, 5.0)
+    assert freezer.wait_frozen(frozen, 5.0).stopped
     assert freezer.stopped_again(frozen.ours) == []
     freezer.thaw(frozen.ours)
     assert _until(lambda: _state(root) != "T" and _state(running) != "T")
@@ -88,7 +88,7 @@ def test_tasks_held_are_ours_even_when_found_stopped(family: tuple[int, list[int
     root, kids = family
     freezer = SigstopFreezer()
     first = freezer.freeze(root)
-    assert freezer.wait_frozen(first.pids, 5.0)
+    assert freezer.wait_frozen(first, 5.0).stopped
     again = freezer.freeze(root, held=first.ours)
     assert again.user_stopped == [] and sorted(again.ours) == sorted([root, *kids])
     freezer.thaw(again.ours)
@@ -101,7 +101,7 @@ def test_a_stop_sent_while_oomguard_holds_the_task_is_the_users(
     root, (late, other) = family
     freezer = SigstopFreezer()
     frozen = freezer.freeze(root)
-    assert freezer.wait_frozen(frozen.pids, 5.0)
+    assert freezer.wait_frozen(frozen, 5.0).stopped
     os.kill(late, signal.SIGSTOP)  # the user's, a moment too late for the scan
     assert _until(lambda: ProcReader().status(late).stop_pending)
     assert freezer.stopped_again(frozen.ours) == [late]
