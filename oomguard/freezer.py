@@ -80,6 +80,8 @@ class Frozen:
             found["left_tree"] = self.left
         if self.events_lost:
             found["events_lost"] = self.events_lost
+        if self.stopped is False:
+            found["all_stopped"] = False  # the wait timed out: some task had not stopped
         return found
 
 
