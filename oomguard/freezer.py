@@ -117,7 +117,8 @@ class ForkFollow:
         self.events = events
         self.proc = proc
         self.held = frozenset(held)
-        self.members: dict[int, None] = {}  # in the order found: parents before children
+        self.members: dict[int, int] = {}  # pid -> start time, in the order found (parents
+        # before children); with the pid, the start time names one process (pids are reused)
         self.user_stopped: list[int] = []
         self.settled: set[int] = set()  # seen stopped in every thread, or gone
         self.caught = 0
@@ -128,13 +129,14 @@ class ForkFollow:
     def take(self, pid: int) -> None:
         """A new task of the tree: the user's if found stopped (and not `held`), else
         SIGSTOPped."""
-        self.members[pid] = None
+        self.members[pid] = 0
         try:
-            state = self.proc.state(pid)
+            stat = self.proc.stat(pid)
         except ProcessGone:
             self.settled.add(pid)
             return
-        if state == USER_STOPPED_STATE and pid not in self.held:
+        self.members[pid] = stat.starttime
+        if stat.state == USER_STOPPED_STATE and pid not in self.held:
             self.user_stopped.append(pid)
         elif not _signal(pid, signal.SIGSTOP, self.kill):
             self.settled.add(pid)
@@ -185,11 +187,14 @@ class ForkFollow:
                 states = self.proc.thread_states(pid)
             except ProcessGone:
                 states = []
-            if all(state in STOPPED_STATES for state in states):
-                self.settled.add(pid)
+            if all(state in STOPPED_STATES for state in states) or not self._same(pid):
+                self.settled.add(pid)  # stopped, or gone (its pid taken by another process)
             else:
                 waiting.append(pid)
         return waiting
+
+    def _same(self, pid: int) -> bool:
+        return self.proc.starttime(pid) == self.members[pid] != 0
 
     def reconcile(self) -> int:
         """Walk the stopped tree: a task no event named is stopped (returns how many), and
@@ -199,7 +204,7 @@ class ForkFollow:
         inside = set(tree)
         self.tree = [pid for pid in tree if self.proc.exists(pid)]
         for pid in self.members:
-            if pid not in inside and pid not in self.left and self.proc.exists(pid):
+            if pid not in inside and pid not in self.left and self._same(pid):
                 self.left.append(pid)
                 if pid not in self.user_stopped:
                     _signal(pid, signal.SIGCONT, self.kill)
@@ -291,7 +296,7 @@ class SigstopFreezer:
                 if self.clock() >= deadline:
                     follow.reconcile()
                     return follow.frozen(stopped=False)
-                self.sleep(0.0005)
+                self.sleep(0.001)
         finally:
             follow.close()
 

@@ -178,6 +178,12 @@ class ProcReader:
                 continue
         return found
 
+    def stat(self, pid: int) -> StatFields:
+        try:
+            return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace"))
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
     def state(self, pid: int) -> str:
         try:
             return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).state

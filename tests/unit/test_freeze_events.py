@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.errors import ProcessGone
-from oomguard.freezer import BY_EVENTS, BY_LISTING, SigstopFreezer
+from oomguard.freezer import BY_EVENTS, BY_LISTING, ForkFollow, SigstopFreezer
 from oomguard.procfs import ProcReader
 from oomguard.sense.procevents import (
     EventBatch,
@@ -37,6 +37,7 @@ class Task:
     exits_on_stop: bool = False  # exits instead of stopping (after its forks)
     stuck: int = 0  # ticks it stays in D before a SIGSTOP can take it
     lag: int = 0  # ticks its other threads run on after the main one has stopped
+    starttime: int = 1000  # clock ticks since boot: with the pid, names the process
 
 
 class World:
@@ -100,11 +101,13 @@ class World:
         kids = [k for k, t in self.tasks.items() if t.ppid == pid]
         for tid, state in task.threads.items():
             (base / "task" / str(tid)).mkdir(parents=True, exist_ok=True)
-            (base / "task" / str(tid) / "stat").write_text(stat_line(tid, "job", state, task.ppid))
+            (base / "task" / str(tid) / "stat").write_text(
+                stat_line(tid, "job", state, task.ppid, starttime=task.starttime))
             # children are listed under the thread that forked them: the main one here
             (base / "task" / str(tid) / "children").write_text(
                 "".join(f"{k} " for k in kids) if tid == pid else "")
-        (base / "stat").write_text(stat_line(pid, "job", task.threads[pid], task.ppid))
+        (base / "stat").write_text(stat_line(pid, "job", task.threads[pid], task.ppid,
+                                             starttime=task.starttime))
 
     def kill(self, pid: int, sig: int) -> None:
         if pid not in self.tasks:
@@ -299,6 +302,23 @@ def test_a_child_reparented_out_of_the_tree_is_let_go(world: World) -> None:
     assert done.pids == [ROOT] and done.left == [GRANDKID]
     assert (GRANDKID, signal.SIGCONT) in world.signals and world.state(GRANDKID) == "S"
     assert done.fields()["left_tree"] == [GRANDKID]
+
+
+def test_a_pid_taken_by_another_process_is_neither_waited_for_nor_continued(
+        world: World) -> None:
+    """A task of the tree ends and its pid goes to an unrelated process (another start
+    time): that one is not the tree's to wait for, nor to continue."""
+    world.add(ROOT, 1)
+    world.add(KID, 1)  # reparented out of the tree already
+    follow = ForkFollow(ROOT, world, ProcReader(world.root), kill=world.kill)
+    follow.walk()
+    follow.take(KID)  # as if its fork event had named ROOT
+    world.sleep(0)
+    world.tasks[KID] = Task(1, {KID: "R"}, starttime=2000)  # a new process with that pid
+    world.write(KID)
+    assert follow.unsettled() == []
+    assert follow.reconcile() == 0 and follow.left == []
+    assert (KID, signal.SIGCONT) not in world.signals
 
 
 def test_thread_creation_and_forks_elsewhere_are_not_taken(world: World) -> None:

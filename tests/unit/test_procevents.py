@@ -5,6 +5,7 @@ ENOBUFS) and against the real one; pyroute2 loaded lazily, without its package _
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import socket
 import struct
@@ -322,3 +323,12 @@ def test_the_light_import_costs_a_fraction_of_the_whole() -> None:
     light = int(fresh(measure.format(load="procevents.load_cn_proc()")))
     whole = int(fresh(measure.format(load="procevents.load_cn_proc(find_spec=lambda n: None)")))
     assert light < 4096 < whole, (light, whole)
+
+
+def test_a_subscription_dropped_unclosed_still_says_ignore() -> None:
+    """An exception between a freeze and its wait drops the Frozen: the kernel is told."""
+    kernel = FakeKernel()
+    events = ProcEvents(open_socket=kernel.open)
+    del events
+    gc.collect()
+    assert [op for op, _ack in kernel.controls] == [PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE]
