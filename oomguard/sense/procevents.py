@@ -57,7 +57,7 @@ ACK_TIMEOUT = 0.25  # the kernel answers within the send (measured: 25 us); none
 RECV_SIZE = 4096  # one event per datagram (76 bytes)
 MAX_DATAGRAMS = 8192  # per read(): a storm of events cannot hold the reader forever
 LASTING = frozenset({errno.EPERM, errno.EACCES, errno.ECONNREFUSED, errno.EPROTONOSUPPORT,
-                     errno.EAFNOSUPPORT, errno.ETIMEDOUT, errno.ENOENT})
+                     errno.EAFNOSUPPORT, errno.ETIMEDOUT, errno.ENOENT, errno.ENOPKG})
 
 _import_lock = threading.Lock()
 
@@ -231,11 +231,14 @@ def connector_socket() -> socket.socket:
     """A NETLINK_CONNECTOR socket made by pyroute2's ProcEventSocket, bound to the process
     events' multicast group, non-blocking. (Bound here, not with pyroute2's bind(): that one
     tries ports 20-199 and turns EPERM into KeyError('no free address').)"""
-    cn_proc = load_cn_proc()
+    try:
+        cn_proc = load_cn_proc()
+    except ImportError as exc:  # an environment made before the dependency: fall back
+        raise OSError(errno.ENOPKG, f"pyroute2 is not installed ({exc})") from exc
     try:
         made = cn_proc.ProcEventSocket()
     except OSError:
-        raise
+        raise  # EMFILE, EPROTONOSUPPORT...: the caller says why in words
     except Exception as exc:  # pyroute2's own errors, as OSError
         raise OSError(errno.EIO, f"pyroute2 could not make the socket: {exc}") from exc
     try:
@@ -336,6 +339,7 @@ _WHY = {
     errno.ETIMEDOUT: "no answer: not in the initial PID and user namespaces, or a kernel "
                      "without CONFIG_PROC_EVENTS",
     errno.EMFILE: "too many open files",
+    errno.ENOPKG: "pyroute2 is not installed (pip install pyroute2)",
 }
 
 

@@ -332,3 +332,16 @@ def test_a_subscription_dropped_unclosed_still_says_ignore() -> None:
     del events
     gc.collect()
     assert [op for op, _ack in kernel.controls] == [PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE]
+
+
+def test_without_pyroute2_the_connector_is_unavailable_not_a_crash(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from oomguard.sense import procevents
+
+    def missing() -> None:
+        raise ImportError("No module named 'pyroute2'")
+
+    monkeypatch.setattr(procevents, "load_cn_proc", missing)
+    subscriber = Subscriber()
+    assert subscriber.probe() == "ENOPKG: pyroute2 is not installed (pip install pyroute2)"
+    assert subscriber.why_not is not None and subscriber.open() is None
