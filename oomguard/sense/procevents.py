@@ -312,8 +312,14 @@ class ProcEvents:
         return self.sock.fileno()
 
     def read(self) -> EventBatch:
-        """Every event queued now (up to MAX_DATAGRAMS), oldest first."""
-        events = self._early + [m for m in self._receive() if not isinstance(m, ControlAck)]
+        """Every event queued now (up to MAX_DATAGRAMS), oldest first. A socket that fails
+        otherwise (closed meanwhile) counts as events lost, for the caller to fall back."""
+        try:
+            received = self._receive()
+        except OSError:
+            received = []
+            self._lost += 1
+        events = self._early + [m for m in received if not isinstance(m, ControlAck)]
         self._early = []
         lost, self._lost = self._lost, 0
         return EventBatch(tuple(events), lost)

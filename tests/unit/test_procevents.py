@@ -23,6 +23,7 @@ from oomguard.sense.procevents import (
     PROC_EVENT_EXIT,
     PROC_EVENT_FORK,
     ControlAck,
+    EventBatch,
     ProcessExec,
     ProcessExit,
     ProcessFork,
@@ -345,3 +346,11 @@ def test_without_pyroute2_the_connector_is_unavailable_not_a_crash(
     subscriber = Subscriber()
     assert subscriber.probe() == "ENOPKG: pyroute2 is not installed (pip install pyroute2)"
     assert subscriber.why_not is not None and subscriber.open() is None
+
+
+def test_a_failing_socket_reads_as_events_lost() -> None:
+    kernel = FakeKernel()
+    events = ProcEvents(open_socket=kernel.open)
+    kernel.ours.close()  # EBADF from here on
+    assert events.read() == EventBatch((), 1)
+    events.close()
