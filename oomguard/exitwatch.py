@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 
 from oomguard.errors import StoreError
-from oomguard.sense.procevents import EventSource, ProcessExit, ProcEvents, unavailable
+from oomguard.sense.procevents import EXITS, EventSource, ProcessExit, ProcEvents, unavailable
 from oomguard.store import Store
 
 STATUS_WAIT = 1.0  # after the pidfd says "exited", how long the connector's event may take
@@ -91,7 +91,7 @@ class ExitWatch:
     from the thread."""
 
     def __init__(self, on_exit: ExitCallback, *,
-                 open_events: Callable[[], EventSource] = ProcEvents,
+                 open_events: Callable[[], EventSource] = lambda: ProcEvents(kinds=EXITS),
                  wall_clock: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic,
                  clock_ns: Callable[[], int] = time.monotonic_ns) -> None:

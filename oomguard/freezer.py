@@ -27,7 +27,7 @@ from typing import Protocol
 
 from oomguard.errors import ProcessGone
 from oomguard.procfs import ProcReader
-from oomguard.sense.procevents import EventSource, ProcessFork, Subscriber
+from oomguard.sense.procevents import FORKS, EventSource, ProcessFork, Subscriber
 
 STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
 USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)
@@ -233,7 +233,7 @@ class SigstopFreezer:
         self.proc = proc or ProcReader()
         self.sleep = sleep
         self.clock = clock
-        self.events = events if events is not None else Subscriber()
+        self.events = events if events is not None else Subscriber(kinds=FORKS)
         self.kill = kill
 
     def freeze(self, root_pid: int, held: Collection[int] = ()) -> Frozen:

@@ -22,7 +22,7 @@ from oomguard.metrics import Metrics, TextfileWriter
 from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
-from oomguard.sense.procevents import ProcessExit, Subscriber, process_events_words
+from oomguard.sense.procevents import FORKS, ProcessExit, Subscriber, process_events_words
 from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.startup import gpu_summary
 from oomguard.store import Store
@@ -136,7 +136,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     criu = build_criu(config.criu, layout, proc, gpu)
     # The freeze's process events: tried once now (which also loads pyroute2 now rather
     # than at the first crossing), said in guard.started.
-    subscriptions = Subscriber()
+    subscriptions = Subscriber(kinds=FORKS)
     no_events = subscriptions.probe()
     checkpointer = build_checkpointer(config, criu, proc, events=subscriptions)
     restorer = build_restorer(config, criu, proc, events=subscriptions)

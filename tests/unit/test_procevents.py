@@ -17,6 +17,8 @@ import time
 import pytest
 
 from oomguard.sense.procevents import (
+    EXITS,
+    FORKS,
     PROC_CN_MCAST_IGNORE,
     PROC_CN_MCAST_LISTEN,
     PROC_EVENT_EXEC,
@@ -353,4 +355,17 @@ def test_a_failing_socket_reads_as_events_lost() -> None:
     events = ProcEvents(open_socket=kernel.open)
     kernel.ours.close()  # EBADF from here on
     assert events.read() == EventBatch((), 1)
+    events.close()
+
+
+def test_kinds_not_asked_for_are_skipped_before_the_marshal() -> None:
+    forks_and_exits = fork_datagram(1, 70) + exit_datagram(70, 70, 0) + datagram(
+        PROC_EVENT_EXEC, struct.pack("=II", 71, 71))
+    assert parse_events(forks_and_exits, FORKS) == [ProcessFork(1, 1, 70, 70, 5)]
+    assert parse_events(forks_and_exits, EXITS) == [ProcessExit(70, 70, 0, 5)]
+    assert len(parse_events(forks_and_exits)) == 3
+    kernel = FakeKernel(before=[fork_datagram(1, 72)])  # the answer still comes through
+    events = ProcEvents(kinds=EXITS, open_socket=kernel.open)
+    kernel.kernel.send(exit_datagram(72, 72, 1 << 8))
+    assert events.read().events == (ProcessExit(72, 72, 256, 5),)
     events.close()
