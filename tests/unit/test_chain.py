@@ -73,8 +73,10 @@ class FakeClock:
 class FakeFreezer:
     def __init__(self, pids: list[int] | None = None, *, gone: bool = False,
                  events: list[tuple[str, Any]] | None = None,
-                 user_stopped: Collection[int] = (), again: Collection[int] = ()) -> None:
+                 user_stopped: Collection[int] = (), again: Collection[int] = (),
+                 caught: Collection[int] = ()) -> None:
         self.pids = pids  # what freeze() returns; None: the root alone
+        self.caught = list(caught)  # forked meanwhile: wait_frozen() adds them
         self.user_stopped = user_stopped  # found stopped by freeze() (unless held)
         self.again = again  # stopped_again() names these
         self.held: list[list[int]] = []  # `held` passed to each freeze()
@@ -97,7 +99,9 @@ class FakeFreezer:
 
     def wait_frozen(self, frozen: Frozen, timeout: float) -> Frozen:
         self.waited.append((list(frozen.pids), timeout))
-        return replace(frozen, stopped=True)
+        self.frozen.extend(self.caught)
+        return replace(frozen, pids=frozen.pids + self.caught, stopped=True,
+                       caught=len(self.caught))
 
     def stopped_again(self, pids: list[int]) -> list[int]:
         return [pid for pid in pids if pid in self.again]
@@ -540,6 +544,24 @@ def test_freeze_records_the_tree_then_what_was_stopped(tmp_path: Path) -> None:
     assert rig.ledger.calls == [("record", [ROOT, CHILD]), ("record", [ROOT, CHILD]),
                                 ("clear", [ROOT, CHILD, ROOT, CHILD])]
     assert rig.freezer.thawed == [[ROOT, CHILD]]
+
+
+def test_children_caught_while_the_freeze_settles_are_recorded_and_thawed(
+        tmp_path: Path) -> None:
+    """Forked as the tree stopped (seen on the connector): into the ledger at once, in the
+    frozen tree given to on_frozen, and continued with the rest when the chain gives up."""
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], caught=[EXTRA]), free=SHORT)
+    seen: list[list[int]] = []
+
+    def on_frozen(frozen: Frozen, at: float) -> None:
+        seen.append(frozen.pids)
+
+    run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD), on_frozen=on_frozen)
+    assert rig.ledger.calls == [("record", [ROOT, CHILD]), ("record", [ROOT, CHILD]),
+                                ("record", [EXTRA]), ("clear", [ROOT, CHILD, ROOT, CHILD, EXTRA])]
+    assert seen == [[ROOT, CHILD, EXTRA]]
+    assert rig.freezer.thawed == [[ROOT, CHILD, EXTRA]]
+    assert left_frozen(rig) == set()
 
 
 def test_store_refusal_is_logged_and_checkpointer_never_called(tmp_path: Path) -> None:
