@@ -10,7 +10,10 @@ names a parent in the tree is stopped at once (ForkFollow). It is exact: a stopp
 fork, and a fork's event is queued before the parent returns to user space (where its pending
 SIGSTOP takes it; a fork that has not reached the end of copy_process by then is undone and
 restarted after the stop). So once every thread of every task in the set is seen stopped, one
-last read of the socket and one walk of the stopped tree in /proc find nothing new. Where the
+last read of the socket and one walk of the stopped tree in /proc find nothing new. freeze()
+sends the SIGSTOPs and returns at once (a task parked at the memory limit stops only once the
+headroom is given, a v2-frozen cgroup only once thawed); wait_frozen() follows the forks until
+the whole tree has stopped, and closes the subscription. Where the
 connector is unavailable, the tree is re-listed until no new child appears (up to 50 times):
 a child forked after the last listing, before its parent stopped, escapes.
 """
