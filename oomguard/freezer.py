@@ -13,9 +13,9 @@ restarted after the stop). So once every thread of every task in the set is seen
 last read of the socket and one walk of the stopped tree in /proc find nothing new. freeze()
 sends the SIGSTOPs and returns at once (a task parked at the memory limit stops only once the
 headroom is given, a v2-frozen cgroup only once thawed); wait_frozen() follows the forks until
-the whole tree has stopped, and closes the subscription. Where the
-connector is unavailable, the tree is re-listed until no new child appears (up to 50 times):
-a child forked after the last listing, before its parent stopped, escapes.
+the whole tree has stopped, and closes the subscription. Where the connector is unavailable,
+the tree is re-listed until no new child appears (up to 50 times): a child forked after the
+last listing, before its parent stopped, escapes.
 """
 
 from __future__ import annotations
