@@ -187,6 +187,10 @@ class Checkpointer:
                 if raised_limit is not None:
                     undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            # The tree as it stopped, which is what CRIU dumps (and a restore needs free): not
+            # the one chosen before the freeze, whose short-lived children may have been
+            # replaced meanwhile (a shell's `sleep`s).
+            meta.pids = list(pids)
             ttys = external_ttys(self.proc.root, pids)
             if ttys:
                 meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
