@@ -81,7 +81,7 @@ def running_with(token: str) -> list[int]:
 
 def test_a_fork_storm_is_frozen_completely(cgroups: CgroupFactory, store: Path,
                                           tmp_path: Path) -> None:
-    cg = cgroups.make("forkstorm", 320 * MiB)
+    cg = cgroups.make("forkstorm", 256 * MiB)
     log = tmp_path / "storm.log"
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path),
                 "--threshold", "85%") as guard:
@@ -89,8 +89,8 @@ def test_a_fork_storm_is_frozen_completely(cgroups: CgroupFactory, store: Path,
         if not started["process_events"].startswith("kernel connector"):
             pytest.skip(f"no process events here: {started['process_events']}")
         guard.wait_event("guard.armed", timeout=60)
-        storm = start_in_cgroup(cg, [sys.executable, str(FORKSTORM), str(log), "400", "1000",
-                                     "2.0"])
+        storm = start_in_cgroup(cg, [sys.executable, str(FORKSTORM), str(log), "300", "1000",
+                                     "2.0", "60"])
         try:
             done = guard.wait_event("checkpoint.done", timeout=240)[0]
             assert storm.wait(timeout=60) == -signal.SIGKILL
@@ -120,6 +120,8 @@ def test_a_fork_storm_is_frozen_completely(cgroups: CgroupFactory, store: Path,
     assert not unaccounted, f"neither dumped nor ended: {unaccounted[:20]}"
     assert all(exits[pid] <= frozen_at for pid in starts - dumped)
     assert root in dumped and len(dumped) > 2
+    # The frozen tree (meta.json's pids) is exactly what CRIU found and dumped.
+    assert sorted(Store(store).get(done["id"]).pids) == sorted(dumped)
     # Nothing of it is left, in the cgroup or anywhere; its memory is back.
     assert wait_until(lambda: not cg.procs(), 30), f"left in the cgroup: {cg.procs()}"
     assert running_with(str(log)) == []
@@ -132,8 +134,12 @@ def test_a_fork_storm_is_frozen_completely(cgroups: CgroupFactory, store: Path,
           f"{len(starts - dumped)} ended before the freeze, 0 escaped; "
           f"detect-to-frozen {frozen['detect_to_frozen_ms']} ms, freeze {done['freeze_s']} s")
 
-    # The restored tree goes on: the same root, new children, the grower growing.
-    big = cgroups.make("forkstormbig", 768 * MiB)
+    # The restored tree goes on: the same root, new children, the grower growing. CRIU
+    # restores the original pids: the dumped tasks' zombies, reparented to PID 1 as the
+    # tree died, must have been reaped (some inits take their time).
+    assert wait_until(lambda: not [p for p in dumped if os.path.exists(f"/proc/{p}")], 180), \
+        f"zombies of the dumped tree not reaped: {[p for p in dumped if os.path.exists(f'/proc/{p}')]}"
+    big = cgroups.make("forkstormbig", 1024 * MiB)  # the images: ~8 MiB each child, the grower
     restored = run_oomguard(store, "restore", done["id"], "--cgroup", str(big.path))
     assert restored.returncode == 0, restored.stderr
     try:
@@ -148,4 +154,3 @@ def test_a_fork_storm_is_frozen_completely(cgroups: CgroupFactory, store: Path,
         kill_pid(root)
         for pid in big.procs():
             kill_pid(pid)
-    assert os.path.exists(log)

@@ -5,7 +5,11 @@ takes 4 MiB every 20 ms after a warm-up. Every process appends `start PID T` whe
 and `exit PID T` just before it ends (T: time.time()), the grower `grow PID MiB T` for each
 step: whatever runs after the freeze leaves a line with a later T.
 
-    forkstorm.py LOG TARGET_MIB [RATE] [WARMUP_S]
+At most MAX_LIVE of its children and orphaned grandchildren live at once (the root counts
+forks against what it reaps): a machine slowed down does not pile up hundreds of them, each a
+CRIU image of the interpreter's ~8 MiB.
+
+    forkstorm.py LOG TARGET_MIB [RATE] [WARMUP_S] [MAX_LIVE]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def main() -> int:
     log_path, target_mib = sys.argv[1], int(sys.argv[2])
     rate = float(sys.argv[3]) if len(sys.argv) > 3 else 1000.0
     warmup = float(sys.argv[4]) if len(sys.argv) > 4 else 1.5
+    max_live = int(sys.argv[5]) if len(sys.argv) > 5 else 60
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         return 1
@@ -56,15 +61,19 @@ def main() -> int:
     line(fd, "start", os.getpid())
     if os.fork() == 0:
         grow(fd, target_mib, warmup)
-    forked = 0
+    forked = reaped = 0
     began = time.monotonic()
     while True:
-        forked += 1
-        if os.fork() == 0:
-            short_life(fd, 0.02 + (forked % 5) * 0.005, forked % 2 == 0)
+        capped = forked + forked // 2 - reaped >= max_live  # half the children fork again
+        if not capped:
+            forked += 1
+            if os.fork() == 0:
+                short_life(fd, 0.02 + (forked % 5) * 0.005, forked % 2 == 0)
         ahead = began + forked / rate - time.monotonic()
         if ahead > 0:
             time.sleep(ahead)
+        elif capped:
+            time.sleep(0.001)
         while True:  # reap children and the orphaned grandchildren (we are their subreaper)
             try:
                 done, _ = os.waitpid(-1, os.WNOHANG)
@@ -72,6 +81,7 @@ def main() -> int:
                 break
             if done == 0:
                 break
+            reaped += 1
 
 
 if __name__ == "__main__":
