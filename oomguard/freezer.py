@@ -287,6 +287,7 @@ class SigstopFreezer:
         if follow is None:
             return replace(frozen, stopped=self._wait_states(frozen.pids, timeout))
         deadline = self.clock() + timeout
+        looks = 0
         try:
             while True:
                 follow.drain()
@@ -299,7 +300,8 @@ class SigstopFreezer:
                 if self.clock() >= deadline:
                     follow.reconcile()
                     return follow.frozen(stopped=False)
-                self.sleep(0.001)
+                looks += 1
+                self.sleep(0.0002 if looks < 25 else 0.001)  # as _wait_states
         finally:
             follow.close()
 
