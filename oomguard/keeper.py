@@ -43,6 +43,7 @@ class StoreKeeper:
         self._partials_busy = False
         self._next_partials = 0.0  # incomplete checkpoints (a failed commit) are retried then
         self._skipped_warned: set[str] = set()  # store entries already warned about
+        self._busy_logged: set[str] = set()  # partials being written, already logged once
         self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
         self._listing: tuple[tuple[int, int] | None, float, list[CheckpointMeta]] | None = None
 
@@ -103,6 +104,7 @@ class StoreKeeper:
     def _recover_store(self) -> None:
         self._partials_busy = False
         self._next_partials = self.clock() + PRUNE_INTERVAL
+        busy: set[str] = set()
         for checkpoint_id, what in self.store.recover_partials():
             if what == "completed":
                 self.log.warning("checkpoint.recovered", id=checkpoint_id,
@@ -119,9 +121,13 @@ class StoreKeeper:
                                  "was resumed by CRIU")
             else:
                 self._partials_busy = True
-                self.log.info("checkpoint.partial_busy", id=checkpoint_id,
-                              explanation="CRIU of the last run is still writing it; "
-                              "looked at again on every rescan")
+                busy.add(checkpoint_id)
+                if checkpoint_id not in self._busy_logged:  # once, not on every rescan
+                    self.log.info("checkpoint.partial_busy", id=checkpoint_id,
+                                  explanation="a CRIU (this run's dump in progress, or one "
+                                  "left by the last run) is still writing it; looked at "
+                                  "again on every rescan until it is done")
+        self._busy_logged = busy
 
     def prune(self) -> None:
         self._next_prune = self.clock() + PRUNE_INTERVAL
