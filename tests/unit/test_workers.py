@@ -1,0 +1,64 @@
+"""acting.Workers: action threads kept between actions, one per action in flight."""
+
+from __future__ import annotations
+
+import threading
+
+from oomguard.acting import Workers
+
+
+def _thread_of(workers: Workers) -> tuple[threading.Event, list[int]]:
+    seen: list[int] = []
+    done = workers.run(lambda: seen.append(threading.get_ident()))
+    assert done.wait(5)
+    return done, seen
+
+
+def test_an_idle_thread_takes_the_next_action() -> None:
+    workers = Workers(keep=2)
+    _, first = _thread_of(workers)
+    idents = set(first)
+    for _ in range(20):
+        _, seen = _thread_of(workers)
+        idents.update(seen)
+    assert len(idents) == 1  # one thread served every action, one after another
+
+
+def test_actions_in_flight_each_get_a_thread_and_only_keep_stay() -> None:
+    workers = Workers(keep=1)
+    release = threading.Event()
+    started = threading.Barrier(4, timeout=5)  # the three actions and this test
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def blocking() -> None:
+        with lock:
+            seen.append(threading.get_ident())
+        started.wait()  # all three run at once: none waits for another's thread
+        release.wait(5)
+
+    dones = [workers.run(blocking) for _ in range(3)]
+    started.wait()
+    assert len(set(seen)) == 3
+    release.set()
+    assert all(done.wait(5) for done in dones)
+    before = threading.active_count()
+    for _ in range(3):
+        _thread_of(workers)
+    assert threading.active_count() <= before  # the extra threads ended; one is kept
+
+
+def test_a_failing_action_still_reports_its_end() -> None:
+    workers = Workers(keep=1)
+    failures: list[BaseException | None] = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: failures.append(args.exc_value)
+    try:
+        def boom() -> None:
+            raise RuntimeError("a bug in an action")
+        assert workers.run(boom).wait(5)
+        _, seen = _thread_of(workers)  # the next action still runs
+        assert seen
+    finally:
+        threading.excepthook = old_hook
+    assert [str(f) for f in failures] == ["a bug in an action"]
