@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.harness import machine
 from oomguard.procfs import ProcReader
 from oomguard.store import Store
 from tests.helpers import (
@@ -235,6 +236,9 @@ def markdown(report: dict[str, Any]) -> str:
             ("daemon SIGKILLs and restarts", t["daemon_kills"]),
             ("invariants broken", len(report["problems"]))]
     lines = ["| what | count |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
+    if report.get("machine"):
+        lines += ["", "Measured on:", "", "| what | value |", "|---|---|",
+                  *[f"| {k} | {v} |" for k, v in report["machine"].items()]]
     if report["problems"]:
         lines += ["", "Broken:", *[f"- {p}" for p in report["problems"]]]
     return "\n".join(lines) + "\n"
@@ -253,6 +257,7 @@ def main() -> int:
         ["mktemp", "-d", "/var/tmp/oomguard-soak.XXXXXX"], text=True).strip())
     try:
         ok, report = run(args.minutes, workdir, args.seed)
+        report["machine"] = machine(workdir)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
