@@ -28,6 +28,7 @@ from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
+from oomguard.imagedigest import ImageDigester
 from oomguard.ledger import FrozenLedger
 from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.oomshield import OomShield
@@ -194,13 +195,21 @@ class Checkpointer:
                 self.store.write_private(images.parent / FILES_RECORD,
                                          fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-                self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys))
+                # Checksums taken as CRIU writes, finished in its post-dump action.
+                digester = ImageDigester.following(images, self.store.algorithm)
+                try:
+                    self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys),
+                                   env=digester.env())
+                except BaseException:
+                    digester.abandon()
+                    raise
                 dumped = True  # CRIU has killed the tree: these images are all there is of it
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
                 dumped_at = self.clock()
+                digests = digester.result()
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
-            path = self.store.commit(meta)
+            path = self.store.commit(meta, digests)
             done = self.clock()
             pin_holders(ttys, meta.id, meta.uid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:

@@ -11,10 +11,11 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oomguard.criu_hook import VERIFY_GATE_ENV
 from oomguard.errors import CriuError
 from oomguard.runner import CommandRunner, SubprocessRunner, executable_candidates
 
@@ -111,8 +112,10 @@ def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
 
 
 def hook_script_text(python: str) -> str:
-    # Only post-dump and post-resume have work to do: no Python for the other actions.
-    return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-resume) ;; *) exit 0 ;;'
+    # Only post-dump, post-resume and (with a verification gate) post-restore have work to do:
+    # no Python for the other actions.
+    return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-resume) ;;'
+            f' post-restore) [ -n "${VERIFY_GATE_ENV}" ] || exit 0 ;; *) exit 0 ;;'
             f' esac\nexec "{python}" -I "{HOOK_MODULE}"\n')
 
 
@@ -145,12 +148,13 @@ class Criu:
         return path
 
     def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None,
-             extra_args: Sequence[str] = ()) -> None:
+             extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         """`lock_fd` (an flock'd fd on the checkpoint directory) is inherited by CRIU, so the
         lock says "a dump is writing here" for as long as CRIU lives, even if we die.
-        `extra_args`: this dump's own (e.g. `--external tty[...]`)."""
+        `extra_args`: this dump's own (e.g. `--external tty[...]`); `env`: for the action
+        script (its digest gate)."""
         argv = [*dump_argv(self.binary, pid, images_dir, self.options, hook), *extra_args]
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout, env=env,
                                  pass_fds=() if lock_fd is None else (lock_fd,))
         if result.timed_out:
             raise CriuError(f"criu dump timed out after {self.options.timeout:.0f}s",
@@ -161,21 +165,25 @@ class Criu:
 
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
                 hook: Path | None = None, extra_args: Sequence[str] = (),
-                pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = ()) -> int:
+                pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = (),
+                env: Mapping[str, str] | None = None) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
         group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
-        `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so."""
+        `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so.
+        `env`: more for the action script (the verification gate)."""
         pidfile = work_dir / "restore.pid"
         # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
         (work_dir / RESTORE_LOG).unlink(missing_ok=True)
         argv = [*restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root,
                               work_dir, hook), *extra_args]
-        env = {KEEP_STOPPED_ENV: ",".join(map(str, keep_stopped))} if keep_stopped else None
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout, env=env,
-                                 pass_fds=pass_fds)
+        script_env = dict(env or {})
+        if keep_stopped:
+            script_env[KEEP_STOPPED_ENV] = ",".join(map(str, keep_stopped))
+        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
+                                 env=script_env or None, pass_fds=pass_fds)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"
             raise CriuError(f"criu restore {what}",

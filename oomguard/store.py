@@ -1,7 +1,8 @@
 """The checkpoint store: one root-only directory per checkpoint, CRIU images plus meta.json.
 
-A checkpoint is built in `.partial-<id>` and renamed to `<id>` only once its images are durable
-and its meta.json written, so a crash never leaves a half checkpoint that looks whole.
+A checkpoint is built in `.partial-<id>` and renamed to `<id>` only once its images are durable,
+checksummed (B3SUMS, or SHA256SUMS: oomguard/integrity.py) and its meta.json written, so a crash
+never leaves a half checkpoint that looks whole.
 """
 
 from __future__ import annotations
@@ -21,9 +22,20 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from oomguard.criu_hook import sync_and_drop
 from oomguard.errors import StoreError
-from oomguard.integrity import CHECKSUMS, compute, format_sums, verify
+from oomguard.hookgate import remove_gates
+from oomguard.imagedigest import Digests
+from oomguard.integrity import (
+    SUMS_FILES,
+    digest_file,
+    find_sums,
+    format_sums,
+    image_files,
+    preferred_algorithm,
+    read_sums,
+    sums_name,
+    verify,
+)
 from oomguard.metaschema import check_value
 
 DEFAULT_STORE = Path("/var/lib/oomguard")
@@ -129,6 +141,16 @@ def _write_durably(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def _sync_and_drop(path: Path) -> None:
+    """fdatasync one image, then give back its page cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -152,8 +174,18 @@ class StoreScan:
 
 
 class Store:
-    def __init__(self, root: Path | str = DEFAULT_STORE) -> None:
+    """`algorithm`: what new checkpoints are checksummed with (default: BLAKE3 where the
+    module is installed, else SHA-256); existing ones are verified with their own."""
+
+    def __init__(self, root: Path | str = DEFAULT_STORE, algorithm: str | None = None) -> None:
         self.root = Path(root)
+        self._algorithm = algorithm
+
+    @property
+    def algorithm(self) -> str:
+        if self._algorithm is None:
+            self._algorithm = preferred_algorithm()
+        return self._algorithm
 
     def ensure(self) -> None:
         """Create the root (0700, images hold every secret of a process) or tighten it."""
@@ -187,23 +219,56 @@ class Store:
             raise StoreError(f"cannot create checkpoint in {self.root}: {exc.strerror}") from exc
         return partial / IMAGES, lock_fd
 
-    def commit(self, meta: CheckpointMeta) -> Path:
-        """Images durable, checksummed, meta.json final, then the rename that makes it whole."""
+    def commit(self, meta: CheckpointMeta, digests: Digests | None = None) -> Path:
+        """Images durable, checksummed, meta.json final, then the rename that makes it whole.
+        `digests`: checksums taken during the dump (oomguard/imagedigest.py); a file they do
+        not cover as it is now is hashed here, read back (a crash recovery: all of them)."""
         partial = self.root / (PARTIAL_PREFIX + validate_id(meta.id))
         images = partial / IMAGES
-        sync_and_drop(str(images))
+        remove_gates(partial)  # FIFOs of a hook gate whose oomguard died
+        sums = self._checksums(images, digests)
         meta.image_bytes = dir_size(images)
         meta.state = STATE_CHECKPOINTED
-        _write_durably(partial / CHECKSUMS, format_sums(compute(images)))
+        name = sums_name(self.algorithm)
+        for other in set(SUMS_FILES.values()) - {name}:  # a failed commit's, by another version
+            with contextlib.suppress(FileNotFoundError):
+                (partial / other).unlink()
+        _write_durably(partial / name, format_sums(sums))
         _write_durably(partial / META, meta.to_json())
         final = self.path_of(meta.id)
         partial.rename(final)
         _fsync_dir(self.root)
         return final
 
+    def _checksums(self, images: Path, digests: Digests | None) -> dict[str, str]:
+        """Every image's digest; each one not known from `digests` is read, fdatasynced and
+        its cache dropped (so is every one, where the post-dump action did not sync them)."""
+        known = digests.files if digests is not None and \
+            digests.algorithm == self.algorithm else {}
+        synced = digests is not None and digests.at_post_dump
+        sums = {}
+        for path in image_files(images):
+            taken = known.get(path.name)
+            if taken is not None and taken.matches(path.lstat()):
+                sums[path.name] = taken.digest
+                if synced:
+                    continue
+            else:
+                sums[path.name] = digest_file(path, self.algorithm, drop_cache=False)
+            _sync_and_drop(path)
+        _fsync_dir(images)
+        return sums
+
+    def sums_of(self, checkpoint_id: str) -> tuple[Path, str, dict[str, str]]:
+        """A checkpoint's checksum file, its algorithm and the digests it holds. Raises
+        StoreError (missing, unreadable, malformed)."""
+        path, algorithm = find_sums(self.path_of(checkpoint_id))
+        return path, algorithm, read_sums(path)
+
     def verify(self, checkpoint_id: str) -> None:
+        """Every image against the checkpoint's checksums (B3SUMS or SHA256SUMS)."""
         path = self.path_of(checkpoint_id)
-        verify(path / IMAGES, path / CHECKSUMS)
+        verify(path / IMAGES, find_sums(path)[0])
 
     def recover_partials(self) -> list[tuple[str, str]]:
         """After a crash: finish the partial checkpoints whose dump completed (CRIU logged
