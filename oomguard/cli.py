@@ -225,7 +225,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
     log.info("restore.done", id=result["id"], pid=result["pid"], seconds=result["seconds"],
-             verify_s=result.get("verify_s"), cgroup=result.get("cgroup"),
+             verify_s=result.get("verify_s"), total_s=result.get("total_s"),
+             cgroup=result.get("cgroup"),
              gpu_pids=result.get("gpu_pids") or None)
     if result.get("gpu_error"):
         log.error("restore.gpu_failed", id=result["id"], pid=result["pid"],

@@ -26,6 +26,11 @@ BLAKE3 = "blake3"
 SHA256 = "sha256"
 SUMS_FILES = {BLAKE3: "B3SUMS", SHA256: CHECKSUMS}  # newest first: verify looks in this order
 READ_BLOCK = 4 << 20  # bytes per read: large enough to stream at disk speed
+# Reading from disk, the next PREFETCH bytes are asked for ahead (POSIX_FADV_WILLNEED, in
+# PREFETCH_STEP pieces): several reads in flight. On the development VM's virtio disk a cold
+# 1 GiB file hashed at 410-720 MB/s reading one block at a time, 900-1330 MB/s so.
+PREFETCH = 32 << 20
+PREFETCH_STEP = 8 << 20
 
 
 class Hasher(Protocol):
@@ -90,18 +95,27 @@ def algorithm_of(sums_file: Path) -> str:
     return SHA256  # any other name: the original format
 
 
-def digest_file(path: Path, algorithm: str = SHA256, *, drop_cache: bool = True) -> str:
-    """The file's digest, read in large blocks. `drop_cache`: give back the page cache the
-    reading pulled in (charged to us)."""
+def digest_file(path: Path, algorithm: str = SHA256, *, drop_cache: bool = True,
+                stop: Callable[[], bool] | None = None, prefetch: int = PREFETCH) -> str:
+    """The file's digest, read in large blocks, `prefetch` bytes asked for ahead. `drop_cache`:
+    give back the page cache the reading pulled in (charged to us). `stop`: asked between
+    blocks; when it says so, reading ends early (the digest is then of a prefix: the caller
+    discards it)."""
     hasher = hasher_factory(algorithm)()
     buffer = bytearray(READ_BLOCK)
     view = memoryview(buffer)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        while True:
+        size = os.fstat(fd).st_size
+        offset = advised = 0
+        while stop is None or not stop():
+            while prefetch and advised < min(offset + prefetch, size):
+                os.posix_fadvise(fd, advised, PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
+                advised += PREFETCH_STEP
             count = os.readv(fd, [buffer])
             if count == 0:
                 break
+            offset += count
             hasher.update(view[:count])
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -9,22 +9,24 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.criu import Criu
-from oomguard.criu_hook import sync_and_drop
+from oomguard.criu_hook import drop_cache, sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.exitwatch import ExitWatch
 from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import USER_STOPPED_STATE, Freezer
+from oomguard.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
+from oomguard.imageverify import RestoreVerifier
 from oomguard.procfs import ProcReader
 from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.ttyclient import HolderError
 from oomguard.ttyext import TTYS
-from oomguard.ttyrestore import criu_tty_hint, gid_of, lease_ttys
+from oomguard.ttyrestore import TtyLease, criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -34,7 +36,10 @@ class RestoreResult:
     meta: CheckpointMeta
     pid: int
     seconds: float  # CRIU's restore, until the tree runs
-    verify_s: float = 0.0  # checking the images against SHA256SUMS first
+    # Checking the images against their checksums: all but the pages before CRIU, the pages
+    # while CRIU reads them (so it overlaps `seconds`)
+    verify_s: float = 0.0
+    total_s: float = 0.0  # from the first check to the tree running
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
     stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
@@ -162,32 +167,31 @@ class Restorer:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
         verify_start = self.clock()
-        try:
-            self.store.verify(checkpoint_id)
-        except StoreError as exc:
-            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
-        self._check_files(meta, force)
-        start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
-        since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
+        # The pages are read (and checked) from now on, while the checks below and CRIU's start
+        # go on: CRIU finds them in the page cache, or reads them in alongside.
+        verifier = self._start_verifier(checkpoint_id, images, work_dir)
         try:
-            ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
-        except (HolderError, OSError, ValueError, KeyError) as exc:
-            raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
-                                f"({exc}); the checkpoint is intact") from exc
-        try:
-            hook = self.criu.install_hook(self.store.root / ".hooks")
-            pid = self.criu.restore(images, work_dir,
-                                    cgroup_root_arg(target) if target is not None else None,
-                                    hook, ttys.args, ttys.fds,
-                                    keep_stopped=meta.stopped_nspids)
-        except CriuError as exc:
-            ttys.failed()
-            hint = criu_tty_hint(str(exc))
-            raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
-                                ) from exc
+            try:
+                verifier.check_upfront()  # all but the pages, before CRIU sees any
+            except StoreError as exc:
+                raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+            self._check_files(meta, force)
+            start = self.clock()
+            since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
+            try:
+                ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
+            except (HolderError, OSError, ValueError, KeyError) as exc:
+                raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
+                                    f"({exc}); the checkpoint is intact") from exc
+            pid = self._run_criu(meta, images, work_dir, target, ttys, verifier)
+        except BaseException:
+            with contextlib.suppress(OSError):  # what the verifier read in, charged to us
+                drop_cache([str(path) for path in verifier.pages()])
+            raise
+        finally:
+            report = verifier.finish(cancel=True)  # done by now unless something failed
         ttys.succeeded()
         if ttys.entries:
             meta.extra[TTYS] = ttys.entries
@@ -210,9 +214,56 @@ class Restorer:
         self.store.update(meta)
         if self.exits is not None:
             self.exits.watch(meta.id, pid, since)
-        return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
+        return RestoreResult(meta=meta, pid=pid, seconds=seconds,
+                             verify_s=report.upfront_s + report.pages_s,
+                             total_s=self.clock() - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
                              stopped_pids=tuple(sorted(still)))
+
+    def _start_verifier(self, checkpoint_id: str, images: Path,
+                        work_dir: Path) -> RestoreVerifier:
+        try:
+            sums_file, algorithm, expected = self.store.sums_of(checkpoint_id)
+            verifier = RestoreVerifier(images, algorithm, expected, sums_file.name,
+                                       clock=self.clock)
+            verifier.start(work_dir)
+        except StoreError as exc:
+            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        except OSError as exc:
+            raise RestoreFailed(f"cannot restore {checkpoint_id}: {exc}") from exc
+        return verifier
+
+    def _run_criu(self, meta: CheckpointMeta, images: Path, work_dir: Path,
+                  target: MemoryCgroup | None, ttys: TtyLease,
+                  verifier: RestoreVerifier) -> int:
+        """CRIU's restore; its post-restore action waits for the pages' verdict. Returns the
+        restored root's pid."""
+        try:
+            hook = self.criu.install_hook(self.store.root / ".hooks")
+            pid = self.criu.restore(images, work_dir,
+                                    cgroup_root_arg(target) if target is not None else None,
+                                    hook, ttys.args, ttys.fds,
+                                    keep_stopped=meta.stopped_nspids,
+                                    env=verifier.gate_env())
+        except CriuError as exc:
+            ttys.failed()
+            report = verifier.finish(cancel=True)
+            if report.problems:
+                raise RestoreFailed(
+                    f"refusing to restore {meta.id}: {verifier.damage(report)} (found while "
+                    "CRIU read it: the restored tree was killed before it ran); the checkpoint "
+                    "is untouched") from exc
+            hint = criu_tty_hint(str(exc))
+            raise RestoreFailed(f"criu restore of {meta.id} failed; the checkpoint is "
+                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
+                                ) from exc
+        report = verifier.finish()
+        if report.problems:  # the gate cannot have said yes: never let such a tree run on
+            kill_tree(self.proc.descendants(pid))
+            ttys.failed()
+            raise RestoreFailed(f"refusing to restore {meta.id}: "
+                                f"{verifier.damage(report)}; the restored tree was killed")
+        return pid
 
     def _user_stopped(self, meta: CheckpointMeta, restored: list[int]) -> set[int]:
         """Host pids of the restored tasks the user had stopped (the hook continues one whose

@@ -174,7 +174,8 @@ class Service:
                           cgroup=result.meta.restored_cgroup, requested_by=uid)
         found = {"id": meta.id, "pid": result.pid, "was_pid": meta.pid,
                  "seconds": round(result.seconds, 3),
-                 "verify_s": round(result.verify_s, 3), "cgroup": result.meta.restored_cgroup}
+                 "verify_s": round(result.verify_s, 3), "total_s": round(result.total_s, 3),
+                 "cgroup": result.meta.restored_cgroup}
         if result.gpu_pids or result.gpu_error:
             found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)
         return found

@@ -248,13 +248,14 @@ def test_restore_own_reaches_restorer(service: Service) -> None:
 
     def restore(checkpoint_id: str, *, target: Any, original: Any, force: bool) -> Any:
         seen.append((checkpoint_id, target, original, force))
-        return SimpleNamespace(pid=4321, seconds=0.12345, verify_s=0.0456, gpu_pids=(), gpu_error=None,
+        return SimpleNamespace(pid=4321, seconds=0.12345, verify_s=0.0456, total_s=0.2,
+                               gpu_pids=(), gpu_error=None,
                                meta=SimpleNamespace(restored_cgroup="/jobs/a"))
 
     service.restorer = SimpleNamespace(restore=restore)  # type: ignore[assignment]
     assert call(service, ALICE, "io.oomguard.Restore", id="alice-2", force=True) == {
         "parameters": {"id": "alice-2", "pid": 4321, "was_pid": 7000 + ALICE, "seconds": 0.123,
-                       "verify_s": 0.046, "cgroup": "/jobs/a"}}
+                       "verify_s": 0.046, "total_s": 0.2, "cgroup": "/jobs/a"}}
     assert seen == [("alice-2", None, None, True)]
 
 
