@@ -15,6 +15,7 @@ from typing import Any
 
 from oomguard.configcheck import check_cgroup_paths, check_config, config_warnings
 from oomguard.configtypes import (
+    CHECKSUMS,
     GPU_ENGINES,
     GPU_PREFERENCES,
     CriuConfig,
@@ -110,6 +111,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         tcp_close=read.take(criu_t, "criu.", "tcp_close", boolean, c.tcp_close),
         cgroup_limit=read.take(criu_t, "criu.", "cgroup_limit", size(low=32 << 20),
                                c.cgroup_limit),
+        checksum=read.take(criu_t, "criu.", "checksum", lambda v: choice(v, CHECKSUMS),
+                           c.checksum),
     )
     read.leftovers(criu_t, "criu.")
     gpu = _gpu_config(read, gpu_t)

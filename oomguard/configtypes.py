@@ -19,8 +19,10 @@ class CriuConfig:
     timeout: float = 300.0
     tcp_close: bool = True
     cgroup_limit: int = 256 << 20  # CRIU's own memory cgroup bounds the images' page cache
+    checksum: str = "xxh3"  # of new checkpoints' images: xxh3 (XXH128SUMS) | sha256 (SHA256SUMS)
 
 
+CHECKSUMS = ("xxh3", "sha256")
 GPU_ENGINES = ("auto", "cuda-checkpoint", "criu-plugin", "off")
 GPU_PREFERENCES = ("neutral", "prefer", "avoid")
 

@@ -1,7 +1,7 @@
 """The checkpoint store: one root-only directory per checkpoint, CRIU images plus meta.json.
 
 A checkpoint is built in `.partial-<id>` and renamed to `<id>` only once its images are durable,
-checksummed (B3SUMS, or SHA256SUMS: oomguard/integrity.py) and its meta.json written, so a crash
+checksummed (XXH128SUMS, or SHA256SUMS: oomguard/integrity.py) and its meta.json written, so a crash
 never leaves a half checkpoint that looks whole.
 """
 
@@ -174,8 +174,8 @@ class StoreScan:
 
 
 class Store:
-    """`algorithm`: what new checkpoints are checksummed with (default: BLAKE3 where the
-    module is installed, else SHA-256); existing ones are verified with their own."""
+    """`algorithm`: what new checkpoints are checksummed with (default: XXH3-128 where the
+    xxhash module is installed, else SHA-256); existing ones are verified with their own."""
 
     def __init__(self, root: Path | str = DEFAULT_STORE, algorithm: str | None = None) -> None:
         self.root = Path(root)
@@ -266,7 +266,7 @@ class Store:
         return path, algorithm, read_sums(path)
 
     def verify(self, checkpoint_id: str) -> None:
-        """Every image against the checkpoint's checksums (B3SUMS or SHA256SUMS)."""
+        """Every image against the checkpoint's checksums (XXH128SUMS or SHA256SUMS)."""
         path = self.path_of(checkpoint_id)
         verify(path / IMAGES, find_sums(path)[0])
 

@@ -99,7 +99,8 @@ def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
 def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
                        on_failure: str = ON_FAILURE_THAW) -> Checkpointer:
     proc = proc or ProcReader()
-    return Checkpointer(criu, Store(config.store), SigstopFreezer(proc), proc,
+    return Checkpointer(criu, Store(config.store, algorithm=config.criu.checksum),
+                        SigstopFreezer(proc), proc,
                         on_failure=on_failure, gpu=build_gpu(config.gpu),
                         gpu_margin=config.gpu.host_margin)
 

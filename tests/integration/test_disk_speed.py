@@ -56,7 +56,7 @@ def test_checksums_are_taken_during_the_dump_and_the_commit_reads_nothing_back(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     checkpoint_id, _, done = _checkpointed_hog(cgroups, store, tmp_path, "digest")
     path = store / checkpoint_id
-    assert sorted(p.name for p in path.iterdir()) == ["B3SUMS", "files.json", "images",
+    assert sorted(p.name for p in path.iterdir()) == ["XXH128SUMS", "files.json", "images",
                                                        "meta.json"]
     dump_log = (path / "images" / "dump.log").read_text(errors="replace")
     assert "digests ok in" in dump_log, "the post-dump action did not get the digests"
@@ -119,7 +119,7 @@ def test_a_checkpoint_with_sha256sums_from_before_still_restores(
             for p in image_files(path / "images")}
     (path / "SHA256SUMS").write_text("".join(f"{d}  {n}\n" for n, d in sorted(sums.items())))
     os.chmod(path / "SHA256SUMS", 0o600)
-    (path / "B3SUMS").unlink()
+    (path / "XXH128SUMS").unlink()
     shown = run_oomguard(store, "show", checkpoint_id, "--json")
     assert json.loads(shown.stdout)["id"] == checkpoint_id
     restored = run_oomguard(store, "restore", checkpoint_id)

@@ -18,11 +18,11 @@ from oomguard.criu_hook import REPLY_OK, answer, ask
 from oomguard.errors import StoreError
 from oomguard.hookgate import Gate, remove_gates
 from oomguard.imagedigest import GATE_NAME, Digests, FileDigest, ImageDigester
-from oomguard.integrity import BLAKE3, SHA256, digest_file, find_sums, read_sums
+from oomguard.integrity import SHA256, XXH3, digest_file, find_sums, read_sums
 from oomguard.store import IMAGES, PARTIAL_PREFIX, Store
 from tests.unit.test_store import make_meta
 
-ALGORITHMS = [SHA256, BLAKE3]
+ALGORITHMS = [SHA256, XXH3]
 
 
 # -- the gate ------------------------------------------------------------------------------------
@@ -138,13 +138,13 @@ def test_follows_a_growing_pages_file_and_finishes_at_the_hooks_request(
 def test_without_the_hooks_request_it_finishes_after_criu(tmp_path: Path) -> None:
     images = tmp_path / IMAGES
     images.mkdir()
-    digester = ImageDigester(images, BLAKE3)  # no gate at all
+    digester = ImageDigester(images, XXH3)  # no gate at all
     digester.start()
     (images / "pages-1.img").write_bytes(b"p" * 100_000)
     (images / "pagemap-1.img").write_bytes(b"m")
     digests = digester.result()
     assert digests is not None and not digests.at_post_dump
-    assert digests.files["pages-1.img"].digest == digest_file(images / "pages-1.img", BLAKE3)
+    assert digests.files["pages-1.img"].digest == digest_file(images / "pages-1.img", XXH3)
 
 
 def test_a_file_replaced_after_it_was_followed_is_hashed_anew(tmp_path: Path) -> None:
@@ -194,9 +194,9 @@ def _digests(images: Path, algorithm: str, at_post_dump: bool = True) -> Digests
 
 def test_commit_takes_the_digests_and_reads_only_what_they_do_not_cover(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = Store(tmp_path / "store", algorithm=BLAKE3)
+    store = Store(tmp_path / "store", algorithm=XXH3)
     images = _partial(store, "ck1", {"pages-1.img": b"p" * 50_000, "core-1.img": b"c"})
-    digests = _digests(images, BLAKE3)
+    digests = _digests(images, XXH3)
     (images / "stats-dump").write_bytes(b"after post-dump")
     read: list[str] = []
     synced: list[str] = []
@@ -210,8 +210,8 @@ def test_commit_takes_the_digests_and_reads_only_what_they_do_not_cover(
     assert read == ["stats-dump"]
     assert [Path(p).name for p in synced] == ["stats-dump"]
     path, algorithm = find_sums(final)
-    assert (path.name, algorithm) == ("B3SUMS", BLAKE3)
-    assert read_sums(path) == {p.name: digest_file(p, BLAKE3)
+    assert (path.name, algorithm) == ("XXH128SUMS", XXH3)
+    assert read_sums(path) == {p.name: digest_file(p, XXH3)
                                for p in integrity.image_files(final / IMAGES)}
     store.verify("ck1")
 
@@ -228,7 +228,7 @@ def test_commit_rehashes_a_file_changed_since_its_digest(tmp_path: Path) -> None
 def test_commit_ignores_digests_of_another_algorithm(tmp_path: Path) -> None:
     store = Store(tmp_path / "store", algorithm=SHA256)
     images = _partial(store, "ck3", {"pages-1.img": b"p" * 5000})
-    bogus = _digests(images, BLAKE3)
+    bogus = _digests(images, XXH3)
     final = store.commit(make_meta("ck3"), bogus)
     assert find_sums(final)[1] == SHA256
     store.verify("ck3")
@@ -236,9 +236,9 @@ def test_commit_ignores_digests_of_another_algorithm(tmp_path: Path) -> None:
 
 def test_commit_without_post_dump_sync_syncs_everything(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = Store(tmp_path / "store", algorithm=BLAKE3)
+    store = Store(tmp_path / "store", algorithm=XXH3)
     images = _partial(store, "ck4", {"pages-1.img": b"p" * 5000, "core-1.img": b"c"})
-    digests = _digests(images, BLAKE3, at_post_dump=False)
+    digests = _digests(images, XXH3, at_post_dump=False)
     synced: list[int] = []
     real_sync = os.fdatasync
     monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd) or real_sync(fd))
@@ -247,12 +247,12 @@ def test_commit_without_post_dump_sync_syncs_everything(
 
 
 def test_commit_removes_a_dead_gates_fifos_and_another_versions_sums(tmp_path: Path) -> None:
-    store = Store(tmp_path / "store", algorithm=BLAKE3)
+    store = Store(tmp_path / "store", algorithm=XXH3)
     images = _partial(store, "ck5", {"pages-1.img": b"p"})
     os.mkfifo(images.parent / f"{GATE_NAME}.req")
     (images.parent / "SHA256SUMS").write_text("from a commit that failed half way\n")
     final = store.commit(make_meta("ck5"))
-    assert sorted(p.name for p in final.iterdir()) == ["B3SUMS", IMAGES, "meta.json"]
+    assert sorted(p.name for p in final.iterdir()) == ["XXH128SUMS", IMAGES, "meta.json"]
 
 
 def test_old_sha256sums_checkpoints_still_verify(tmp_path: Path) -> None:
@@ -260,7 +260,7 @@ def test_old_sha256sums_checkpoints_still_verify(tmp_path: Path) -> None:
     _partial(old, "old", {"pages-1.img": b"p" * 1000})
     old.commit(make_meta("old"))
     new = Store(tmp_path / "store")  # today's default
-    assert new.algorithm == BLAKE3
+    assert new.algorithm == XXH3
     new.verify("old")
     (tmp_path / "store" / "old" / IMAGES / "pages-1.img").write_bytes(b"x")
     with pytest.raises(StoreError, match=r"pages-1\.img checksum mismatch"):
