@@ -5,11 +5,11 @@ after the process was already dead: the checkpoint was not whole until then. Ins
 follows the images directory during the dump and hashes each pages-*.img as it grows (CRIU
 writes those front to back, once: its page transfer splices pages onto the end of the file).
 Each stretch hashed is handed to writeback at once (POSIX_FADV_DONTNEED: writes dirty pages,
-drops clean ones). When CRIU reaches its post-dump action, the action script (oomguard/criu_hook.py) asks, through
-a gate (oomguard/hookgate.py), for the rest: the digester hashes what remains of every image
-while it is still in the page cache, and the script drops the cache only after the answer (it
-fdatasyncs meanwhile). Should the script not reach us, or not wait, the digester finishes after
-CRIU from wherever the data then is: slower, never wrong.
+drops clean ones). When CRIU reaches its post-dump action, the action script
+(oomguard/criu_hook.py) asks, through a gate (oomguard/hookgate.py), for the rest: the digester
+hashes what remains of every image while it is still in the page cache, and the script drops
+the cache only after the answer (it fdatasyncs meanwhile). Should the script not reach us, or
+not wait, the digester finishes after CRIU from wherever the data then is: slower, never wrong.
 
 The commit (Store.commit) takes a digest only for a file still of the size, mtime and inode it
 was hashed at, and hashes anything else (stats-dump, which CRIU writes after the post-dump

@@ -106,14 +106,14 @@ def digest_file(path: Path, algorithm: str = SHA256, *, drop_cache: bool = True,
     blocks; when it says so, reading ends early (the digest is then of a prefix: the caller
     discards it)."""
     hasher = hasher_factory(algorithm)()
-    buffer = bytearray(READ_BLOCK)
-    view = memoryview(buffer)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
+        buffer = bytearray(max(min(READ_BLOCK, size), 4096))  # most images are a few bytes
+        view = memoryview(buffer)
         offset = advised = 0
         while stop is None or not stop():
-            while prefetch and advised < min(offset + prefetch, size):
+            while prefetch and size > READ_BLOCK and advised < min(offset + prefetch, size):
                 os.posix_fadvise(fd, advised, PREFETCH_STEP, os.POSIX_FADV_WILLNEED)
                 advised += PREFETCH_STEP
             count = os.readv(fd, [buffer])

@@ -169,14 +169,11 @@ class Restorer:
         verify_start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
-        # The pages are read (and checked) from now on, while the checks below and CRIU's start
-        # go on: CRIU finds them in the page cache, or reads them in alongside.
+        # All but the pages first (a few KiB: read before the disk is busy with the pages),
+        # then the pages are read and checked from now on, while the checks below and CRIU's
+        # start go on: CRIU finds them in the page cache, or reads them in alongside.
         verifier = self._start_verifier(checkpoint_id, images, work_dir)
         try:
-            try:
-                verifier.check_upfront()  # all but the pages, before CRIU sees any
-            except StoreError as exc:
-                raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
             self._check_files(meta, force)
             start = self.clock()
             since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
@@ -226,6 +223,7 @@ class Restorer:
             sums_file, algorithm, expected = self.store.sums_of(checkpoint_id)
             verifier = RestoreVerifier(images, algorithm, expected, sums_file.name,
                                        clock=self.clock)
+            verifier.check_upfront()  # before CRIU sees any of it
             verifier.start(work_dir)
         except StoreError as exc:
             raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
