@@ -98,12 +98,15 @@ def dump_argv(criu: str, pid: int, images_dir: Path, opts: CriuOptions,
 
 def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
                  cgroup_root: str | None, work_dir: Path,
-                 action_script: Path | None = None) -> list[str]:
+                 action_script: Path | None = None, lazy: bool = False) -> list[str]:
     """Restore detached (the tree survives CRIU and the CLI), optionally into another memory
-    cgroup: `--cgroup-root memory:/path` (v1) or `--cgroup-root /path` (v2)."""
+    cgroup: `--cgroup-root memory:/path` (v1) or `--cgroup-root /path` (v2). `lazy`: the
+    memory comes from a `criu lazy-pages` daemon listening in `work_dir`."""
     argv = [criu, "restore", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
             "--log-file", RESTORE_LOG, "--restore-detached", "--pidfile", str(pidfile),
             *_common_args(opts)]
+    if lazy:
+        argv.append("--lazy-pages")
     if action_script is not None:
         argv += ["--action-script", str(action_script)]
     if cgroup_root is not None:
@@ -130,7 +133,8 @@ class Criu:
     options: CriuOptions = field(default_factory=CriuOptions)
     cgroup_procs: Path | None = None
 
-    def _wrap(self, argv: list[str]) -> list[str]:
+    def confined(self, argv: list[str]) -> list[str]:
+        """`argv` run inside CRIU's memory cgroup (where there is one)."""
         if self.cgroup_procs is None:
             return argv
         return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup_procs), *argv]
@@ -154,7 +158,7 @@ class Criu:
         `extra_args`: this dump's own (e.g. `--external tty[...]`); `env`: for the action
         script (its digest gate)."""
         argv = [*dump_argv(self.binary, pid, images_dir, self.options, hook), *extra_args]
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout, env=env,
+        result = self.runner.run(self.confined(argv), timeout=self.options.timeout, env=env,
                                  pass_fds=() if lock_fd is None else (lock_fd,))
         if result.timed_out:
             raise CriuError(f"criu dump timed out after {self.options.timeout:.0f}s",
@@ -166,23 +170,23 @@ class Criu:
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
                 hook: Path | None = None, extra_args: Sequence[str] = (),
                 pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = (),
-                env: Mapping[str, str] | None = None) -> int:
+                env: Mapping[str, str] | None = None, lazy: bool = False) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
         group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
         `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so.
-        `env`: more for the action script (the verification gate)."""
+        `env`: more for the action script (the verification gate). `lazy`: --lazy-pages."""
         pidfile = work_dir / "restore.pid"
         # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
         (work_dir / RESTORE_LOG).unlink(missing_ok=True)
         argv = [*restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root,
-                              work_dir, hook), *extra_args]
+                              work_dir, hook, lazy), *extra_args]
         script_env = dict(env or {})
         if keep_stopped:
             script_env[KEEP_STOPPED_ENV] = ",".join(map(str, keep_stopped))
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
+        result = self.runner.run(self.confined(argv), timeout=self.options.timeout,
                                  env=script_env or None, pass_fds=pass_fds)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"

@@ -3,16 +3,22 @@
 Before CRIU starts, every image but the pages (the small ones CRIU acts on: files, fds,
 mappings, sockets...) is checked against the checksums, and the file list must match: a damaged
 or tampered description never reaches CRIU, which opens files as root. The pages-*.img, nearly
-all of the bytes, are read by a thread in parallel with CRIU's own reads of them, so that each
-block comes off the disk once (whoever reads first, the other finds it in the page cache). The
-verdict goes to CRIU's post-restore action through a gate (oomguard/hookgate.py): it is asked
-once CRIU has loaded every page and before any restored task has run an instruction; anything
-but "ok" makes the action fail, and CRIU kills the restored tree (criu/cr-restore.c: a failing
-post-restore script aborts the restore). A damaged checkpoint never runs, as before.
+all of the bytes, are hashed as CRIU reads them: a thread reads them with RWF_NOWAIT, which
+never waits for the disk (it takes what is in the page cache, at most starting the readahead
+CRIU would start there anyway), so the disk serves CRIU alone (its one large
+preadv per task reads faster than any reader beside it: with a second reader on the same file,
+1 GiB took 1.8-2.3 s instead of 0.9-1.2 s here) and the hashing follows a few megabytes behind.
+The verdict goes to CRIU's post-restore action through a gate (oomguard/hookgate.py): it is
+asked once CRIU has loaded every page and before any restored task has run an instruction (from
+then on whatever the cache lost is read outright); anything but "ok" makes the action fail,
+and CRIU kills the restored tree (criu/cr-restore.c: a failing post-restore script aborts the
+restore). A damaged checkpoint never runs, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import threading
 import time
@@ -23,10 +29,29 @@ from pathlib import Path
 from oomguard.criu_hook import REPLY_OK, VERIFY_GATE_ENV
 from oomguard.errors import StoreError
 from oomguard.hookgate import Gate
-from oomguard.integrity import damaged, digest_file, image_files, listing_problems
+from oomguard.integrity import (
+    READ_BLOCK,
+    Hasher,
+    damaged,
+    digest_file,
+    hasher_factory,
+    image_files,
+    listing_problems,
+)
 
 PAGES = re.compile(r"^pages-\d+\.img$")
 GATE_NAME = ".verify"  # in the checkpoint directory: BASE.req and BASE.ack
+FOLLOW_PAUSE = 0.001  # seconds between looks at the page cache while CRIU reads
+
+
+@dataclass
+class _Following:
+    name: str
+    fd: int
+    hasher: Hasher
+    size: int
+    offset: int = 0
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +81,12 @@ class RestoreVerifier:
         self._pages_bytes = 0
         self._problems: list[str] = []
         self._finished = False
+        self._hurry = False
+
+    @property
+    def pages_bytes(self) -> int:
+        """Bytes of pages checked so far."""
+        return self._pages_bytes
 
     def pages(self) -> list[Path]:
         return [path for path in image_files(self.images) if PAGES.match(path.name)
@@ -91,27 +122,95 @@ class RestoreVerifier:
     def verdict(self) -> str:
         return REPLY_OK if not self._problems else "damaged: " + "; ".join(self._problems)
 
-    def _run(self) -> None:
+    def check_pages(self, stop: Callable[[], bool] = lambda: False) -> list[str]:
+        """Read and check every pages file, left in the page cache (whoever restores reads them
+        next); returns the problems (none: intact). `stop`: asked between blocks."""
+        problems: list[str] = []
         start = self.clock()
         try:
             for path in self.pages():
-                if self._stop.is_set():
-                    return
-                # Left in the page cache: CRIU reads these pages now (the restore drops the
-                # cache once the tree runs).
-                digest = digest_file(path, self.algorithm, drop_cache=False,
-                                     stop=self._stop.is_set)
-                if self._stop.is_set():
-                    return
+                digest = digest_file(path, self.algorithm, drop_cache=False, stop=stop)
+                if stop():
+                    return problems
                 if digest != self.expected[path.name]:
-                    self._problems.append(f"{path.name} checksum mismatch")
+                    problems.append(f"{path.name} checksum mismatch")
                 self._pages_bytes += path.stat().st_size
             self._finished = True
         except (OSError, StoreError) as exc:
-            self._problems.append(f"pages unreadable: {exc}")
+            problems.append(f"pages unreadable: {exc}")
             self._finished = True
         finally:
             self._pages_s = self.clock() - start
+        return problems
+
+    def follow_pages(self, stop: Callable[[], bool], hurry: Callable[[], bool]) -> list[str]:
+        """Hash the pages from the page cache as CRIU reads them in; once `hurry()` says CRIU
+        has read them all, read outright what is not there (the cache lost it). Returns the
+        problems (none: intact)."""
+        start = self.clock()
+        new_hasher = hasher_factory(self.algorithm)
+        pending = []
+        problems: list[str] = []
+        buffer = bytearray(READ_BLOCK)
+        view = memoryview(buffer)
+        try:
+            for path in self.pages():
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                pending.append(_Following(path.name, fd, new_hasher(), os.fstat(fd).st_size))
+            while pending and not stop():
+                moved = False
+                for item in pending:
+                    want = min(READ_BLOCK, item.size - item.offset)
+                    try:
+                        count = os.preadv(item.fd, [view[:want]], item.offset,
+                                          os.RWF_NOWAIT) if want else 0
+                    except BlockingIOError:  # not in the page cache (yet)
+                        continue
+                    if count:
+                        item.hasher.update(view[:count])
+                        item.offset += count
+                        self._pages_bytes += count
+                        moved = True
+                    if item.offset >= item.size or not count:
+                        if item.hasher.hexdigest() != self.expected[item.name]:
+                            problems.append(f"{item.name} checksum mismatch")
+                        item.done = True
+                pending = [item for item in pending if not item.done]
+                if not moved and pending:
+                    if hurry():
+                        self._read_outright(pending[0], view)
+                    else:
+                        time.sleep(FOLLOW_PAUSE)
+            self._finished = not pending
+        except OSError as exc:
+            problems.append(f"pages unreadable: {exc}")
+            self._finished = True
+        finally:
+            for item in pending:
+                with contextlib.suppress(OSError):
+                    os.close(item.fd)
+            self._pages_s = self.clock() - start
+        return sorted(problems)
+
+    def _read_outright(self, item: _Following, view: memoryview) -> None:
+        count = os.preadv(item.fd, [view[:min(READ_BLOCK, item.size - item.offset)]],
+                          item.offset)
+        item.hasher.update(view[:count])
+        item.offset += count
+        self._pages_bytes += count
+        if not count:
+            item.size = item.offset  # shorter than it was: the digest will say so
+
+    def _hurried(self) -> bool:
+        """CRIU's post-restore action has asked for the verdict: it has read every page."""
+        if not self._hurry and self.gate is not None and self.gate.request(0.0) is not None:
+            self._hurry = True
+        return self._hurry
+
+    def _run(self) -> None:
+        try:
+            self._problems = self.follow_pages(self._stop.is_set, self._hurried)
+        finally:
             if self.gate is not None and not self._stop.is_set():
                 self.gate.reply(self.verdict())
 

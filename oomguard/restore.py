@@ -22,6 +22,7 @@ from oomguard.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.imageverify import RestoreVerifier
+from oomguard.lazyrestore import LazySession, lazy_unavailable
 from oomguard.procfs import ProcReader
 from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.ttyclient import HolderError
@@ -40,6 +41,8 @@ class RestoreResult:
     # while CRIU reads them (so it overlaps `seconds`)
     verify_s: float = 0.0
     total_s: float = 0.0  # from the first check to the tree running
+    lazy: bool = False  # its memory streams in after it runs (oomguard/lazyrestore.py)
+    lazy_fallback: str | None = None  # asked to be lazy, restored eagerly: why
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
     stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
@@ -150,29 +153,37 @@ class Restorer:
                 "with --wait, or pass --force")
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
-                original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
+                original: MemoryCgroup | None = None, force: bool = False,
+                lazy: bool = False) -> RestoreResult:
         """Restore into `target` (or the original cgroup, `original` being it when it exists).
         One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
-        state is read again under the lock."""
+        state is read again under the lock. `lazy`: the job runs before its memory is in
+        (oomguard/lazyrestore.py); eager, saying why, where that cannot be done."""
         try:
             if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
                 self.store.complete(checkpoint_id)  # its commit failed earlier: finish it
-            with self.store.restore_lock(checkpoint_id):
-                return self._restore(checkpoint_id, target, original, force)
+            with self.store.restore_lock(checkpoint_id) as lock_fd:
+                return self._restore(checkpoint_id, target, original, force,
+                                     lock_fd if lazy else None)
         except StoreError as exc:
             raise RestoreFailed(str(exc)) from exc
 
     def _restore(self, checkpoint_id: str, target: MemoryCgroup | None,
-                 original: MemoryCgroup | None, force: bool) -> RestoreResult:
+                 original: MemoryCgroup | None, force: bool,
+                 lazy_lock: int | None) -> RestoreResult:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
+        lazy_fallback = lazy_unavailable(self.criu) if lazy_lock is not None else None
+        lazy = lazy_lock is not None and lazy_fallback is None
         verify_start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
         # All but the pages first (a few KiB: read before the disk is busy with the pages),
         # then the pages are read and checked from now on, while the checks below and CRIU's
-        # start go on: CRIU finds them in the page cache, or reads them in alongside.
-        verifier = self._start_verifier(checkpoint_id, images, work_dir)
+        # start go on: CRIU finds them in the page cache, or reads them in alongside. (Lazily:
+        # the keeper checks the pages as they stream in.)
+        verifier = self._start_verifier(checkpoint_id, images, work_dir, pages=not lazy)
+        session: LazySession | None = None
         try:
             self._check_files(meta, force)
             start = self.clock()
@@ -182,7 +193,9 @@ class Restorer:
             except (HolderError, OSError, ValueError, KeyError) as exc:
                 raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
                                     f"({exc}); the checkpoint is intact") from exc
-            pid = self._run_criu(meta, images, work_dir, target, ttys, verifier)
+            if lazy and lazy_lock is not None:
+                session = self._start_lazy(meta.id, images, work_dir, lazy_lock, ttys)
+            pid = self._run_criu(meta, images, work_dir, target, ttys, verifier, session)
         except BaseException:
             with contextlib.suppress(OSError):  # what the verifier read in, charged to us
                 drop_cache([str(path) for path in verifier.pages()])
@@ -199,9 +212,11 @@ class Restorer:
                  if p.state == USER_STOPPED_STATE}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
         seconds = self.clock() - start
-        # Reading the images charged their page cache to the target cgroup: give it back.
-        with contextlib.suppress(OSError):
-            sync_and_drop(str(images))
+        # Reading the images charged their page cache to the target cgroup: give it back
+        # (lazily, the keeper does once every page is in).
+        if session is None:
+            with contextlib.suppress(OSError):
+                sync_and_drop(str(images))
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
@@ -211,40 +226,56 @@ class Restorer:
         self.store.update(meta)
         if self.exits is not None:
             self.exits.watch(meta.id, pid, since)
-        return RestoreResult(meta=meta, pid=pid, seconds=seconds,
+        if session is not None:
+            session.hand_over(pid)  # the keeper holds the lock from here until all is in
+        return RestoreResult(meta=meta, pid=pid, seconds=seconds, lazy=lazy,
+                             lazy_fallback=lazy_fallback,
                              verify_s=report.upfront_s + report.pages_s,
                              total_s=self.clock() - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
                              stopped_pids=tuple(sorted(still)))
 
-    def _start_verifier(self, checkpoint_id: str, images: Path,
-                        work_dir: Path) -> RestoreVerifier:
+    def _start_verifier(self, checkpoint_id: str, images: Path, work_dir: Path,
+                        pages: bool = True) -> RestoreVerifier:
         try:
             sums_file, algorithm, expected = self.store.sums_of(checkpoint_id)
             verifier = RestoreVerifier(images, algorithm, expected, sums_file.name,
                                        clock=self.clock)
             verifier.check_upfront()  # before CRIU sees any of it
-            verifier.start(work_dir)
+            if pages:
+                verifier.start(work_dir)
         except StoreError as exc:
             raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
         except OSError as exc:
             raise RestoreFailed(f"cannot restore {checkpoint_id}: {exc}") from exc
         return verifier
 
+    def _start_lazy(self, checkpoint_id: str, images: Path, work_dir: Path, lock_fd: int,
+                    ttys: TtyLease) -> LazySession:
+        try:
+            return LazySession.start(self.criu, images, work_dir, lock_fd)
+        except (CriuError, OSError) as exc:
+            ttys.failed()
+            detail = one_line(exc) if isinstance(exc, CriuError) else str(exc)
+            raise RestoreFailed(f"cannot restore {checkpoint_id} lazily: {detail}; the "
+                                "checkpoint is intact (restore it without --lazy)") from exc
+
     def _run_criu(self, meta: CheckpointMeta, images: Path, work_dir: Path,
                   target: MemoryCgroup | None, ttys: TtyLease,
-                  verifier: RestoreVerifier) -> int:
-        """CRIU's restore; its post-restore action waits for the pages' verdict. Returns the
-        restored root's pid."""
+                  verifier: RestoreVerifier, session: LazySession | None = None) -> int:
+        """CRIU's restore; its post-restore action waits for the pages' verdict (eagerly).
+        Returns the restored root's pid."""
         try:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
                                     hook, ttys.args, ttys.fds,
                                     keep_stopped=meta.stopped_nspids,
-                                    env=verifier.gate_env())
+                                    env=verifier.gate_env(), lazy=session is not None)
         except CriuError as exc:
             ttys.failed()
+            if session is not None:
+                session.abort()
             report = verifier.finish(cancel=True)
             if report.problems:
                 raise RestoreFailed(

@@ -448,10 +448,11 @@ class Store:
         return self._read_meta(checkpoint_id)
 
     @contextlib.contextmanager
-    def restore_lock(self, checkpoint_id: str) -> Iterator[None]:
+    def restore_lock(self, checkpoint_id: str) -> Iterator[int]:
         """Held while a checkpoint is restored, by whichever path (the daemon's socket, its
         auto-restore, the CLI without a daemon): a second restore at the same time is refused
-        instead of running the process twice. An flock: it dies with its holder."""
+        instead of running the process twice. An flock: it dies with its holder, and with
+        whatever inherited the yielded fd (a lazy restore's keeper, until every page is in)."""
         path = self.path_of(checkpoint_id)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -462,8 +463,9 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise StoreError(f"checkpoint {checkpoint_id} is being restored right now "
-                                 "(by the daemon or another oomguard)") from None
-            yield
+                                 "(by the daemon or another oomguard, or its pages are still "
+                                 "streaming in after a lazy restore)") from None
+            yield fd
         finally:
             os.close(fd)
 
@@ -476,6 +478,9 @@ class Store:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
 
     def forget(self, checkpoint_id: str) -> None:
-        """Delete a checkpoint; a symlink or malformed entry is refused, never followed."""
+        """Delete a checkpoint; a symlink or malformed entry is refused, never followed, and so
+        is one being restored (its images are being read: by CRIU, or a lazy restore's
+        lazy-pages daemon)."""
         self._read_meta(validate_id(checkpoint_id))
-        shutil.rmtree(self.path_of(checkpoint_id))
+        with self.restore_lock(checkpoint_id):
+            shutil.rmtree(self.path_of(checkpoint_id))

@@ -135,7 +135,7 @@ def test_restore_argv_cgroup_root(tmp_path: Path, root: str) -> None:
     assert "--restore-detached" in argv  # not optional
 
 
-# -- Criu._wrap ----------------------------------------------------------------------------------
+# -- Criu.confined ----------------------------------------------------------------------------------
 
 @dataclass
 class FakeRunner:
@@ -162,13 +162,13 @@ def _version_result(binary: str, stdout: str, rc: int = 0) -> CommandResult:
 
 def test_wrap_without_cgroup_is_identity() -> None:
     c = Criu("/usr/sbin/criu", (4, 2), runner=FakeRunner())
-    assert c._wrap(["criu", "dump"]) == ["criu", "dump"]
+    assert c.confined(["criu", "dump"]) == ["criu", "dump"]
 
 
 def test_wrap_with_cgroup_procs() -> None:
     procs = Path("/sys/fs/cgroup/memory/oomguard-criu/cgroup.procs")
     c = Criu("/usr/sbin/criu", (4, 2), runner=FakeRunner(), cgroup_procs=procs)
-    assert c._wrap(["criu", "dump", "--tree", "1 2"]) == [
+    assert c.confined(["criu", "dump", "--tree", "1 2"]) == [
         "/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), "criu", "dump", "--tree", "1 2"]
 
 
@@ -178,7 +178,7 @@ def test_wrap_really_moves_the_exec_d_process(tmp_path: Path) -> None:
     procs = tmp_path / "cgroup procs"  # a space in the path must survive
     procs.write_text("")
     c = Criu("criu", (4, 2), cgroup_procs=procs)
-    out = subprocess.run(c._wrap(["/bin/sh", "-c", 'echo "$$" "$1"', "sh", "arg with space"]),
+    out = subprocess.run(c.confined(["/bin/sh", "-c", 'echo "$$" "$1"', "sh", "arg with space"]),
                          capture_output=True, text=True, timeout=10, check=True).stdout.split(" ", 1)
     assert out[1] == "arg with space\n"
     assert procs.read_text().strip() == out[0]
