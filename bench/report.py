@@ -67,6 +67,23 @@ def ratios(results: dict[str, Any]) -> list[str]:
                 f"(reading back + SHA-256, as before: {m['old_commit_s']:.2f} s); restore with "
                 f"verification {m['restore_mb_per_s']:.0f} MB/s = {m['restore_ratio']:.2f} x the "
                 f"cold read ({m['disk_read_mb_per_s']:.0f} MB/s, median).")
+    lazy = results.get("lazy")
+    if lazy:
+        from bench.lazy import summary
+
+        by = {(r["mib"], r["mode"]): r for r in summary(lazy)}
+        for mib in sorted({m for m, _ in by}):
+            lz, eg = by.get((mib, "lazy")), by.get((mib, "eager"))
+            ld = by.get((mib, "lazy (daemon)"), lz)
+            if lz and eg and ld:
+                lines.append(
+                    f"- Lazy restore, {mib} MiB: running {lz['command_to_running_s']:.2f} s after "
+                    f"the command ({ld['command_to_running_s']:.2f} s through the daemon; the "
+                    f"restore itself {ld['restore_s']:.2f} s) vs "
+                    f"{eg['command_to_running_s']:.2f} s eagerly; every page in after "
+                    f"{lz['resident_s']:.2f} s; first pass over its memory "
+                    f"{lz['slowdown']:.1f}x slower than before the dump (eager: "
+                    f"{eg['slowdown']:.1f}x).")
     idle = results.get("idle")
     if idle:
         peer = next((v for k, v in idle.items() if k.startswith("earlyoom")), None)
@@ -171,6 +188,24 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "breakdown.png", dpi=110)
         plt.close(fig)
         made.append("breakdown.png")
+    lazy = results.get("lazy")
+    if lazy:
+        from bench.lazy import summary
+
+        rows = summary(lazy)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode, key, label in (("lazy", "command_to_running_s", "lazy: running again"),
+                                 ("lazy (daemon)", "command_to_running_s",
+                                  "lazy via the daemon: running again"),
+                                 ("lazy", "resident_s", "lazy: every page in"),
+                                 ("eager", "command_to_running_s", "eager: running again")):
+            group = [r for r in rows if r["mode"] == mode and r.get(key) is not None]
+            ax.plot([r["mib"] for r in group], [r[key] for r in group], marker="o",
+                    label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("image (MiB)")
+        ax.set_ylabel("seconds after the command (median)")
+        made.append(save(fig, ax, "Lazy vs eager restore", "lazy.png"))
     return made
 
 
@@ -253,6 +288,27 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                                for s in sorted(grouped)]] for p in phases])
         lines += [f"![{p}]({p})" for p in ("throughput.png", "breakdown.png") if p in plots]
         lines += [""]
+    lazy = results.get("lazy")
+    if lazy:
+        from bench.lazy import summary
+
+        lines += ["## 3b. Lazy restore", "",
+                  "The same checkpoint restored lazily (`restore --lazy`) by the CLI on the "
+                  "store, lazily through the daemon, then eagerly (`--force`), the job killed "
+                  "in between and the cache dropped before each. "
+                  "*Running*: the command to every process's first beat (a thread beating every "
+                  "2 ms); *restore*: the restore's own time (first check to the tree running, "
+                  "without the CLI's start); *resident*: every page in (lazy.json); *slowdown*: "
+                  "the first pass over all its memory after the restore against a pass before "
+                  "the dump. Medians.", ""]
+        lines += _table(["MiB", "mode", "runs", "running s", "restore s", "resident s",
+                         "first pass s", "pass before s", "slowdown", "intact"],
+                        [[str(r["mib"]), r["mode"], str(r["runs"]),
+                          _f(r.get("command_to_running_s"), 3), _f(r.get("restore_s"), 3),
+                          _f(r.get("resident_s"), 2), _f(r.get("first_pass_s"), 2),
+                          _f(r.get("pass_before_s"), 2), _f(r.get("slowdown"), 1),
+                          "yes" if r["intact"] else "NO"] for r in summary(lazy)])
+        lines += ["![lazy.png](lazy.png)", ""] if "lazy.png" in plots else []
     idle = results.get("idle")
     if idle:
         lines += ["## 4. Idle cost", "", "The same window for all, side by side.", ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -427,3 +428,24 @@ def test_log_tail_missing_or_binary(tmp_path: Path) -> None:
 )
 def test_cgroup_root_arg(cgroup: V1MemoryCgroup | V2MemoryCgroup, expected: str) -> None:
     assert cgroup_root_arg(cgroup) == expected
+
+
+# -- SubprocessRunner: a blocking wait, a timer for the timeout ---------------------------------
+
+def test_runner_returns_as_soon_as_the_command_ends() -> None:
+    """Popen.wait(timeout) polls with sleeps of up to 50 ms; the runner does not."""
+    from oomguard.runner import SubprocessRunner
+
+    start = time.monotonic()
+    result = SubprocessRunner().run(["sh", "-c", "sleep 0.12; echo hi"], timeout=30)
+    assert (result.returncode, result.stdout, result.timed_out) == (0, "hi\n", False)
+    assert time.monotonic() - start < 0.16
+
+
+def test_runner_kills_the_whole_group_at_the_timeout() -> None:
+    from oomguard.runner import SubprocessRunner
+
+    start = time.monotonic()
+    result = SubprocessRunner().run(["sh", "-c", "sleep 30 & sleep 30"], timeout=0.3)
+    assert result.timed_out and result.returncode == -9
+    assert time.monotonic() - start < 5
