@@ -78,7 +78,8 @@ class Checkpointer:
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
                  lifts: LimitLifts | None = None,
-                 shield: OomShield | None = None) -> None:
+                 shield: OomShield | None = None,
+                 compress_level: int | None = None) -> None:
         self.criu = criu
         self.gpu = gpu
         self.gpu_margin = gpu_margin
@@ -100,6 +101,7 @@ class Checkpointer:
         self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
         self.clock = clock
         self.wall_clock = wall_clock
+        self.compress_level = compress_level  # zstd level of the pages; None: not compressed
 
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                    on_frozen: Callable[[list[int], float], None] | None = None, *,
@@ -196,7 +198,8 @@ class Checkpointer:
                                          fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
                 # Checksums taken as CRIU writes, finished in its post-dump action.
-                digester = ImageDigester.following(images, self.store.algorithm)
+                digester = ImageDigester.following(images, self.store.algorithm,
+                                                   self.compress_level)
                 try:
                     self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys),
                                    env=digester.env())

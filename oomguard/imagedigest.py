@@ -24,12 +24,14 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from oomguard.compression import SUFFIX, PageCompressor
 from oomguard.criu_hook import DIGEST_GATE_ENV
+from oomguard.errors import StoreError
 from oomguard.hookgate import Gate
-from oomguard.integrity import READ_BLOCK, Hasher, hasher_factory, image_files
+from oomguard.integrity import READ_BLOCK, Hasher, digest_file, hasher_factory, image_files
 
 # Files hashed as they grow: CRIU appends to them and never goes back (criu/page-xfer.c).
 GROWING = re.compile(r"^pages-\d+\.img$")
@@ -58,6 +60,9 @@ class Digests:
     at_post_dump: bool
     finish_s: float  # how long the finish took (what the post-dump action waited for)
     followed_bytes: int  # hashed while CRIU was still writing
+    # pages files also written compressed beside them (NAME.zst, complete, in `files` too):
+    # name -> raw bytes (oomguard/compression.py)
+    compressed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,6 +72,7 @@ class _Open:
     hasher: Hasher
     offset: int = 0
     advised: int = 0  # bytes up to which writeback was started and the cache let go
+    compressor: PageCompressor | None = None
 
 
 class ImageDigester:
@@ -74,13 +80,14 @@ class ImageDigester:
     post-dump action asks it to finish."""
 
     def __init__(self, images: Path, algorithm: str, gate: Gate | None = None, *,
-                 interval: float = FOLLOW_INTERVAL,
+                 interval: float = FOLLOW_INTERVAL, compress_level: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.images = images
         self.gate = gate
         self.interval = interval
         self.clock = clock
         self.algorithm = algorithm
+        self.compress_level = compress_level  # zstd level of the pages, None: not compressed
         self._new_hasher = hasher_factory(algorithm)
         self._buffer = bytearray(READ_BLOCK)
         self._open: dict[str, _Open] = {}
@@ -90,14 +97,15 @@ class ImageDigester:
         self._failed: BaseException | None = None
 
     @classmethod
-    def following(cls, images: Path, algorithm: str) -> ImageDigester:
+    def following(cls, images: Path, algorithm: str,
+                  compress_level: int | None = None) -> ImageDigester:
         """A digester already following `images`, with its gate beside them (without one,
         where the FIFOs cannot be made: then it finishes after CRIU)."""
         try:
             gate: Gate | None = Gate(images.parent, GATE_NAME)
         except OSError:
             gate = None
-        digester = cls(images, algorithm, gate)
+        digester = cls(images, algorithm, gate, compress_level=compress_level)
         digester.start()
         return digester
 
@@ -183,22 +191,33 @@ class ImageDigester:
         followed = sum(state.offset for state in self._open.values())
         files = {}
         for path in image_files(self.images):
+            if path.name.endswith(SUFFIX):
+                continue  # our own output: hashed once complete, below
             state = self._open.get(path.name)
             current = path.lstat()
             if state is not None and state.inode != current.st_ino:
-                os.close(state.fd)  # replaced since we began: start again on the new file
-                del self._open[path.name]
+                self._forget(path.name)  # replaced since we began: start again on the new file
                 state = None
-            state = state or self._open_file(path.name)
+            state = state or self._open_file(path.name, compress=False)
             if state is None:
                 continue
             st = os.fstat(state.fd)
             self._hash_to(state, st.st_size)
             files[path.name] = FileDigest(state.hasher.hexdigest(), st.st_size, st.st_mtime_ns,
                                           st.st_ino)
-        return Digests(self.algorithm, files, at_post_dump, self.clock() - start, followed)
+        compressed = {}
+        for name, state in self._open.items():
+            if state.compressor is not None and name in files and state.compressor.finish():
+                stored = state.compressor.path
+                st = stored.lstat()
+                files[stored.name] = FileDigest(digest_file(stored, self.algorithm,
+                                                            drop_cache=False),
+                                                st.st_size, st.st_mtime_ns, st.st_ino)
+                compressed[name] = state.compressor.raw_bytes
+        return Digests(self.algorithm, files, at_post_dump, self.clock() - start, followed,
+                       compressed)
 
-    def _open_file(self, name: str) -> _Open | None:
+    def _open_file(self, name: str, compress: bool = True) -> _Open | None:
         state = self._open.get(name)
         if state is None:
             try:
@@ -206,8 +225,17 @@ class ImageDigester:
             except FileNotFoundError:
                 return None
             state = _Open(fd, os.fstat(fd).st_ino, self._new_hasher())
+            if compress and self.compress_level is not None and GROWING.match(name):
+                with contextlib.suppress(OSError, StoreError):  # then it is kept as it is
+                    state.compressor = PageCompressor(self.images / name, self.compress_level)
             self._open[name] = state
         return state
+
+    def _forget(self, name: str) -> None:
+        state = self._open.pop(name)
+        os.close(state.fd)
+        if state.compressor is not None:
+            state.compressor.give_up()
 
     def _hash_to(self, state: _Open, size: int) -> None:
         view = memoryview(self._buffer)
@@ -217,12 +245,16 @@ class ImageDigester:
             if count == 0:
                 break
             state.hasher.update(view[:count])
+            if state.compressor is not None:
+                state.compressor.feed(view[:count])
             state.offset += count
 
     def _close_all(self) -> None:
         if self.gate is not None:
             self.gate.close()
         for state in self._open.values():
+            if state.compressor is not None and state.compressor.fd is not None:
+                state.compressor.give_up()  # unfinished (the dump failed, or hashing did)
             with contextlib.suppress(OSError):
                 # What we read of a file CRIU no longer has in its cache was charged to us.
                 os.posix_fadvise(state.fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -39,7 +39,7 @@ from oomguard.integrity import (
     listing_problems,
 )
 
-PAGES = re.compile(r"^pages-\d+\.img$")
+PAGES = re.compile(r"^pages-\d+\.img(\.zst)?$")  # compressed ones are checked as expanded
 GATE_NAME = ".verify"  # in the checkpoint directory: BASE.req and BASE.ack
 FOLLOW_PAUSE = 0.001  # seconds between looks at the page cache while CRIU reads
 

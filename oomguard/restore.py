@@ -13,6 +13,7 @@ from pathlib import Path
 
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.compression import compressed_pages, expand, raw_name
 from oomguard.criu import Criu
 from oomguard.criu_hook import drop_cache, sync_and_drop
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
@@ -24,7 +25,7 @@ from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.imageverify import RestoreVerifier
 from oomguard.lazyrestore import LazySession, lazy_unavailable
 from oomguard.procfs import ProcReader
-from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.store import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.ttyclient import HolderError
 from oomguard.ttyext import TTYS
 from oomguard.ttyrestore import TtyLease, criu_tty_hint, gid_of, lease_ttys
@@ -49,9 +50,15 @@ class RestoreResult:
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
-    """Bytes of memory the restored tree will hold (CRIU's pages-*.img)."""
+    """Bytes of memory the restored tree will hold (CRIU's pages-*.img; compressed ones by
+    their size before compression, which meta.json keeps)."""
     images = store.images_of(checkpoint_id)
-    return sum(p.stat().st_size for p in images.glob("pages-*.img"))
+    plain = sum(p.stat().st_size for p in images.glob("pages-*.img"))
+    stored = compressed_pages(images)
+    if not stored:
+        return plain
+    raw = store.get(checkpoint_id).extra.get(COMPRESSED, {})
+    return plain + sum(int(raw.get(raw_name(p.name), p.stat().st_size)) for p in stored)
 
 
 def criu_cause(exc: CriuError) -> str:
@@ -173,18 +180,25 @@ class Restorer:
                  lazy_lock: int | None) -> RestoreResult:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
-        lazy_fallback = lazy_unavailable(self.criu) if lazy_lock is not None else None
+        images = self.store.path_of(checkpoint_id) / IMAGES
+        packed = compressed_pages(images)
+        lazy_fallback = None if lazy_lock is None else (
+            "its pages are compressed: they are expanded before CRIU reads them" if packed
+            else lazy_unavailable(self.criu))
         lazy = lazy_lock is not None and lazy_fallback is None
         verify_start = self.clock()
-        images = self.store.path_of(checkpoint_id) / IMAGES
         work_dir = self.store.path_of(checkpoint_id)
         # All but the pages first (a few KiB: read before the disk is busy with the pages),
         # then the pages are read and checked from now on, while the checks below and CRIU's
         # start go on: CRIU finds them in the page cache, or reads them in alongside. (Lazily:
         # the keeper checks the pages as they stream in.)
-        verifier = self._start_verifier(checkpoint_id, images, work_dir, pages=not lazy)
+        verifier = self._start_verifier(checkpoint_id, images, work_dir,
+                                        pages=not lazy and not packed)
         session: LazySession | None = None
+        expanded: list[Path] = []
         try:
+            if packed:  # verified as they are expanded: no pages left to check behind CRIU
+                expanded = self._expand(checkpoint_id, packed, verifier)
             self._check_files(meta, force)
             start = self.clock()
             since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
@@ -202,6 +216,9 @@ class Restorer:
             raise
         finally:
             report = verifier.finish(cancel=True)  # done by now unless something failed
+            for path in expanded:  # CRIU has read them (or failed): only the .zst is kept
+                with contextlib.suppress(OSError):
+                    path.unlink()
         ttys.succeeded()
         if ttys.entries:
             meta.extra[TTYS] = ttys.entries
@@ -249,6 +266,20 @@ class Restorer:
         except OSError as exc:
             raise RestoreFailed(f"cannot restore {checkpoint_id}: {exc}") from exc
         return verifier
+
+    def _expand(self, checkpoint_id: str, packed: list[Path],
+                verifier: RestoreVerifier) -> list[Path]:
+        expanded: list[Path] = []
+        try:
+            for stored in packed:
+                expanded.append(expand(stored, verifier.expected[stored.name],
+                                       verifier.algorithm))
+        except (StoreError, OSError, KeyError) as exc:
+            for path in expanded:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        return expanded
 
     def _start_lazy(self, checkpoint_id: str, images: Path, work_dir: Path, lock_fd: int,
                     ttys: TtyLease) -> LazySession:

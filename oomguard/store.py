@@ -22,15 +22,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from oomguard.commitimages import image_checksums, swap_compressed
 from oomguard.errors import StoreError
 from oomguard.hookgate import remove_gates
 from oomguard.imagedigest import Digests
 from oomguard.integrity import (
     SUMS_FILES,
-    digest_file,
     find_sums,
     format_sums,
-    image_files,
     preferred_algorithm,
     read_sums,
     sums_name,
@@ -48,6 +47,7 @@ STATE_RESTORED = "restored"
 STATE_INCOMPLETE = "incomplete"  # dumped (the process is gone), but the commit did not finish
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
 LAST_FAILED_LOG = ".last-failed-dump.log"
+COMPRESSED = "compressed"  # meta.extra: pages files stored compressed, name -> raw bytes
 META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
@@ -141,16 +141,6 @@ def _write_durably(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def _sync_and_drop(path: Path) -> None:
-    """fdatasync one image, then give back its page cache."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -226,7 +216,10 @@ class Store:
         partial = self.root / (PARTIAL_PREFIX + validate_id(meta.id))
         images = partial / IMAGES
         remove_gates(partial)  # FIFOs of a hook gate whose oomguard died
-        sums = self._checksums(images, digests)
+        compressed = swap_compressed(images, digests, self.algorithm)
+        if compressed:
+            meta.extra[COMPRESSED] = compressed
+        sums = image_checksums(images, digests, self.algorithm)
         meta.image_bytes = dir_size(images)
         meta.state = STATE_CHECKPOINTED
         name = sums_name(self.algorithm)
@@ -239,25 +232,6 @@ class Store:
         partial.rename(final)
         _fsync_dir(self.root)
         return final
-
-    def _checksums(self, images: Path, digests: Digests | None) -> dict[str, str]:
-        """Every image's digest; each one not known from `digests` is read, fdatasynced and
-        its cache dropped (so is every one, where the post-dump action did not sync them)."""
-        known = digests.files if digests is not None and \
-            digests.algorithm == self.algorithm else {}
-        synced = digests is not None and digests.at_post_dump
-        sums = {}
-        for path in image_files(images):
-            taken = known.get(path.name)
-            if taken is not None and taken.matches(path.lstat()):
-                sums[path.name] = taken.digest
-                if synced:
-                    continue
-            else:
-                sums[path.name] = digest_file(path, self.algorithm, drop_cache=False)
-            _sync_and_drop(path)
-        _fsync_dir(images)
-        return sums
 
     def sums_of(self, checkpoint_id: str) -> tuple[Path, str, dict[str, str]]:
         """A checkpoint's checksum file, its algorithm and the digests it holds. Raises

@@ -102,7 +102,9 @@ def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None
     return Checkpointer(criu, Store(config.store, algorithm=config.criu.checksum),
                         SigstopFreezer(proc), proc,
                         on_failure=on_failure, gpu=build_gpu(config.gpu),
-                        gpu_margin=config.gpu.host_margin)
+                        gpu_margin=config.gpu.host_margin,
+                        compress_level=config.criu.compress_level
+                        if config.criu.compress == "zstd" else None)
 
 
 def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None) -> Restorer:

@@ -129,3 +129,50 @@ def test_a_checkpoint_with_sha256sums_from_before_still_restores(
         assert wait_until(lambda: "done 300 ok" in log.read_text(), 60), log.read_text()[-300:]
     finally:
         kill_pid(pid)
+
+
+def test_compressed_pages_are_written_during_the_dump_and_expanded_for_the_restore(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`[criu] compress = "zstd"`: the hog's pages (a byte repeated per 4 MiB chunk) are
+    stored as pages-N.img.zst, a small fraction of the plain size; the restore expands them,
+    verified, and the job goes on with its memory intact; --lazy restores it eagerly, saying
+    why; the expanded file does not stay."""
+    config = tmp_path / "oomguard.toml"
+    config.write_text(f'[daemon]\nstore = "{store}"\n\n[criu]\ncompress = "zstd"\n')
+    monkeypatch.setenv("OOMGUARD_CONFIG", str(config))
+    checkpoint_id, log, done = _checkpointed_hog(cgroups, store, tmp_path, "zstd")
+    images = store / checkpoint_id / "images"
+    assert sorted(p.name for p in images.glob("pages-*")) == \
+        [f"{p.name}" for p in sorted(images.glob("pages-*.img.zst"))] != []
+    meta = Store(store).get(checkpoint_id)
+    raw = sum(meta.extra["compressed"].values())
+    assert raw > 150 << 20 and meta.image_bytes < raw // 10, (raw, meta.image_bytes)
+    assert float(str(done["commit_s"])) < 0.5, done
+    Store(store).verify(checkpoint_id)  # the stored .zst, as xxh128sum -c would
+    restored = run_oomguard(store, "restore", "--lazy", checkpoint_id)
+    assert restored.returncode == 0, restored.stderr
+    pid = int(restored.stdout.strip())
+    try:
+        assert "restored eagerly, not lazily: its pages are compressed" in restored.stderr
+        assert wait_until(lambda: "done 400 ok" in log.read_text(), 60), log.read_text()[-300:]
+        assert read_counts(log) == list(range(1, 401))
+        assert not list(images.glob("pages-*.img")), "the expanded pages were left"
+    finally:
+        kill_pid(pid)
+
+
+def test_a_damaged_compressed_checkpoint_is_refused_before_criu(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "oomguard.toml"
+    config.write_text(f'[daemon]\nstore = "{store}"\n\n[criu]\ncompress = "zstd"\n')
+    monkeypatch.setenv("OOMGUARD_CONFIG", str(config))
+    checkpoint_id, _, _ = _checkpointed_hog(cgroups, store, tmp_path, "zbad", target=64)
+    [stored] = sorted((store / checkpoint_id / "images").glob("pages-*.img.zst"))
+    _flip(stored, stored.stat().st_size // 2)
+    refused = run_oomguard(store, "restore", checkpoint_id)
+    assert refused.returncode == 1
+    assert f"{stored.name}" in refused.stderr and "damaged" in refused.stderr, refused.stderr
+    assert not (store / checkpoint_id / "restore.log").exists(), "CRIU was run"
+    assert not list((store / checkpoint_id / "images").glob("pages-*.img"))

@@ -201,7 +201,7 @@ def test_commit_takes_the_digests_and_reads_only_what_they_do_not_cover(
     read: list[str] = []
     synced: list[str] = []
     real_digest, real_sync = digest_file, os.fdatasync
-    monkeypatch.setattr("oomguard.store.digest_file",
+    monkeypatch.setattr("oomguard.commitimages.digest_file",
                         lambda path, *a, **k: read.append(path.name) or real_digest(path, *a, **k))
     monkeypatch.setattr(os, "fdatasync",
                         lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or
