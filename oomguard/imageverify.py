@@ -18,6 +18,7 @@ restore). A damaged checkpoint never runs, as before.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import threading
@@ -52,6 +53,7 @@ class _Following:
     size: int
     offset: int = 0
     done: bool = False
+    flags: int = os.RWF_NOWAIT
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,13 @@ class RestoreVerifier:
                     want = min(READ_BLOCK, item.size - item.offset)
                     try:
                         count = os.preadv(item.fd, [view[:want]], item.offset,
-                                          os.RWF_NOWAIT) if want else 0
+                                          item.flags) if want else 0
                     except BlockingIOError:  # not in the page cache (yet)
+                        continue
+                    except OSError as exc:
+                        if exc.errno != errno.EOPNOTSUPP or not item.flags:
+                            raise
+                        item.flags = 0  # tmpfs and the like: no RWF_NOWAIT, all in memory
                         continue
                     if count:
                         item.hasher.update(view[:count])

@@ -122,3 +122,15 @@ def test_check_pages_reads_everything_itself(tmp_path: Path) -> None:
     (images / "pages-1.img").write_bytes(b"")
     assert _verifier(images).check_pages() == []
     assert verifier.check_pages() == ["pages-1.img checksum mismatch"]
+
+
+def test_a_file_system_without_rwf_nowait_is_read_outright(tmp_path: Path) -> None:
+    """tmpfs answers RWF_NOWAIT with EOPNOTSUPP (a store there: the commit-failure test's)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=shm) as where:
+        images = _images(Path(where))
+        assert _verifier(images).follow_pages(lambda: False, lambda: False) == []
