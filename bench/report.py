@@ -84,6 +84,20 @@ def ratios(results: dict[str, Any]) -> list[str]:
                     f"{lz['resident_s']:.2f} s; first pass over its memory "
                     f"{lz['slowdown']:.1f}x slower than before the dump (eager: "
                     f"{eg['slowdown']:.1f}x).")
+    packed = results.get("compress")
+    if packed:
+        from bench.compress import summary as packed_summary
+
+        kinds = {(r["kind"], r["mib"], r["mode"]): r for r in packed_summary(packed)}
+        for (kind, mib, mode), row in kinds.items():
+            plain = kinds.get((kind, mib, "off"))
+            if mode == "zstd" and plain:
+                lines.append(
+                    f"- zstd, {kind}, {mib} MiB: {row['stored_mb']:.0f} MB on disk for "
+                    f"{row['raw_mb']:.0f} MB ({row['ratio']:.1f}x); dump {row['dump_s']:.2f} s "
+                    f"vs {plain['dump_s']:.2f} s plain, commit {row['commit_s'] * 1000:.0f} ms "
+                    f"vs {plain['commit_s'] * 1000:.0f} ms, restore {row['restore_s']:.2f} s vs "
+                    f"{plain['restore_s']:.2f} s.")
     idle = results.get("idle")
     if idle:
         peer = next((v for k, v in idle.items() if k.startswith("earlyoom")), None)
@@ -309,6 +323,23 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                           _f(r.get("pass_before_s"), 2), _f(r.get("slowdown"), 1),
                           "yes" if r["intact"] else "NO"] for r in summary(lazy)])
         lines += ["![lazy.png](lazy.png)", ""] if "lazy.png" in plots else []
+    packed = results.get("compress")
+    if packed:
+        from bench.compress import summary as packed_summary
+
+        lines += ["## 3c. Compressed pages", "",
+                  "The same workload checkpointed with `[criu] compress = \"off\"` and "
+                  "`\"zstd\"` (level 3), then restored; MB/s are of the memory (plain bytes). "
+                  "Medians.", ""]
+        lines += _table(["kind", "MiB", "compress", "runs", "memory MB", "on disk MB", "ratio",
+                         "dump s", "dump MB/s", "commit ms", "restore s", "restore MB/s",
+                         "intact"],
+                        [[r["kind"], str(r["mib"]), r["mode"], str(r["runs"]),
+                          _f(r["raw_mb"], 0), _f(r["stored_mb"], 1), _f(r["ratio"], 1),
+                          _f(r["dump_s"], 2), _f(r["dump_mb_per_s"], 0),
+                          _f(r["commit_s"] * 1000, 0), _f(r["restore_s"], 2),
+                          _f(r["restore_mb_per_s"], 0), "yes" if r["intact"] else "NO"]
+                         for r in packed_summary(packed)])
     idle = results.get("idle")
     if idle:
         lines += ["## 4. Idle cost", "", "The same window for all, side by side.", ""]

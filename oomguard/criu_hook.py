@@ -44,7 +44,11 @@ VERIFY_WAIT = 600.0  # post-restore: oomguard answers once it has read every pag
 
 
 def _regular_files(directory: str) -> list[str]:
-    paths = (os.path.join(directory, name) for name in sorted(os.listdir(directory)))
+    """CRIU's files in `directory`: not the compressed pages oomguard writes beside them
+    (NAME.zst: still being written, or given up and removed, while this runs; the commit makes
+    them durable)."""
+    paths = (os.path.join(directory, name) for name in sorted(os.listdir(directory))
+             if not name.endswith(".zst"))
     return [p for p in paths if os.path.isfile(p) and not os.path.islink(p)]
 
 

@@ -24,12 +24,11 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from oomguard.compression import SUFFIX, PageCompressor
+from oomguard.compression import SUFFIX
 from oomguard.criu_hook import DIGEST_GATE_ENV
-from oomguard.errors import StoreError
 from oomguard.hookgate import Gate
 from oomguard.integrity import READ_BLOCK, Hasher, digest_file, hasher_factory, image_files
 
@@ -72,7 +71,6 @@ class _Open:
     hasher: Hasher
     offset: int = 0
     advised: int = 0  # bytes up to which writeback was started and the cache let go
-    compressor: PageCompressor | None = None
 
 
 class ImageDigester:
@@ -80,14 +78,14 @@ class ImageDigester:
     post-dump action asks it to finish."""
 
     def __init__(self, images: Path, algorithm: str, gate: Gate | None = None, *,
-                 interval: float = FOLLOW_INTERVAL, compress_level: int | None = None,
+                 interval: float = FOLLOW_INTERVAL, drop_behind: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.images = images
         self.gate = gate
         self.interval = interval
         self.clock = clock
         self.algorithm = algorithm
-        self.compress_level = compress_level  # zstd level of the pages, None: not compressed
+        self.drop_behind = drop_behind  # False: a packer reads these pages after us
         self._new_hasher = hasher_factory(algorithm)
         self._buffer = bytearray(READ_BLOCK)
         self._open: dict[str, _Open] = {}
@@ -98,14 +96,14 @@ class ImageDigester:
 
     @classmethod
     def following(cls, images: Path, algorithm: str,
-                  compress_level: int | None = None) -> ImageDigester:
+                  drop_behind: bool = True) -> ImageDigester:
         """A digester already following `images`, with its gate beside them (without one,
         where the FIFOs cannot be made: then it finishes after CRIU)."""
         try:
             gate: Gate | None = Gate(images.parent, GATE_NAME)
         except OSError:
             gate = None
-        digester = cls(images, algorithm, gate, compress_level=compress_level)
+        digester = cls(images, algorithm, gate, drop_behind=drop_behind)
         digester.start()
         return digester
 
@@ -177,7 +175,7 @@ class ImageDigester:
             state = self._open_file(name)
             if state is not None:
                 self._hash_to(state, os.fstat(state.fd).st_size)
-                if state.offset > state.advised:
+                if self.drop_behind and state.offset > state.advised:
                     # Hashed: start writing it back now and let its clean pages go, so that
                     # CRIU's small memory cgroup does not stall its writes in reclaim and
                     # the post-dump fdatasync finds little left to write (measured: 6-12 ms
@@ -198,26 +196,16 @@ class ImageDigester:
             if state is not None and state.inode != current.st_ino:
                 self._forget(path.name)  # replaced since we began: start again on the new file
                 state = None
-            state = state or self._open_file(path.name, compress=False)
+            state = state or self._open_file(path.name)
             if state is None:
                 continue
             st = os.fstat(state.fd)
             self._hash_to(state, st.st_size)
             files[path.name] = FileDigest(state.hasher.hexdigest(), st.st_size, st.st_mtime_ns,
                                           st.st_ino)
-        compressed = {}
-        for name, state in self._open.items():
-            if state.compressor is not None and name in files and state.compressor.finish():
-                stored = state.compressor.path
-                st = stored.lstat()
-                files[stored.name] = FileDigest(digest_file(stored, self.algorithm,
-                                                            drop_cache=False),
-                                                st.st_size, st.st_mtime_ns, st.st_ino)
-                compressed[name] = state.compressor.raw_bytes
-        return Digests(self.algorithm, files, at_post_dump, self.clock() - start, followed,
-                       compressed)
+        return Digests(self.algorithm, files, at_post_dump, self.clock() - start, followed)
 
-    def _open_file(self, name: str, compress: bool = True) -> _Open | None:
+    def _open_file(self, name: str) -> _Open | None:
         state = self._open.get(name)
         if state is None:
             try:
@@ -225,17 +213,11 @@ class ImageDigester:
             except FileNotFoundError:
                 return None
             state = _Open(fd, os.fstat(fd).st_ino, self._new_hasher())
-            if compress and self.compress_level is not None and GROWING.match(name):
-                with contextlib.suppress(OSError, StoreError):  # then it is kept as it is
-                    state.compressor = PageCompressor(self.images / name, self.compress_level)
             self._open[name] = state
         return state
 
     def _forget(self, name: str) -> None:
-        state = self._open.pop(name)
-        os.close(state.fd)
-        if state.compressor is not None:
-            state.compressor.give_up()
+        os.close(self._open.pop(name).fd)
 
     def _hash_to(self, state: _Open, size: int) -> None:
         view = memoryview(self._buffer)
@@ -245,18 +227,32 @@ class ImageDigester:
             if count == 0:
                 break
             state.hasher.update(view[:count])
-            if state.compressor is not None:
-                state.compressor.feed(view[:count])
             state.offset += count
 
     def _close_all(self) -> None:
         if self.gate is not None:
             self.gate.close()
         for state in self._open.values():
-            if state.compressor is not None and state.compressor.fd is not None:
-                state.compressor.give_up()  # unfinished (the dump failed, or hashing did)
             with contextlib.suppress(OSError):
                 # What we read of a file CRIU no longer has in its cache was charged to us.
                 os.posix_fadvise(state.fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(state.fd)
         self._open.clear()
+
+
+def with_packed(digests: Digests | None, packed: dict[str, Path],
+                raw_bytes: dict[str, int]) -> Digests | None:
+    """`digests` plus the compressed pages files made beside them (oomguard/compression.py:
+    name -> the finished NAME.zst), each hashed now (just written: from the page cache)."""
+    if digests is None or not packed:
+        return digests
+    files = dict(digests.files)
+    compressed = {}
+    for name, stored in packed.items():
+        if name not in files:
+            continue
+        st = stored.lstat()
+        files[stored.name] = FileDigest(digest_file(stored, digests.algorithm, drop_cache=False),
+                                        st.st_size, st.st_mtime_ns, st.st_ino)
+        compressed[name] = raw_bytes[name]
+    return replace(digests, files=files, compressed=compressed)

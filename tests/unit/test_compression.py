@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from oomguard.compression import SAMPLE, PageCompressor, compressed_pages, expand
+from oomguard.compression import SAMPLE, Packer, PageCompressor, compressed_pages, expand
 from oomguard.errors import StoreError
-from oomguard.imagedigest import ImageDigester
+from oomguard.imagedigest import Digests, ImageDigester, with_packed
 from oomguard.integrity import XXH3, digest_file, find_sums, read_sums
 from oomguard.store import COMPRESSED, IMAGES, Store
 from tests.unit.test_store import make_meta
@@ -56,11 +56,13 @@ def test_memory_that_does_not_compress_is_left_as_it_is(tmp_path: Path) -> None:
     assert not (tmp_path / "pages-1.img.zst").exists()
 
 
-def _dump(images: Path, level: int | None, chunks: list[bytes]) -> ImageDigester:
-    """What CRIU does, roughly: pages appended while the digester follows."""
+def _dump(images: Path, level: int, chunks: list[bytes]) -> Digests | None:
+    """What CRIU does, roughly: pages appended while the digester and the packer follow;
+    then what the checkpointer does once CRIU has exited."""
     (images / "pages-1.img").touch()
-    digester = ImageDigester(images, XXH3, compress_level=level, interval=0.001)
+    digester = ImageDigester(images, XXH3, interval=0.001)
     digester.start()
+    packer = Packer(images, level)
 
     def write() -> None:
         with open(images / "pages-1.img", "ab") as handle:
@@ -72,15 +74,14 @@ def _dump(images: Path, level: int | None, chunks: list[bytes]) -> ImageDigester
     writer.start()
     writer.join()
     (images / "core-1.img").write_bytes(b"core")
-    return digester
+    return with_packed(digester.result(), *packer.finish())
 
 
 def test_the_dump_compresses_as_it_goes_and_the_commit_swaps_the_files(tmp_path: Path) -> None:
     store = Store(tmp_path / "store", algorithm=XXH3)
     images, lock = store.begin(make_meta("ck1"))
     os.close(lock)
-    digester = _dump(images, 3, [TEXTLIKE] * 8)
-    digests = digester.result()
+    digests = _dump(images, 3, [TEXTLIKE] * 8)
     assert digests is not None and digests.compressed == {"pages-1.img": 8 * len(TEXTLIKE)}
     final = store.commit(make_meta("ck1"), digests)
     assert sorted(p.name for p in (final / IMAGES).iterdir()) == ["core-1.img",
@@ -100,7 +101,7 @@ def test_incompressible_pages_stay_plain(tmp_path: Path) -> None:
     images, lock = store.begin(make_meta("ck2"))
     os.close(lock)
     noise = [os.urandom(8 << 20) for _ in range(9)]  # past the 64 MiB sample
-    digests = _dump(images, 1, noise).result()
+    digests = _dump(images, 1, noise)
     assert digests is not None and digests.compressed == {}
     final = store.commit(make_meta("ck2"), digests)
     assert sorted(p.name for p in (final / IMAGES).iterdir()) == ["core-1.img", "pages-1.img"]
@@ -119,3 +120,11 @@ def test_a_crash_leaves_the_plain_pages_and_recovery_drops_the_half_stream(
     assert sorted(p.name for p in store.images_of("ck3").iterdir()) == ["dump.log",
                                                                        "pages-1.img"]
     store.verify("ck3")
+
+
+def test_an_abandoned_dump_leaves_no_compressed_pages(tmp_path: Path) -> None:
+    (tmp_path / "pages-1.img").write_bytes(TEXTLIKE)
+    packer = Packer(tmp_path, 3)
+    time.sleep(0.05)
+    packer.abandon()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pages-1.img"]
