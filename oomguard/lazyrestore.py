@@ -29,6 +29,9 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -42,6 +45,29 @@ LAZY_LOG = "lazy-pages.log"
 KEEPER_LOG = "lazy-keeper.log"
 LAZY_STATUS = "lazy.json"  # the keeper's account, written when it ends
 LAZY_LOG_LEVEL = 3  # 4 logs every page copied: a line per 4 KiB
+# The keepers this process started, reaped as they end. A lazily restored job needs its
+# lazy-pages daemon until every page is in: were that daemon killed first, the kernel would
+# give the job zero-filled pages where its memory had not come yet (a closed userfaultfd
+# unregisters its ranges). The daemon's shutdown waits for them (wait_for_keepers); under
+# systemd, its KillMode=mixed would otherwise kill them with the unit.
+_KEEPERS: list[subprocess.Popen[bytes]] = []
+_KEEPERS_LOCK = threading.Lock()
+
+
+def running_keepers() -> int:
+    """How many of this process's keepers still run (the ended ones are reaped)."""
+    with _KEEPERS_LOCK:
+        _KEEPERS[:] = [keeper for keeper in _KEEPERS if keeper.poll() is None]
+        return len(_KEEPERS)
+
+
+def wait_for_keepers(timeout: float, clock: Callable[[], float] = time.monotonic) -> int:
+    """Until every keeper has ended (each ends once its job's pages are all in) or `timeout`
+    passes; returns how many still run."""
+    deadline = clock() + timeout
+    while running_keepers() and clock() < deadline:
+        time.sleep(0.1)
+    return running_keepers()
 
 
 @functools.lru_cache(maxsize=8)
@@ -111,6 +137,9 @@ class LazySession:
                 start_new_session=True, close_fds=True)
         finally:
             os.close(log_fd)
+        with _KEEPERS_LOCK:
+            _KEEPERS.append(keeper)
+        running_keepers()
         result = criu.runner.run(criu.confined(lazy_pages_argv(criu, images, work_dir)),
                                  timeout=60)
         lazy_pid = _read_pid(work_dir / LAZY_PID) if result.returncode == 0 else None
