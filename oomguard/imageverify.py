@@ -5,14 +5,15 @@ mappings, sockets...) is checked against the checksums, and the file list must m
 or tampered description never reaches CRIU, which opens files as root. The pages-*.img, nearly
 all of the bytes, are hashed as CRIU reads them: a thread reads them with RWF_NOWAIT, which
 never waits for the disk (it takes what is in the page cache, at most starting the readahead
-CRIU would start there anyway), so the disk serves CRIU alone (its one large
-preadv per task reads faster than any reader beside it: with a second reader on the same file,
-1 GiB took 1.8-2.3 s instead of 0.9-1.2 s here) and the hashing follows a few megabytes behind.
-The verdict goes to CRIU's post-restore action through a gate (oomguard/hookgate.py): it is
-asked once CRIU has loaded every page and before any restored task has run an instruction (from
-then on whatever the cache lost is read outright); anything but "ok" makes the action fail,
-and CRIU kills the restored tree (criu/cr-restore.c: a failing post-restore script aborts the
-restore). A damaged checkpoint never runs, as before.
+CRIU would start there anyway), so no second reader competes with CRIU's (with one beside it
+on the same file, 1 GiB took 1.8-2.3 s instead of 0.9-1.2 s here), and the hashing follows a
+few megabytes behind; once CRIU reads, the thread also asks for the next 64 MiB ahead
+(POSIX_FADV_WILLNEED), keeping more reads in flight than CRIU's readahead does. The verdict
+goes to CRIU's post-restore action through a gate (oomguard/hookgate.py): it is asked once CRIU
+has loaded every page and before any restored task has run an instruction (from then on
+whatever the cache lost is read outright); anything but "ok" makes the action fail, and CRIU
+kills the restored tree (criu/cr-restore.c: a failing post-restore script aborts the restore).
+A damaged checkpoint never runs, as before.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ from oomguard.integrity import (
 PAGES = re.compile(r"^pages-\d+\.img(\.zst)?$")  # compressed ones are checked as expanded
 GATE_NAME = ".verify"  # in the checkpoint directory: BASE.req and BASE.ack
 FOLLOW_PAUSE = 0.001  # seconds between looks at the page cache while CRIU reads
+# Once CRIU reads, the next AHEAD bytes past the hash's position are asked for
+# (POSIX_FADV_WILLNEED, AHEAD_STEP at a time): more reads in flight than CRIU's own readahead
+# keeps. On this VM 1 GiB restored in 1.2-1.6 s so, 1.9-2.2 s without.
+AHEAD = 64 << 20
+AHEAD_STEP = 8 << 20
 
 
 @dataclass
@@ -54,6 +60,7 @@ class _Following:
     offset: int = 0
     done: bool = False
     flags: int = os.RWF_NOWAIT
+    advised: int = 0
 
 
 @dataclass(frozen=True)
@@ -162,6 +169,10 @@ class RestoreVerifier:
             while pending and not stop():
                 moved = False
                 for item in pending:
+                    if item.offset and item.advised < min(item.offset + AHEAD, item.size):
+                        os.posix_fadvise(item.fd, item.advised, AHEAD_STEP,
+                                         os.POSIX_FADV_WILLNEED)
+                        item.advised += AHEAD_STEP
                     want = min(READ_BLOCK, item.size - item.offset)
                     try:
                         count = os.preadv(item.fd, [view[:want]], item.offset,

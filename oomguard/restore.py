@@ -15,7 +15,7 @@ from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.compression import compressed_pages, expand, raw_name
 from oomguard.criu import Criu
-from oomguard.criu_hook import drop_cache, sync_and_drop
+from oomguard.criu_hook import drop_cache
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.exitwatch import ExitWatch
 from oomguard.fileids import FILES_RECORD
@@ -228,12 +228,13 @@ class Restorer:
         still = {p.pid for p in self.proc.processes(sorted(keep))
                  if p.state == USER_STOPPED_STATE}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
-        seconds = self.clock() - start
+        running = self.clock()  # the tree runs
+        seconds = running - start
         # Reading the images charged their page cache to the target cgroup: give it back
-        # (lazily, the keeper does once every page is in).
+        # (lazily, the keeper does once every page is in). They were not written: no sync.
         if session is None:
             with contextlib.suppress(OSError):
-                sync_and_drop(str(images))
+                drop_cache([str(path) for path in images.iterdir() if path.is_file()])
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
@@ -248,7 +249,7 @@ class Restorer:
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, lazy=lazy,
                              lazy_fallback=lazy_fallback,
                              verify_s=report.upfront_s + report.pages_s,
-                             total_s=self.clock() - verify_start,
+                             total_s=running - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
                              stopped_pids=tuple(sorted(still)))
 
