@@ -21,6 +21,7 @@ from oomguard.configtypes import ON_FAILURE_KILL
 from oomguard.dbusnotify import restore_command
 from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone
+from oomguard.freezer import Frozen
 from oomguard.policy import ProcessTree
 from oomguard.preferences import Preferences, apply_preferences, compile_patterns
 from oomguard.units import format_size
@@ -195,10 +196,10 @@ class Actor:
                 self._say_chosen(request, tree, {**fields, "choose_ms": choose_ms})
                 return
 
-            def frozen(pids: list[int], at: float, fields: dict[str, Any] = fields) -> None:
+            def frozen(stopped: Frozen, at: float, fields: dict[str, Any] = fields) -> None:
                 self.log.info("victim.frozen",
                               detect_to_frozen_ms=round((at - request.woke) * 1000, 2),
-                              choose_ms=choose_ms, **fields)
+                              choose_ms=choose_ms, **stopped.fields(), **fields)
 
             cgroup = request.cgroup_for(tree)
             outcome = self.runner.run(request.parts.chain, tree, cgroup, request.reason,

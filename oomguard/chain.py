@@ -22,7 +22,7 @@ from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
-from oomguard.freezer import USER_STOPPED_STATE, Freezer
+from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.kubelet import ContainerCheckpointer, KubeletError
 from oomguard.policy import ProcessTree
@@ -78,7 +78,7 @@ class ChainRunner:
     def run(self, chain: tuple[Step, ...], tree: ProcessTree, cgroup: MemoryCgroup | None,
             reason: str, settings: ChainSettings, still_pressing: Callable[[], bool],
             fields: dict[str, Any],
-            on_frozen: Callable[[list[int], float], None] | None = None,
+            on_frozen: Callable[[Frozen, float], None] | None = None,
             after_signal: Callable[[], None] | None = None) -> ChainOutcome:
         frozen: list[int] = []
         recorded: list[int] = list(tree.pids)  # every pid the ledger heard of, to clear at the end
@@ -101,7 +101,13 @@ class ChainRunner:
                     if after_signal is not None:
                         after_signal()
                         after_signal = None
-                    self.freezer.wait_frozen(held.pids, 5.0)
+                    # Children forked meanwhile (seen on the connector) are stopped too.
+                    held = self.freezer.wait_frozen(held, 5.0)
+                    caught = [pid for pid in held.ours if pid not in frozen]
+                    frozen = held.ours
+                    if caught:
+                        ledger.record(caught)
+                        recorded += caught
                     # Stopped by the user too: left stopped, like those found stopped.
                     again = self.freezer.stopped_again(frozen)
                     frozen = [pid for pid in frozen if pid not in again]
@@ -110,7 +116,7 @@ class ChainRunner:
                             ledger.clear(held.user_stopped + again)
                     frozen_at = self.clock()
                     if on_frozen is not None:
-                        on_frozen(held.pids, frozen_at)
+                        on_frozen(held, frozen_at)
                         on_frozen = None
                 elif step.kind == SIGNAL:
                     outcome = self._signal(step, tree, frozen, still_pressing, fields)
@@ -197,7 +203,7 @@ class ChainRunner:
 
     def _checkpoint(self, step: Step, tree: ProcessTree, cgroup: MemoryCgroup | None,
                     reason: str, settings: ChainSettings, fields: dict[str, Any],
-                    on_frozen: Callable[[list[int], float], None] | None,
+                    on_frozen: Callable[[Frozen, float], None] | None,
                     after_signal: Callable[[], None] | None,
                     held: list[int]) -> ChainOutcome:
         container = self._container_of(tree)

@@ -105,12 +105,12 @@ class Checkpointer:
         self.compress_level = compress_level  # zstd level of the pages; None: not compressed
 
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
-                   on_frozen: Callable[[list[int], float], None] | None = None, *,
+                   on_frozen: Callable[[Frozen, float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
                    requester: int | None = None, held: Collection[int] = (),
                    ) -> CheckpointResult:
-        """Checkpoint `tree`. `on_frozen(pids, monotonic_time)` is called once it is stopped.
+        """Checkpoint `tree`. `on_frozen(frozen, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
         the victim before it runs another instruction). `held`: tasks a chain's freeze step has
@@ -152,6 +152,7 @@ class Checkpointer:
                 put_back_limit(hold)
             raise
         pids = frozen.pids
+        left: list[int] = []
         self.ledger.record(frozen.ours)
         self._unrecord(frozen.user_stopped)
         if shielding:  # children forked before the stop inherited -1000
@@ -168,15 +169,21 @@ class Checkpointer:
                 raised_limit = headroom_needed(self._room_reading(cgroup, own=True), room)
                 if raised_limit is not None:
                     undo_limit = self._lift(cgroup, raised_limit, cap=room)
-            self.freezer.wait_frozen(pids, self.freeze_timeout)
+            # With the connector, children forked meanwhile are stopped and join the tree.
+            ours = set(frozen.ours)
+            frozen = self.freezer.wait_frozen(frozen, self.freeze_timeout)
+            pids, left = frozen.pids, frozen.left  # left: reparented out of the tree, let go
             frozen_at = self.clock()
             if on_frozen is not None:
-                on_frozen(pids, frozen_at)
+                on_frozen(frozen, frozen_at)
+            caught = [pid for pid in frozen.ours if pid not in ours]
+            if caught:
+                self.ledger.record(caught)
             # Stopped by the user too while (or just before) oomguard stopped them.
             frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
             self._unrecord(frozen.user_stopped)
             if shielding:  # stopped: back to the originals, which CRIU saves with the images
-                self.shield.unshield(pids + list(tree.pids))
+                self.shield.unshield(pids + list(tree.pids) + left)
             if cgroup is not None and room > 0:
                 # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
                 # out, and may have used up the limit (or the headroom given above) by then.
@@ -184,6 +191,10 @@ class Checkpointer:
                 if raised_limit is not None:
                     undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
             meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
+            # The tree as it stopped, which is what CRIU dumps (and a restore needs free): not
+            # the one chosen before the freeze, whose short-lived children may have been
+            # replaced meanwhile (a shell's `sleep`s).
+            meta.pids = list(pids)
             ttys = external_ttys(self.proc.root, pids)
             if ttys:
                 meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
@@ -249,7 +260,7 @@ class Checkpointer:
                                    outcome) from exc
         finally:
             if shielding:
-                self.shield.unshield(pids + list(tree.pids))
+                self.shield.unshield(pids + list(tree.pids) + left)
             if hold is not None:
                 put_back_limit(hold)
             if lock_fd is not None:
@@ -258,7 +269,7 @@ class Checkpointer:
                 with contextlib.suppress(OSError, CgroupGone):
                     undo_limit()
             with contextlib.suppress(OSError):
-                self.ledger.clear(pids + list(tree.pids))
+                self.ledger.clear(pids + list(tree.pids) + left)
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)

@@ -6,6 +6,7 @@ import contextlib
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from oomguard.errors import CriuError
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lazyrestore import lazy_unavailable
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
+from oomguard.sense.procevents import EventSource, ProcEvents, Subscriber, process_events_words
 from oomguard.store import Store
 from oomguard.units import format_size
 
@@ -130,6 +132,17 @@ def _psi_check(proc_root: Path) -> Check:
                  f"{why}")
 
 
+def process_events_check(open_events: Callable[[], EventSource] = ProcEvents) -> Check:
+    """Can this process subscribe to the kernel's process events (the exact freeze, the
+    exit status of restored jobs), or does the freeze re-list /proc, and why."""
+    why = Subscriber(open_events).probe()
+    return Check("process events", why is None, process_events_words(why),
+                 "run oomguard as root in the initial PID, user and network namespaces (not "
+                 "inside a container): without the connector a child forked as the tree is "
+                 "frozen can escape the freeze, and restored jobs' exit status is unknown",
+                 warn_only=True)
+
+
 NVIDIA_DRIVER_MARKS = ("/proc/driver/nvidia", "/sys/module/nvidia")
 
 
@@ -154,7 +167,8 @@ def gpu_checks(gpu: GpuSupport, driver_loaded: bool | None = None) -> list[Check
 
 
 def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
-               gpu: GpuSupport | None = None, gpu_off: bool = False) -> list[Check]:
+               gpu: GpuSupport | None = None, gpu_off: bool = False,
+               open_events: Callable[[], EventSource] = ProcEvents) -> list[Check]:
     checks = []
     release = platform.release()
     kernel = parse_kernel_version(release)
@@ -185,6 +199,7 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
                             "+ " + ("per-cgroup PSI triggers" if has_psi else "no per-cgroup PSI"),
                             warn_only=True))
     checks.append(_psi_check(Path(proc_root)))
+    checks.append(process_events_check(open_events))
     memory = psutil.virtual_memory()
     swap = psutil.swap_memory()
     checks.append(Check("memory", True, f"{format_size(memory.total)} total, "

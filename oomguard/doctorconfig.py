@@ -5,6 +5,7 @@ configured socket. The machine's own checks are in oomguard.doctor."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup, read_layout
@@ -14,6 +15,7 @@ from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.doctor import Check, run_checks
 from oomguard.errors import OomguardError
 from oomguard.gpu.runtime import detect_gpu
+from oomguard.sense.procevents import EventSource, ProcEvents
 from oomguard.units import format_size
 
 DAEMON_TIMEOUT = 10.0  # the Status verb answers at once; a wedged daemon is reported, not waited on
@@ -101,14 +103,15 @@ def daemon_check(socket: Path) -> Check:
 
 
 def doctor_checks(config: DaemonConfig, found: CliConfig, socket: Path | None = None,
-                  proc_root: str = "/proc") -> list[Check]:
-    """Everything `oomguard doctor` prints: the machine (store, CRIU and GPU as configured),
-    then the config, its guards and the daemon."""
+                  proc_root: str = "/proc",
+                  open_events: Callable[[], EventSource] = ProcEvents) -> list[Check]:
+    """Everything `oomguard doctor` prints: the machine (store, CRIU, process events and GPU
+    as configured), then the config, its guards and the daemon."""
     gpu = None if config.gpu.engine == "off" else detect_gpu(
         config.gpu.engine, config.gpu.cuda_checkpoint, lock_timeout=config.gpu.lock_timeout,
         timeout=config.gpu.timeout)
     checks = run_checks(config.store, config.criu.binary, proc_root, gpu=gpu,
-                        gpu_off=config.gpu.engine == "off")
+                        gpu_off=config.gpu.engine == "off", open_events=open_events)
     checks.append(config_check(found))
     checks.extend(guard_checks(config, read_layout(proc_root)))
     checks.append(daemon_check(socket or config.socket))

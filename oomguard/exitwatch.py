@@ -2,9 +2,10 @@
 
 CRIU restores detached: the daemon is not the parent of a restored root, so waitpid cannot
 tell. A pidfd (pidfd_open + poll) tells *when* the root exits; the kernel's process-event
-connector (procconn, root with CAP_NET_ADMIN) tells *how* (exit code or signal). The
-connector is listened to only while a restore is under way or a restored tree is watched;
-where it is unavailable, or lost the event, the status is recorded as unknown.
+connector (oomguard.sense.procevents) tells *how* (exit code or signal). The connector is
+listened to only while a restore is under way or a restored tree is watched; where it is
+unavailable, or lost the event (its buffer overflowed: ENOBUFS), the status is recorded as
+unknown, and `why_no_status` / `events_lost` say why.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import psutil
 
 from oomguard.errors import StoreError
-from oomguard.procconn import ProcessExit, ProcEvents
+from oomguard.sense.procevents import EXITS, EventSource, ProcessExit, ProcEvents, unavailable
 from oomguard.store import Store
 
 STATUS_WAIT = 1.0  # after the pidfd says "exited", how long the connector's event may take
@@ -90,7 +91,7 @@ class ExitWatch:
     from the thread."""
 
     def __init__(self, on_exit: ExitCallback, *,
-                 open_events: Callable[[], ProcEvents] = ProcEvents,
+                 open_events: Callable[[], EventSource] = lambda: ProcEvents(kinds=EXITS),
                  wall_clock: Callable[[], float] = time.time,
                  clock: Callable[[], float] = time.monotonic,
                  clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
@@ -99,8 +100,9 @@ class ExitWatch:
         self.wall_clock = wall_clock
         self.clock = clock
         self.clock_ns = clock_ns
-        self.events: ProcEvents | None = None
+        self.events: EventSource | None = None
         self.why_no_status: str | None = None  # why the connector could not be opened
+        self.events_lost = 0  # times the connector's buffer overflowed (exits may be missing)
         self._lock = threading.Lock()
         self._watches: dict[int, _Watch] = {}  # pidfd -> watch
         self._recent: OrderedDict[int, ProcessExit] = OrderedDict()
@@ -136,6 +138,15 @@ class ExitWatch:
             self._watches[pidfd] = _Watch(checkpoint_id, pid, since_ns)
             self._ensure_thread()
         self._wake()
+
+    def why_unknown(self) -> str | None:
+        """Why an exit status may be unknown: no connector, or events it lost."""
+        if self.why_no_status is not None:
+            return self.why_no_status
+        if self.events_lost:
+            return (f"the process-event connector's buffer overflowed (ENOBUFS, "
+                    f"{self.events_lost}x): the exit event may be among those lost")
+        return None
 
     def _status_of(self, pid: int, since_ns: int) -> ProcessExit | None:
         status = self._recent.get(pid)
@@ -174,7 +185,7 @@ class ExitWatch:
                 self.events = self.open_events()
                 self.why_no_status = None
             except OSError as exc:
-                self.why_no_status = f"process-event connector unavailable: {exc.strerror}"
+                self.why_no_status = f"process-event connector unavailable ({unavailable(exc)})"
 
     def _close_events(self) -> None:
         if self.events is not None:
@@ -186,9 +197,13 @@ class ExitWatch:
             events = self.events
         if events is None:
             return
-        for status in events.read():
-            if status.pid != status.tgid:
-                continue  # a thread, not a process
+        batch = events.read()
+        if batch.lost:
+            with self._lock:
+                self.events_lost += batch.lost
+        for status in batch.events:
+            if not isinstance(status, ProcessExit) or status.pid != status.tgid:
+                continue  # a fork or an exec, or a thread's exit
             with self._lock:
                 self._recent[status.tgid] = status
                 self._recent.move_to_end(status.tgid)

@@ -178,11 +178,33 @@ class ProcReader:
                 continue
         return found
 
+    def stat(self, pid: int) -> StatFields:
+        try:
+            return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace"))
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+
     def state(self, pid: int) -> str:
         try:
             return parse_stat((self.root / str(pid) / "stat").read_text(errors="replace")).state
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
+
+    def thread_states(self, pid: int) -> list[str]:
+        """The state of each thread of `pid` (/proc/PID/task/*/stat): a process has stopped
+        only once every thread has. Threads that end meanwhile are left out."""
+        base = self.root / str(pid) / "task"
+        try:
+            tids = os.listdir(base)
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+        states = []
+        for tid in tids:
+            try:
+                states.append(parse_stat((base / tid / "stat").read_text(errors="replace")).state)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        return states
 
     def status(self, pid: int) -> StatusFields:
         try:

@@ -19,10 +19,10 @@ from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
 from oomguard.metrics import Metrics, TextfileWriter
-from oomguard.procconn import ProcessExit
 from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
+from oomguard.sense.procevents import FORKS, ProcessExit, Subscriber, process_events_words
 from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.startup import gpu_summary
 from oomguard.store import Store
@@ -134,10 +134,14 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     proc = ProcReader()
     gpu = build_gpu(config.gpu)
     criu = build_criu(config.criu, layout, proc, gpu)
-    checkpointer = build_checkpointer(config, criu, proc)
-    restorer = build_restorer(config, criu, proc)
+    # The freeze's process events: tried once now (which also loads pyroute2 now rather
+    # than at the first crossing), said in guard.started.
+    subscriptions = Subscriber(kinds=FORKS)
+    no_events = subscriptions.probe()
+    checkpointer = build_checkpointer(config, criu, proc, events=subscriptions)
+    restorer = build_restorer(config, criu, proc, events=subscriptions)
     restorer.exits = exit_watch = ExitWatch(_exit_recorder(
-        restorer.store, log, lambda: exit_watch.why_no_status))
+        restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
@@ -186,7 +190,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
              socket=str(config.socket) if server else None, criu=criu.binary,
              criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
              guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
-             gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}))
+             gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}),
+             process_events=process_events_words(no_events))
     if not config.guards:
         log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
                     "to the config or pass --cgroup")

@@ -23,6 +23,7 @@ from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.kubelet import ContainerCheckpointer, KubeletClient
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
+from oomguard.sense.procevents import Subscriber
 from oomguard.service import Service
 from oomguard.store import Store
 
@@ -97,19 +98,23 @@ def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
 
 
 def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
-                       on_failure: str = ON_FAILURE_THAW) -> Checkpointer:
+                       on_failure: str = ON_FAILURE_THAW,
+                       events: Subscriber | None = None) -> Checkpointer:
+    """`events`: the process-event subscriptions the freeze uses (one is made if not given;
+    the daemon passes its own, probed at start)."""
     proc = proc or ProcReader()
     return Checkpointer(criu, Store(config.store, algorithm=config.criu.checksum),
-                        SigstopFreezer(proc), proc,
+                        SigstopFreezer(proc, events=events), proc,
                         on_failure=on_failure, gpu=build_gpu(config.gpu),
                         gpu_margin=config.gpu.host_margin,
                         compress_level=config.criu.compress_level
                         if config.criu.compress == "zstd" else None)
 
 
-def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None) -> Restorer:
+def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
+                   events: Subscriber | None = None) -> Restorer:
     proc = proc or ProcReader()
-    return Restorer(criu, Store(config.store), SigstopFreezer(proc), proc,
+    return Restorer(criu, Store(config.store), SigstopFreezer(proc, events=events), proc,
                     gpu=build_gpu(config.gpu))
 
 

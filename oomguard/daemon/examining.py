@@ -36,6 +36,7 @@ from oomguard.policy import (
 from oomguard.prediction import forecast
 from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
+from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.ranking import ProcessRanking, stand_in
 from oomguard.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 
@@ -57,6 +58,7 @@ class ExaminingMixin:
     decisions: DecisionLog
     keeper: StoreKeeper
     ranking: ProcessRanking
+    newcomers: Newcomers
     _next_system_poll: float
 
     if TYPE_CHECKING:  # Daemon's (never defined here: they would shadow the real ones)
@@ -198,7 +200,9 @@ class ExaminingMixin:
         floor = guard.spec.min_available
         self._next_system_poll = self.clock() + next_poll(
             memory.available, memory.total, floor, self.config.poll_interval)
-        if preparing(memory.available, memory.total, floor):
+        near = preparing(memory.available, memory.total, floor)
+        self.newcomers.follow(near)  # births since the ranking: fork events
+        if near:
             self.ranking.prepare()  # the crossing then reads a few processes, not all
         if below_min_available(memory.available, memory.total, floor):
             reason = floor_reason(memory.available, floor)

@@ -47,6 +47,7 @@ from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.restore import Restorer
 from oomguard.selfguard import ancestors_of, own_family
 from oomguard.sense.cgroupfiles import CgroupFiles
+from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.ranking import ProcessRanking
 from oomguard.startup import guard_line
 from oomguard.store import CheckpointMeta
@@ -76,7 +77,9 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self.clock = clock
         self.self_pid = self_pid if self_pid is not None else os.getpid()
         self.meminfo = meminfo
-        self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock)
+        self.newcomers = Newcomers()  # fork events while a system rule is near its floor
+        self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock,
+                                                 newcomers=self.newcomers.since)
         self.guards: list[Guard] = []
         self.epoll = select.epoll()
         self._fd_owner: dict[int, tuple[Guard, str]] = {}
@@ -245,6 +248,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
                                  explanation="pages still streaming in at exit")
         self.park_watch.stop()
         self.files.close()
+        self.newcomers.close()
         self.epoll.close()
         os.close(self._wake_r)
         os.close(self._wake_w)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.doctor import nvidia_driver_loaded
+from oomguard.sense.procevents import Subscriber
 from oomguard.units import format_size
 from tests.helpers import (
     CgroupFactory,
@@ -83,3 +84,22 @@ def test_doctor_without_an_nvidia_driver_prints_one_gpu_line(tmp_path: Path) -> 
         assert noise not in lowered, result.stdout
     (psi,) = _lines(result.stdout, "psi")
     assert "'some" not in psi  # in words, not the trigger string
+
+
+def test_doctor_says_whether_process_events_reach_it(tmp_path: Path) -> None:
+    """Here (root, the initial namespaces) the connector; in a network namespace of its own,
+    as in a container, the kernel refuses and the freeze re-lists /proc."""
+    why = Subscriber().probe()
+    if why is not None:
+        pytest.skip(f"no process events on this machine: {why}")
+    config = tmp_path / "oomguard.toml"
+    config.write_text(f'[daemon]\nstore = "{tmp_path / "store"}"\n'
+                      f'socket = "{tmp_path / "none.sock"}"\n')
+    here = run_cli("--config", str(config), "doctor", env=_environ())
+    assert _lines(here.stdout, "process events") == [
+        "PASS  process events: kernel connector (fork/exit seen at once)"], here.stdout
+    contained = run_cli("--config", str(config), "doctor", env=_environ(),
+                        as_user=["unshare", "--net"])
+    assert _lines(contained.stdout, "process events") == [
+        "WARN  process events: unavailable (ECONNREFUSED: not in the initial network "
+        "namespace (a container?)): freeze re-lists /proc"], contained.stdout

@@ -17,6 +17,10 @@ NO_RESCAN = '[daemon]\nrescan_interval = "1h"\n\n'
 
 
 def _child(cgroups: CgroupFactory, parent: MemoryCgroup, name: str, limit: int) -> MemoryCgroup:
+    if parent.version == 2:  # v2: a child has memory files only where the parent delegates it
+        control = parent.path / "cgroup.subtree_control"
+        if "memory" not in control.read_text().split():
+            control.write_text("+memory")
     child = parent.child(name)
     child.create()
     child.set_limit(limit)

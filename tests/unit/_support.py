@@ -86,6 +86,8 @@ def write_proc(root: Path, p: FakeProc) -> Path:
         task = base / "task" / str(tid)
         task.mkdir(parents=True)
         (task / "children").write_text("".join(f"{k} " for k in kids))
+        (task / "stat").write_text(stat_line(tid, p.comm, p.state, p.ppid, flags=p.flags,
+                                             starttime=p.starttime))
     return base
 
 

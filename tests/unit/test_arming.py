@@ -165,3 +165,34 @@ def test_one_guard_is_armed_inline_without_a_pool(tmp_path: Path, journal: Journ
     assert threading.active_count() >= 1
     for fd in guard.fds:
         os.close(fd)
+
+
+def test_v2_memory_high_set_at_the_threshold_and_the_original_saved(tmp_path: Path) -> None:
+    from oomguard.cgroup.v2 import V2MemoryCgroup
+    root = tmp_path / "unified"
+    paths = []
+    for name, high in (("changed", "max"), ("users", str(100 * MiB))):
+        path = root / name
+        path.mkdir(parents=True)
+        for file, text in (("memory.current", f"{10 * MiB}\n"), ("memory.max", f"{LIMIT}\n"),
+                           ("memory.high", f"{high}\n"), ("memory.stat", "anon 1\nfile 2\n"),
+                           ("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n"),
+                           ("memory.pressure", "")):
+            (path / file).write_text(text)
+        paths.append(path)
+    rule = GuardConfig(cgroups=("x",), psi=False)
+    changed, users = (CgroupGuard(spec=rule, cgroup=V2MemoryCgroup(p, root)) for p in paths)
+    saved = SavedLimits(tmp_path / "saved.json")
+    prepared = Armer(snapshot_of, saved, "some 1 2", workers=2).arm([changed, users])
+    assert all(p.error is None for p in prepared)
+    mark = int(LIMIT * 0.85)
+    assert (paths[0] / "memory.high").read_text() == str(mark)
+    assert changed.high_set and changed.high_changed and changed.high_original is None
+    # The user's memory.high at 100 MiB already throttles below the threshold: left alone.
+    assert (paths[1] / "memory.high").read_text() == f"{100 * MiB}\n"
+    assert users.high_set and not users.high_changed
+    assert saved.items() == {changed.name: None}
+    for guard in (changed, users):
+        assert list(guard.fds.values()) == ["kernfs"]  # memory.events
+        for fd in guard.fds:
+            os.close(fd)

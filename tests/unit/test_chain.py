@@ -14,7 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,10 @@ class FakeClock:
 class FakeFreezer:
     def __init__(self, pids: list[int] | None = None, *, gone: bool = False,
                  events: list[tuple[str, Any]] | None = None,
-                 user_stopped: Collection[int] = (), again: Collection[int] = ()) -> None:
+                 user_stopped: Collection[int] = (), again: Collection[int] = (),
+                 caught: Collection[int] = ()) -> None:
         self.pids = pids  # what freeze() returns; None: the root alone
+        self.caught = list(caught)  # forked meanwhile: wait_frozen() adds them
         self.user_stopped = user_stopped  # found stopped by freeze() (unless held)
         self.again = again  # stopped_again() names these
         self.held: list[list[int]] = []  # `held` passed to each freeze()
@@ -95,9 +97,11 @@ class FakeFreezer:
         self.frozen.extend(pids)
         return Frozen(pids, [p for p in self.user_stopped if p in pids and p not in held])
 
-    def wait_frozen(self, pids: list[int], timeout: float) -> bool:
-        self.waited.append((list(pids), timeout))
-        return True
+    def wait_frozen(self, frozen: Frozen, timeout: float) -> Frozen:
+        self.waited.append((list(frozen.pids), timeout))
+        self.frozen.extend(self.caught)
+        return replace(frozen, pids=frozen.pids + self.caught, stopped=True,
+                       caught=len(self.caught))
 
     def stopped_again(self, pids: list[int]) -> list[int]:
         return [pid for pid in pids if pid in self.again]
@@ -177,7 +181,7 @@ class FakeCheckpointer:
         self.events = events if events is not None else []
 
     def checkpoint(self, tree: ProcessTree, cgroup: Any, reason: str,
-                   on_frozen: Callable[[list[int], float], None] | None = None, *,
+                   on_frozen: Callable[[Frozen, float], None] | None = None, *,
                    headroom: int | None = None, on_failure: str | None = None,
                    after_signal: Callable[[], None] | None = None,
                    held: Collection[int] = ()) -> Any:
@@ -315,7 +319,7 @@ def make_rig(tmp_path: Path, *, free: int = 1 << 40, error: Exception | None = N
 
 def run(rig: Rig, steps: tuple[Step, ...], tree: ProcessTree, *,
         settings: ChainSettings = SETTINGS, pressing: Callable[[], bool] | None = None,
-        on_frozen: Callable[[list[int], float], None] | None = None,
+        on_frozen: Callable[[Frozen, float], None] | None = None,
         after_signal: Callable[[], None] | None = None) -> ChainOutcome:
     return rig.runner.run(steps, tree, None, REASON, settings, pressing or Pressure(),
                           dict(FIELDS), on_frozen=on_frozen, after_signal=after_signal)
@@ -428,8 +432,8 @@ def test_chain_table(tmp_path: Path, case: Case) -> None:
     pressing = Pressure(case.pressing)
     frozen_calls: list[tuple[list[int], float]] = []
 
-    def on_frozen(pids: list[int], at: float) -> None:
-        frozen_calls.append((pids, at))
+    def on_frozen(frozen: Frozen, at: float) -> None:
+        frozen_calls.append((frozen.pids, at))
         rig.clock.advance(case.stall_after_freeze)
 
     outcome = run(rig, chain(*case.steps), tree, settings=case.settings, pressing=pressing,
@@ -466,7 +470,7 @@ def test_checkpoint_gets_rule_settings_and_thaw_on_failure(tmp_path: Path) -> No
 def test_without_freeze_step_callbacks_go_to_the_checkpoint(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
 
-    def on_frozen(pids: list[int], at: float) -> None:
+    def on_frozen(frozen: Frozen, at: float) -> None:
         pass
 
     def after_signal() -> None:
@@ -486,8 +490,8 @@ def test_freeze_step_calls_callbacks_once_then_not_the_checkpoint(tmp_path: Path
     def after_signal() -> None:
         seen.append(("after_signal", list(rig.freezer.waited)))
 
-    def on_frozen(pids: list[int], at: float) -> None:
-        seen.append(("on_frozen", pids, at))
+    def on_frozen(frozen: Frozen, at: float) -> None:
+        seen.append(("on_frozen", frozen.pids, at))
 
     outcome = run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD),
                   on_frozen=on_frozen, after_signal=after_signal)
@@ -540,6 +544,24 @@ def test_freeze_records_the_tree_then_what_was_stopped(tmp_path: Path) -> None:
     assert rig.ledger.calls == [("record", [ROOT, CHILD]), ("record", [ROOT, CHILD]),
                                 ("clear", [ROOT, CHILD, ROOT, CHILD])]
     assert rig.freezer.thawed == [[ROOT, CHILD]]
+
+
+def test_children_caught_while_the_freeze_settles_are_recorded_and_thawed(
+        tmp_path: Path) -> None:
+    """Forked as the tree stopped (seen on the connector): into the ledger at once, in the
+    frozen tree given to on_frozen, and continued with the rest when the chain gives up."""
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], caught=[EXTRA]), free=SHORT)
+    seen: list[list[int]] = []
+
+    def on_frozen(frozen: Frozen, at: float) -> None:
+        seen.append(frozen.pids)
+
+    run(rig, chain("freeze", "checkpoint"), make_tree(ROOT, CHILD), on_frozen=on_frozen)
+    assert rig.ledger.calls == [("record", [ROOT, CHILD]), ("record", [ROOT, CHILD]),
+                                ("record", [EXTRA]), ("clear", [ROOT, CHILD, ROOT, CHILD, EXTRA])]
+    assert seen == [[ROOT, CHILD, EXTRA]]
+    assert rig.freezer.thawed == [[ROOT, CHILD, EXTRA]]
+    assert left_frozen(rig) == set()
 
 
 def test_store_refusal_is_logged_and_checkpointer_never_called(tmp_path: Path) -> None:

@@ -1,13 +1,18 @@
 """`oomguard doctor`'s GPU lines: one quiet line where no NVIDIA driver is loaded, the full
-story (with warnings and hints) where one is."""
+story (with warnings and hints) where one is; its process-events line."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
-from oomguard.doctor import gpu_checks, nvidia_driver_loaded
+import pytest
+
+from oomguard.doctor import gpu_checks, nvidia_driver_loaded, process_events_check
 from oomguard.gpu.nvml import NvmlSensor
 from oomguard.gpu.runtime import detect_gpu
+from oomguard.sense.procevents import EventBatch, EventSource
 from tests.unit.fake_pynvml import FakeDevice, FakePynvml, NVMLError_LibraryNotFound
 
 GiB = 1 << 30
@@ -64,3 +69,40 @@ def test_driver_marks(tmp_path: Path) -> None:
     assert not nvidia_driver_loaded((str(tmp_path / "nvidia"),))
     (tmp_path / "nvidia").mkdir()
     assert nvidia_driver_loaded((str(tmp_path / "nvidia"),))
+
+
+# -- process events --------------------------------------------------------------------------
+
+class _Events:
+    closed = False
+
+    def fileno(self) -> int:
+        return -1
+
+    def read(self) -> EventBatch:
+        return EventBatch()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_process_events_from_the_connector() -> None:
+    events = _Events()
+    check = process_events_check(lambda: events)
+    assert check.line() == "PASS  process events: kernel connector (fork/exit seen at once)"
+    assert events.closed  # the probe's subscription is not kept
+
+
+@pytest.mark.parametrize(("code", "why"), [
+    (errno.EPERM, "EPERM: no CAP_NET_ADMIN"),
+    (errno.ECONNREFUSED, "ECONNREFUSED: not in the initial network namespace (a container?)"),
+])
+def test_process_events_unavailable_say_why_and_what_instead(code: int, why: str) -> None:
+    def refused() -> EventSource:
+        raise OSError(code, os.strerror(code))
+
+    check = process_events_check(refused)
+    assert (check.ok, check.warn_only) == (False, True)
+    first, hint = check.line().splitlines()
+    assert first == f"WARN  process events: unavailable ({why}): freeze re-lists /proc"
+    assert "escape the freeze" in hint and "exit status is unknown" in hint

@@ -1,12 +1,12 @@
-"""Never checkpoint yourself (selfguard), and the restored root's exit: cn_proc messages in
-kernel layout (procconn), the watch (exitwatch) on real child processes, meta.json."""
+"""Never checkpoint yourself (selfguard), and the restored root's exit: its status in words,
+the watch (exitwatch) on real child processes, meta.json. (The connector's messages in kernel
+layout: test_procevents.py.)"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import struct
 import subprocess
 import threading
 from pathlib import Path
@@ -22,20 +22,11 @@ from oomguard.exitwatch import (
     record_exit,
     rewatch_restored,
 )
-from oomguard.procconn import (
-    PROC_CN_MCAST_IGNORE,
-    PROC_EVENT_EXIT,
-    ProcessExit,
-    listen_message,
-    parse_exits,
-)
 from oomguard.procfs import ProcReader
 from oomguard.selfguard import own_family, own_tree_members, refuse_own_tree
+from oomguard.sense.procevents import EventBatch, ProcessEvent, ProcessExit, ProcessFork
 from oomguard.store import CheckpointMeta, Store
 from tests.unit._support import FakeProc, fake_proc_tree
-
-PROC_EVENT_FORK = 0x00000001
-
 
 # -- selfguard ------------------------------------------------------------------------------------
 
@@ -96,31 +87,7 @@ def test_the_job_alone_is_fine(proc: ProcReader) -> None:
     refuse_own_tree(4242, proc, self_pid=200)  # gone: the checkpoint finds that out itself
 
 
-# -- procconn --------------------------------------------------------------------------------------
-
-def event_message(what: int, payload: bytes, stamp: int = 5) -> bytes:
-    """One netlink message as the kernel sends it: nlmsghdr, cn_msg, proc_event."""
-    event = struct.pack("=IIQ", what, 1, stamp) + payload
-    cn = struct.pack("=IIIIHH", 1, 1, 0, 0, len(event), 0) + event
-    return struct.pack("=IHHII", 16 + len(cn), 3, 0, 0, 0) + cn
-
-
-def exit_message(pid: int, tgid: int, status: int, stamp: int = 5) -> bytes:
-    # exit_signal, then (kernel >= 5.x) parent_pid and parent_tgid
-    return event_message(PROC_EVENT_EXIT, struct.pack("=IIIIII", pid, tgid, status, 17, 1, 1),
-                         stamp)
-
-
-def test_parse_exit_events() -> None:
-    fork = event_message(PROC_EVENT_FORK, struct.pack("=IIII", 1, 1, 77, 77))
-    assert parse_exits(exit_message(77, 77, 3 << 8, stamp=123)) == [
-        ProcessExit(77, 77, 768, 123)]
-    assert parse_exits(fork) == []
-    both = exit_message(5, 5, 9) + exit_message(6, 5, 0)
-    assert [(e.pid, e.tgid) for e in parse_exits(both)] == [(5, 5), (6, 5)]
-    assert parse_exits(exit_message(5, 5, 9)[:30]) == []  # truncated
-    assert parse_exits(b"") == []
-
+# -- exit statuses in words -----------------------------------------------------------------------
 
 @pytest.mark.parametrize(
     ("status", "code", "sig", "fields", "text"),
@@ -140,14 +107,6 @@ def test_exit_status_decoding(status: int, code: int | None, sig: int | None,
 def test_unknown_status() -> None:
     assert exit_fields(None) == {"exit_status": None, "exit_signal": None}
     assert describe_exit(None) == "unknown"
-
-
-def test_listen_message_layout() -> None:
-    raw = listen_message(PROC_CN_MCAST_IGNORE, sender=42)
-    length, kind, _flags, _seq, sender = struct.unpack_from("=IHHII", raw)
-    assert (length, kind, sender) == (len(raw), 3, 42) and len(raw) == 16 + 20 + 4
-    assert struct.unpack_from("=IIIIHH", raw, 16)[:2] == (1, 1)
-    assert struct.unpack_from("=I", raw, 36) == (PROC_CN_MCAST_IGNORE,)
 
 
 # -- record_exit -------------------------------------------------------------------------------------
@@ -189,21 +148,24 @@ class FakeEvents:
 
     def __init__(self) -> None:
         self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.queued: list[ProcessExit] = []
+        self.queued: list[ProcessEvent] = []
+        self.lost = 0
         self.closed = False
 
     def fileno(self) -> int:
         return self.r
 
-    def push(self, exit_: ProcessExit) -> None:
-        self.queued.append(exit_)
+    def push(self, event: ProcessEvent, lost: int = 0) -> None:
+        self.queued.append(event)
+        self.lost += lost
         os.write(self.w, b"x")
 
-    def read(self) -> list[ProcessExit]:
+    def read(self) -> EventBatch:
         with contextlib.suppress(BlockingIOError):
             os.read(self.r, 4096)
         out, self.queued = self.queued, []
-        return out
+        lost, self.lost = self.lost, 0
+        return EventBatch(tuple(out), lost)
 
     def close(self) -> None:
         self.closed = True
@@ -224,12 +186,14 @@ class Reports:
 
 def test_exit_with_its_status_from_the_connector() -> None:
     events, reports = FakeEvents(), Reports()
-    watch = ExitWatch(reports, open_events=lambda: events)  # type: ignore[arg-type,return-value]
+    watch = ExitWatch(reports, open_events=lambda: events)
     since = watch.expect(60)
     child = subprocess.Popen(["sleep", "30"])
     try:
         watch.watch("job-1", child.pid, since)
         events.push(ProcessExit(child.pid, child.pid, 1 << 8, since - 1))  # an earlier process's
+        events.push(ProcessFork(child.pid, child.pid, child.pid + 1, child.pid + 1, since + 1))
+        events.push(ProcessExit(child.pid + 7, child.pid, 0, since + 2))  # one of its threads
         child.send_signal(signal.SIGTERM)
         child.wait()
         events.push(ProcessExit(child.pid, child.pid, signal.SIGTERM, since + 10**12))
@@ -242,6 +206,26 @@ def test_exit_with_its_status_from_the_connector() -> None:
     assert events.closed
 
 
+def test_events_the_connector_lost_are_the_reason_a_status_is_unknown() -> None:
+    """ENOBUFS: the socket's buffer overflowed; the root's exit may be among the lost."""
+    events, reports = FakeEvents(), Reports()
+    watch = ExitWatch(reports, open_events=lambda: events)
+    since = watch.expect(60)
+    assert watch.why_unknown() is None
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        watch.watch("job-4", child.pid, since)
+        events.push(ProcessFork(1, 1, 2, 2, since + 1), lost=2)
+        child.kill()
+        child.wait()
+        assert reports.event.wait(10)  # the pidfd says when; no status came
+    finally:
+        watch.close()
+    assert reports.seen == [("job-4", child.pid, None)]
+    assert watch.events_lost == 2
+    assert "ENOBUFS, 2x" in (watch.why_unknown() or "")
+
+
 def test_exit_without_the_connector_is_recorded_as_unknown() -> None:
     reports = Reports()
 
@@ -250,7 +234,9 @@ def test_exit_without_the_connector_is_recorded_as_unknown() -> None:
 
     watch = ExitWatch(reports, open_events=unavailable)
     since = watch.expect(60)
-    assert watch.why_no_status is not None and "unavailable" in watch.why_no_status
+    assert watch.why_no_status == ("process-event connector unavailable "
+                                   "(EPERM: no CAP_NET_ADMIN)")
+    assert watch.why_unknown() == watch.why_no_status
     child = subprocess.Popen(["sleep", "30"])
     try:
         watch.watch("job-2", child.pid, since)

@@ -7,14 +7,19 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from oomguard.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
 from oomguard.freezer import Frozen, SigstopFreezer
 from oomguard.procfs import ProcReader
+from tests.helpers import REPO
+
+FORKSTORM = REPO / "tests" / "workloads" / "forkstorm.py"
 
 
 def _state(pid: int) -> str:
@@ -64,7 +69,7 @@ def test_a_task_found_stopped_gets_no_sigstop_and_no_sigcont(
     frozen = freezer.freeze(root)
     assert sorted(frozen.pids) == sorted([root, user_stopped, running])
     assert frozen.user_stopped == [user_stopped]
-    assert freezer.wait_frozen(frozen.pids, 5.0)
+    assert freezer.wait_frozen(frozen, 5.0).stopped
     assert freezer.stopped_again(frozen.ours) == []
     freezer.thaw(frozen.ours)
     assert _until(lambda: _state(root) != "T" and _state(running) != "T")
@@ -88,7 +93,7 @@ def test_tasks_held_are_ours_even_when_found_stopped(family: tuple[int, list[int
     root, kids = family
     freezer = SigstopFreezer()
     first = freezer.freeze(root)
-    assert freezer.wait_frozen(first.pids, 5.0)
+    assert freezer.wait_frozen(first, 5.0).stopped
     again = freezer.freeze(root, held=first.ours)
     assert again.user_stopped == [] and sorted(again.ours) == sorted([root, *kids])
     freezer.thaw(again.ours)
@@ -101,7 +106,7 @@ def test_a_stop_sent_while_oomguard_holds_the_task_is_the_users(
     root, (late, other) = family
     freezer = SigstopFreezer()
     frozen = freezer.freeze(root)
-    assert freezer.wait_frozen(frozen.pids, 5.0)
+    assert freezer.wait_frozen(frozen, 5.0).stopped
     os.kill(late, signal.SIGSTOP)  # the user's, a moment too late for the scan
     assert _until(lambda: ProcReader().status(late).stop_pending)
     assert freezer.stopped_again(frozen.ours) == [late]
@@ -146,3 +151,41 @@ def test_a_task_the_kernel_would_hang_up_is_not_kept_stopped() -> None:
     finally:
         job.kill()
         job.wait()
+
+
+def test_a_real_fork_storm_is_stopped_whole_and_continues_after_the_thaw(
+        tmp_path: Path) -> None:
+    """~1000 children a second on the real kernel (tests/workloads/forkstorm.py, no growth):
+    after the wait, every live process of the storm is stopped and in the frozen tree; the
+    thaw lets it go on. Uses the connector where this machine offers it."""
+    log = tmp_path / "storm.log"
+    storm = subprocess.Popen([sys.executable, str(FORKSTORM), str(log), "0", "1000", "60"],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert _until(lambda: log.exists() and log.read_text().count("start") > 200, 30)
+        freezer = SigstopFreezer()
+        done = freezer.wait_frozen(freezer.freeze(storm.pid), 10.0)
+        assert done.stopped and done.left == []
+        if freezer.events.why_not is None:
+            assert done.method == "connector"
+        live = [pid for pid in storm_pids(str(log)) if _state(pid) not in ("Z", "X")]
+        assert live and all(_state(pid) == "T" for pid in live), {p: _state(p) for p in live}
+        assert set(live) <= set(done.pids)
+        size = log.stat().st_size
+        time.sleep(0.3)
+        assert log.stat().st_size == size  # nothing of it runs
+        freezer.thaw(done.ours)
+        assert _until(lambda: log.stat().st_size > size + 1000, 30)
+    finally:
+        os.killpg(storm.pid, signal.SIGKILL)
+        storm.wait()
+
+
+def storm_pids(token: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if token.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
