@@ -14,15 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.compress import compression
 from bench.harness import cgroup_factory, machine
 from bench.idle import idle_cost
 from bench.latency import detection_latency, scale_latency
+from bench.lazy import lazy_restore
 from bench.report import write_report
 from bench.saverate import UNTHROTTLED, save_rate
 from bench.throughput import throughput
 from bench.victims import victim_choice
 
-PARTS = ("latency", "saverate", "throughput", "idle", "scale", "victims")
+PARTS = ("latency", "saverate", "throughput", "lazy", "compress", "idle", "scale", "victims")
 
 
 def main() -> int:
@@ -70,6 +72,8 @@ def main() -> int:
         timed("saverate", save_rate, [100, 500, 2000, UNTHROTTLED], 3 if quick else 10)
         sizes = [(256, 1), (1024, 1)] if quick else [(256, 1), (1024, 1), (2048, 2)]
         timed("throughput", throughput, sizes, 1 if quick else 3)
+        timed("lazy", lazy_restore, sizes, 1 if quick else 3)
+        timed("compress", compression, [256] if quick else [256, 1024], 1 if quick else 2)
         timed("idle", idle_cost, [1, 100, 1000] if not quick else [1, 10],
               10.0 if quick else 60.0, args.earlyoom)
         timed("scale", scale_latency, [100, 500, 2000], latency_runs, 100 if quick else 1000)

@@ -56,12 +56,48 @@ def ratios(results: dict[str, Any]) -> list[str]:
                          f"{base['killed']}/{base['hogs']} killed){extra}.")
     tp = results.get("throughput")
     if tp:
-        for mib, rows in _by_size(tp).items():
-            dump, disk = _median(rows, "dump_mb_per_s"), _median(rows, "disk_write_fdatasync_mb_per_s")
-            rest, read = _median(rows, "restore_mb_per_s"), _median(rows, "disk_cold_read_mb_per_s")
-            lines.append(f"- {mib} MiB: dump {dump:.0f} MB/s = {dump / disk:.2f} x the disk's "
-                         f"write+fdatasync ({disk:.0f} MB/s); restore {rest:.0f} MB/s = "
-                         f"{rest / read:.2f} x its cold read ({read:.0f} MB/s).")
+        from bench.throughput import size_summary
+
+        for mib, rows in sorted(_by_size(tp).items()):
+            m = size_summary(rows)
+            lines.append(
+                f"- {mib} MiB: dump {m['dump_mb_per_s']:.0f} MB/s = {m['dump_ratio']:.2f} x the "
+                f"disk's write+fdatasync ({m['disk_write_mb_per_s']:.0f} MB/s, median); commit "
+                f"{m['commit_s'] * 1000:.0f} ms = {m['commit_to_dump']:.3f} x the dump "
+                f"(reading back + SHA-256, as before: {m['old_commit_s']:.2f} s); restore with "
+                f"verification {m['restore_mb_per_s']:.0f} MB/s = {m['restore_ratio']:.2f} x the "
+                f"cold read ({m['disk_read_mb_per_s']:.0f} MB/s, median).")
+    lazy = results.get("lazy")
+    if lazy:
+        from bench.lazy import summary
+
+        by = {(r["mib"], r["mode"]): r for r in summary(lazy)}
+        for mib in sorted({m for m, _ in by}):
+            lz, eg = by.get((mib, "lazy")), by.get((mib, "eager"))
+            ld = by.get((mib, "lazy (daemon)"), lz)
+            if lz and eg and ld:
+                lines.append(
+                    f"- Lazy restore, {mib} MiB: running {lz['command_to_running_s']:.2f} s after "
+                    f"the command ({ld['command_to_running_s']:.2f} s through the daemon; the "
+                    f"restore itself {ld['restore_s']:.2f} s) vs "
+                    f"{eg['command_to_running_s']:.2f} s eagerly; every page in after "
+                    f"{lz['resident_s']:.2f} s; first pass over its memory "
+                    f"{lz['slowdown']:.1f}x slower than before the dump (eager: "
+                    f"{eg['slowdown']:.1f}x).")
+    packed = results.get("compress")
+    if packed:
+        from bench.compress import summary as packed_summary
+
+        kinds = {(r["kind"], r["mib"], r["mode"]): r for r in packed_summary(packed)}
+        for (kind, mib, mode), row in kinds.items():
+            plain = kinds.get((kind, mib, "off"))
+            if mode == "zstd" and plain:
+                lines.append(
+                    f"- zstd, {kind}, {mib} MiB: {row['stored_mb']:.0f} MB on disk for "
+                    f"{row['raw_mb']:.0f} MB ({row['ratio']:.1f}x); dump {row['dump_s']:.2f} s "
+                    f"vs {plain['dump_s']:.2f} s plain, commit {row['commit_s'] * 1000:.0f} ms "
+                    f"vs {plain['commit_s'] * 1000:.0f} ms, restore {row['restore_s']:.2f} s vs "
+                    f"{plain['restore_s']:.2f} s.")
     idle = results.get("idle")
     if idle:
         peer = next((v for k, v in idle.items() if k.startswith("earlyoom")), None)
@@ -144,7 +180,7 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for key, label in (("dump_mb_per_s", "dump (oomguard + CRIU)"),
                            ("disk_write_fdatasync_mb_per_s", "disk: write + fdatasync"),
-                           ("restore_mb_per_s", "restore (CRIU)"),
+                           ("restore_mb_per_s", "restore (verify + CRIU)"),
                            ("disk_cold_read_mb_per_s", "disk: cold read")):
             ax.plot(sizes, [_median(grouped[s], key) for s in sizes], marker="o", label=label)
         ax.set_xscale("log", base=2)
@@ -166,6 +202,24 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / "breakdown.png", dpi=110)
         plt.close(fig)
         made.append("breakdown.png")
+    lazy = results.get("lazy")
+    if lazy:
+        from bench.lazy import summary
+
+        rows = summary(lazy)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode, key, label in (("lazy", "command_to_running_s", "lazy: running again"),
+                                 ("lazy (daemon)", "command_to_running_s",
+                                  "lazy via the daemon: running again"),
+                                 ("lazy", "resident_s", "lazy: every page in"),
+                                 ("eager", "command_to_running_s", "eager: running again")):
+            group = [r for r in rows if r["mode"] == mode and r.get(key) is not None]
+            ax.plot([r["mib"] for r in group], [r[key] for r in group], marker="o",
+                    label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("image (MiB)")
+        ax.set_ylabel("seconds after the command (median)")
+        made.append(save(fig, ax, "Lazy vs eager restore", "lazy.png"))
     return made
 
 
@@ -207,6 +261,24 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     tp = results.get("throughput")
     if tp:
         lines += ["## 3. Checkpoint and restore throughput", ""]
+        from bench.throughput import size_summary
+
+        lines += ["Per size, the medians of the runs against the medians of every disk "
+                  "baseline sample taken before them (a file the size of the image, written "
+                  "+ fdatasync'd, then read back cold); restore is timed from its first check "
+                  "to the tree running, verification included.", ""]
+        summary_rows = []
+        for mib, group in sorted(_by_size(tp).items()):
+            m = size_summary(group)
+            summary_rows.append([str(mib), _f(m["dump_mb_per_s"], 0),
+                                 _f(m["disk_write_mb_per_s"], 0), _f(m["dump_ratio"], 2),
+                                 _f(m["commit_s"] * 1000, 0), _f(m["commit_to_dump"], 3),
+                                 _f(m["old_commit_s"], 2), _f(m["restore_mb_per_s"], 0),
+                                 _f(m["disk_read_mb_per_s"], 0), _f(m["restore_ratio"], 2)])
+        lines += _table(["MiB", "dump MB/s", "disk write MB/s", "dump/disk", "commit ms",
+                         "commit/dump", "old commit s", "restore MB/s", "disk read MB/s",
+                         "restore/disk"], summary_rows)
+        lines += ["Every run:", ""]
         rows = []
         for row in tp:
             rows.append([str(row["mib"]), str(row["processes"]),
@@ -214,12 +286,13 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                          _f(row["dump_s"], 2), _f(row["dump_mb_per_s"], 0),
                          _f(row["disk_write_fdatasync_mb_per_s"], 0),
                          _f(row["dump_mb_per_s"] / row["disk_write_fdatasync_mb_per_s"], 2),
+                         _f(row.get("commit_s"), 3),
                          _f(row["restore_s"], 2), _f(row.get("restore_verify_s"), 2),
                          _f(row["restore_mb_per_s"], 0), _f(row["disk_cold_read_mb_per_s"], 0),
                          _f(row["restore_mb_per_s"] / row["disk_cold_read_mb_per_s"], 2),
                          "yes" if row["resumed"] else "NO"])
         lines += _table(["MiB", "procs", "image MB", "alloc MB/s", "dump s", "dump MB/s",
-                         "disk write MB/s", "dump/disk", "restore s", "verify s",
+                         "disk write MB/s", "dump/disk", "commit s", "restore s", "verify s",
                          "restore MB/s", "disk read MB/s", "restore/disk", "resumed"], rows)
         lines += ["Where the time goes (median seconds per phase):", ""]
         grouped = _by_size(tp)
@@ -229,6 +302,44 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                                for s in sorted(grouped)]] for p in phases])
         lines += [f"![{p}]({p})" for p in ("throughput.png", "breakdown.png") if p in plots]
         lines += [""]
+    lazy = results.get("lazy")
+    if lazy:
+        from bench.lazy import summary
+
+        lines += ["## 3b. Lazy restore", "",
+                  "The same checkpoint restored lazily (`restore --lazy`) by the CLI on the "
+                  "store, lazily through the daemon, then eagerly (`--force`), the job killed "
+                  "in between and the cache dropped before each. "
+                  "*Running*: the command to every process's first beat (a thread beating every "
+                  "2 ms); *restore*: the restore's own time (first check to the tree running, "
+                  "without the CLI's start); *resident*: every page in (lazy.json); *slowdown*: "
+                  "the first pass over all its memory after the restore against a pass before "
+                  "the dump. Medians.", ""]
+        lines += _table(["MiB", "mode", "runs", "running s", "restore s", "resident s",
+                         "first pass s", "pass before s", "slowdown", "intact"],
+                        [[str(r["mib"]), r["mode"], str(r["runs"]),
+                          _f(r.get("command_to_running_s"), 3), _f(r.get("restore_s"), 3),
+                          _f(r.get("resident_s"), 2), _f(r.get("first_pass_s"), 2),
+                          _f(r.get("pass_before_s"), 2), _f(r.get("slowdown"), 1),
+                          "yes" if r["intact"] else "NO"] for r in summary(lazy)])
+        lines += ["![lazy.png](lazy.png)", ""] if "lazy.png" in plots else []
+    packed = results.get("compress")
+    if packed:
+        from bench.compress import summary as packed_summary
+
+        lines += ["## 3c. Compressed pages", "",
+                  "The same workload checkpointed with `[criu] compress = \"off\"` and "
+                  "`\"zstd\"` (level 3), then restored; MB/s are of the memory (plain bytes). "
+                  "Medians.", ""]
+        lines += _table(["kind", "MiB", "compress", "runs", "memory MB", "on disk MB", "ratio",
+                         "dump s", "dump MB/s", "commit ms", "restore s", "restore MB/s",
+                         "intact"],
+                        [[r["kind"], str(r["mib"]), r["mode"], str(r["runs"]),
+                          _f(r["raw_mb"], 0), _f(r["stored_mb"], 1), _f(r["ratio"], 1),
+                          _f(r["dump_s"], 2), _f(r["dump_mb_per_s"], 0),
+                          _f(r["commit_s"] * 1000, 0), _f(r["restore_s"], 2),
+                          _f(r["restore_mb_per_s"], 0), "yes" if r["intact"] else "NO"]
+                         for r in packed_summary(packed)])
     idle = results.get("idle")
     if idle:
         lines += ["## 4. Idle cost", "", "The same window for all, side by side.", ""]

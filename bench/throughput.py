@@ -1,15 +1,21 @@
 """Checkpoint and restore throughput for 256 MiB, 1 GiB and 2 GiB of memory (2 GiB: two
 1 GiB hogs under one parent, dumped as one tree), against what the disk does in the same run:
-a sequential write + fdatasync of the same size to the same filesystem (dump), a cold
-sequential read of it (restore). Where a dump's time goes comes from oomguard's own timings,
-CRIU's dump.log (its timestamps, and the line the post-dump hook prints) and CRIU's
-stats-dump image (memdump/memwrite)."""
+a sequential write + fdatasync of a file the size of the image to the same filesystem (dump),
+a cold sequential read of it (restore), each measured twice just before every checkpoint and
+taken as the median of all of a size's runs (the shared VM's disk swings 2-3x between runs).
+Restore is timed from its first check to the tree running, verification included. Where a
+dump's time goes comes from oomguard's own timings, CRIU's dump.log (its timestamps, and the
+line the post-dump hook prints) and CRIU's stats-dump image (memdump/memwrite). For
+comparison, the same run times what the commit used to do: read every image back cold and
+SHA-256 it."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -22,7 +28,8 @@ from tests.helpers import HOG, REPO, CgroupFactory, MiB, kill_pid, oomguard_argv
 MB = 1_000_000
 LOG_LINE = re.compile(r"^\((\d+\.\d+)\) (.*)$")
 HOOK_LINE = re.compile(r"oomguard criu hook: (\d+) bytes, fdatasync ([\d.]+) s, "
-                       r"page cache dropped ([\d.]+) s")
+                       r"(?:digests .* after ([\d.]+) s, )?page cache dropped ([\d.]+) s")
+BASELINE_RUNS = 2  # of each disk baseline, before every checkpoint
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -73,7 +80,8 @@ def dump_log_marks(images: Path) -> dict[str, float]:
         hook = HOOK_LINE.search(line)
         if hook:
             marks["hook_sync_s"] = float(hook.group(2))
-            marks["hook_drop_s"] = float(hook.group(3))
+            marks["hook_digest_wait_s"] = float(hook.group(3) or 0.0)
+            marks["hook_drop_s"] = float(hook.group(4))
             continue
         match = LOG_LINE.match(line)
         if not match:
@@ -89,6 +97,7 @@ def breakdown(cli: dict[str, Any], images: Path) -> dict[str, float]:
     log = dump_log_marks(images)
     stats = criu_stats(images)
     sync = log.get("hook_sync_s", 0.0)
+    wait = log.get("hook_digest_wait_s", 0.0)
     drop = log.get("hook_drop_s", 0.0)
     phases = {
         "freeze (SIGSTOP, all stopped)": cli["freeze_s"],
@@ -97,10 +106,11 @@ def breakdown(cli: dict[str, Any], images: Path) -> dict[str, float]:
         "memory: pages written": stats["memwrite_s"],
         "CRIU other (files, fds, images)": log["post_dump"] - log["seized"] - stats["memdump_s"],
         "fdatasync": sync,
+        "waiting for the digests": wait,
         "page cache dropped": drop,
-        "hook start, kill, CRIU exit": log["end"] - log["post_dump"] - sync - drop,
+        "hook start, kill, CRIU exit": log["end"] - log["post_dump"] - sync - wait - drop,
         "wait for exit": cli["dump_s"] - log["end"],
-        "commit (SHA256SUMS, meta)": cli["commit_s"],
+        "commit (checksums, meta)": cli["commit_s"],
     }
     return {key: round(max(value, 0.0), 4) for key, value in phases.items()}
 
@@ -152,15 +162,39 @@ def _cli(store: Path, *args: str) -> dict[str, Any]:
     raise RuntimeError(f"no result event from oomguard {' '.join(args)}: {result.stderr}")
 
 
+def old_commit_s(images: Path) -> float:
+    """What the commit did before checksums were taken during the dump: read every image back
+    with a cold cache and SHA-256 it."""
+    from oomguard.integrity import SHA256, compute
+
+    for path in images.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    start = time.monotonic()
+    compute(images, SHA256)
+    return time.monotonic() - start
+
+
+def baselines(work: Path, size: int, runs: int) -> tuple[list[float], list[float]]:
+    """MB/s of `runs` writes + fdatasync and cold reads of a file of `size` bytes."""
+    writes, reads = [], []
+    for _ in range(runs):
+        writes.append(size / MB / disk_write(work, size))
+        reads.append(size / MB / disk_read(work))
+    return writes, reads
+
+
 def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
              index: int) -> dict[str, Any]:
     name = f"tp{mib}-{index}"
     cgroup = factory.make(name, None)
     target = factory.make(f"{name}r", None)
     store = work / f"store-{name}"
-    size = mib * MiB
-    write_s = disk_write(work, size)
-    read_s = disk_read(work)
+    size = int(mib * MiB * 1.06)  # about the image's size (CRIU's images of the hogs)
+    writes, reads = baselines(work, size, BASELINE_RUNS)
     proc, stamps = start_tree(cgroup.path, work, name, mib, processes)
     marks = wait_until(lambda: _grown(stamps), 120, interval=0.05)
     if not marks:
@@ -172,6 +206,7 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
         proc.wait(timeout=30)
         images = store / done["id"] / "images"
         phases = breakdown(done, images)
+        old_commit = old_commit_s(images)
         started = time.monotonic()
         restored = _cli(store, "restore", done["id"], "--cgroup", str(target.path))
         restore_wall = time.monotonic() - started
@@ -185,21 +220,47 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
             kill_pid(pid)
         shutil.rmtree(store, ignore_errors=True)
     image = done["image_bytes"]
+    total = restored.get("total_s") or restored["seconds"]
     return {
         "mib": mib, "processes": processes, "image_bytes": image,
         "allocation_mb_per_s": min(alloc),
         "checkpoint_s": done["seconds"], "dump_s": done["dump_s"],
+        "commit_s": done["commit_s"], "old_commit_s": round(old_commit, 4),
         "dump_mb_per_s": image / MB / done["dump_s"],
-        "disk_write_fdatasync_mb_per_s": size / MB / write_s,
-        "restore_s": restored["seconds"], "restore_verify_s": restored.get("verify_s"),
+        "disk_write_fdatasync_mb_per_s": statistics.median(writes),
+        "disk_write_samples": [round(w) for w in writes],
+        "restore_s": total, "restore_criu_s": restored["seconds"],
+        "restore_verify_s": restored.get("verify_s"),
         "restore_wall_s": restore_wall,
-        "restore_mb_per_s": image / MB / restored["seconds"],
-        "disk_cold_read_mb_per_s": size / MB / read_s,
+        "restore_mb_per_s": image / MB / total,
+        "disk_cold_read_mb_per_s": statistics.median(reads),
+        "disk_read_samples": [round(r) for r in reads],
         "resumed": bool(resumed), "phases_s": phases,
     }
 
 
+def size_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per size: medians of the runs and of every baseline sample taken around them."""
+    writes = [w for r in rows for w in r.get("disk_write_samples", [])] or \
+        [r["disk_write_fdatasync_mb_per_s"] for r in rows]
+    reads = [x for r in rows for x in r.get("disk_read_samples", [])] or \
+        [r["disk_cold_read_mb_per_s"] for r in rows]
+    dump = statistics.median(r["dump_mb_per_s"] for r in rows)
+    restore = statistics.median(r["restore_mb_per_s"] for r in rows)
+    commit = statistics.median(r.get("commit_s", r["phases_s"].get("commit (checksums, meta)", 0.0))
+                               for r in rows)
+    dump_s = statistics.median(r["dump_s"] for r in rows)
+    return {"dump_mb_per_s": dump, "disk_write_mb_per_s": statistics.median(writes),
+            "restore_mb_per_s": restore, "disk_read_mb_per_s": statistics.median(reads),
+            "dump_ratio": dump / statistics.median(writes),
+            "restore_ratio": restore / statistics.median(reads),
+            "commit_s": commit, "dump_s": dump_s, "commit_to_dump": commit / dump_s,
+            "old_commit_s": statistics.median(r.get("old_commit_s", 0.0) for r in rows)}
+
+
 def throughput(factory: CgroupFactory, work: Path, sizes: list[tuple[int, int]],
                repeats: int) -> list[dict[str, Any]]:
+    """Sizes interleaved (256, 1024, 2048, 256, ...) so a slow spell of the shared disk does
+    not land on one size only."""
     return [one_size(factory, work, mib, processes, index)
-            for mib, processes in sizes for index in range(repeats)]
+            for index in range(repeats) for mib, processes in sizes]

@@ -21,6 +21,7 @@ import psutil
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.compression import Packer
 from oomguard.configtypes import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
@@ -28,6 +29,7 @@ from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
+from oomguard.imagedigest import ImageDigester, with_packed
 from oomguard.ledger import FrozenLedger
 from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.oomshield import OomShield
@@ -77,7 +79,8 @@ class Checkpointer:
                  gpu: GpuSupport | None = None, gpu_margin: int = 256 << 20,
                  mem_available: Callable[[], int] = lambda: int(psutil.virtual_memory().available),
                  lifts: LimitLifts | None = None,
-                 shield: OomShield | None = None) -> None:
+                 shield: OomShield | None = None,
+                 compress_level: int | None = None) -> None:
         self.criu = criu
         self.gpu = gpu
         self.gpu_margin = gpu_margin
@@ -99,6 +102,7 @@ class Checkpointer:
         self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
         self.clock = clock
         self.wall_clock = wall_clock
+        self.compress_level = compress_level  # zstd level of the pages; None: not compressed
 
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                    on_frozen: Callable[[Frozen, float], None] | None = None, *,
@@ -205,13 +209,28 @@ class Checkpointer:
                 self.store.write_private(images.parent / FILES_RECORD,
                                          fileids.to_json(fileids.record(pids)))
                 hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
-                self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys))
+                # Checksums taken as CRIU writes, finished in its post-dump action; the pages
+                # compressed alongside where asked (never waited for before the memory is free).
+                packer = self._packer(images)
+                digester = ImageDigester.following(images, self.store.algorithm,
+                                                   drop_behind=packer is None)
+                try:
+                    self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys),
+                                   env=digester.env())
+                except BaseException:
+                    digester.abandon()
+                    if packer is not None:
+                        packer.abandon()
+                    raise
                 dumped = True  # CRIU has killed the tree: these images are all there is of it
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
                 dumped_at = self.clock()
+                digests = digester.result()
+                if packer is not None:
+                    digests = with_packed(digests, *packer.finish())
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
-            path = self.store.commit(meta)
+            path = self.store.commit(meta, digests)
             done = self.clock()
             pin_holders(ttys, meta.id, meta.uid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
@@ -254,6 +273,14 @@ class Checkpointer:
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _packer(self, images: Path) -> Packer | None:
+        if self.compress_level is None:
+            return None
+        try:
+            return Packer(images, self.compress_level)
+        except StoreError:
+            return None  # no zstandard: stored plain (the setting was checked at start-up)
 
     def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None,
                  held: Collection[int]) -> GpuHold | None:

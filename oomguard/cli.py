@@ -215,7 +215,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         with progress(label, lambda: resident_bytes(pids), sys.stderr,
                       total=shown.get("rss_bytes"), delay=0.5 if args.wait else 0.0):
             return _call(args, "Restore", id=args.id, cgroup=args.cgroup,
-                         force=args.force or None)
+                         force=args.force or None, lazy=args.lazy or None)
 
     try:
         result = restore_when_it_fits(attempt, wait=args.wait, timeout=args.timeout,
@@ -225,8 +225,12 @@ def cmd_restore(args: argparse.Namespace) -> int:
         log.error("restore.failed", id=args.id, error=str(exc))
         raise
     log.info("restore.done", id=result["id"], pid=result["pid"], seconds=result["seconds"],
-             verify_s=result.get("verify_s"), cgroup=result.get("cgroup"),
+             verify_s=result.get("verify_s"), total_s=result.get("total_s"),
+             lazy=result.get("lazy"), cgroup=result.get("cgroup"),
              gpu_pids=result.get("gpu_pids") or None)
+    if result.get("lazy_fallback"):
+        print(f"oomguard: restored eagerly, not lazily: {result['lazy_fallback']}",
+              file=sys.stderr, flush=True)
     if result.get("gpu_error"):
         log.error("restore.gpu_failed", id=result["id"], pid=result["pid"],
                   error=result["gpu_error"])

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "cgroup's guard (or limit) now, wait until it does (Ctrl-C gives up)")
     rs.add_argument("--timeout", type=_duration_arg, metavar="DURATION",
                     help="with --wait: give up after this long (e.g. 10m)")
+    rs.add_argument("--lazy", action="store_true", help="run the job at once and let its "
+                    "memory follow (userfaultfd; pages are verified as they stream in: "
+                    "eager restores verify them before the job runs)")
     rs.add_argument("--criu", help="path to criu (default: auto)")
     rs.add_argument("--detach", action="store_true",
                     help="do not attach to a terminal job after restoring it")

@@ -15,6 +15,8 @@ from typing import Any
 
 from oomguard.configcheck import check_cgroup_paths, check_config, config_warnings
 from oomguard.configtypes import (
+    CHECKSUMS,
+    COMPRESSIONS,
     GPU_ENGINES,
     GPU_PREFERENCES,
     CriuConfig,
@@ -42,6 +44,7 @@ from oomguard.configvalues import (
     table,
     url,
     wait,
+    zstd_level,
 )
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.units import HOUR
@@ -110,6 +113,12 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         tcp_close=read.take(criu_t, "criu.", "tcp_close", boolean, c.tcp_close),
         cgroup_limit=read.take(criu_t, "criu.", "cgroup_limit", size(low=32 << 20),
                                c.cgroup_limit),
+        checksum=read.take(criu_t, "criu.", "checksum", lambda v: choice(v, CHECKSUMS),
+                           c.checksum),
+        compress=read.take(criu_t, "criu.", "compress", lambda v: choice(v, COMPRESSIONS),
+                           c.compress),
+        compress_level=read.take(criu_t, "criu.", "compress_level", zstd_level,
+                                 c.compress_level),
     )
     read.leftovers(criu_t, "criu.")
     gpu = _gpu_config(read, gpu_t)

@@ -19,8 +19,13 @@ class CriuConfig:
     timeout: float = 300.0
     tcp_close: bool = True
     cgroup_limit: int = 256 << 20  # CRIU's own memory cgroup bounds the images' page cache
+    checksum: str = "xxh3"  # of new checkpoints' images: xxh3 (XXH128SUMS) | sha256 (SHA256SUMS)
+    compress: str = "off"  # pages stored as: off (as CRIU wrote them) | zstd (pages-N.img.zst)
+    compress_level: int = 3  # zstd's level, 1-19
 
 
+CHECKSUMS = ("xxh3", "sha256")
+COMPRESSIONS = ("off", "zstd")
 GPU_ENGINES = ("auto", "cuda-checkpoint", "criu-plugin", "off")
 GPU_PREFERENCES = ("neutral", "prefer", "avoid")
 

@@ -214,6 +214,12 @@ def factor(value: Any) -> float:
     return float(value)
 
 
+def zstd_level(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 19:
+        raise ValueError(f"expected a zstd level from 1 to 19, got {value!r}")
+    return value
+
+
 def port(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ValueError(f"expected a TCP port number (0: off), got {value!r}")

@@ -11,10 +11,11 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from oomguard.criu_hook import VERIFY_GATE_ENV
 from oomguard.errors import CriuError
 from oomguard.runner import CommandRunner, SubprocessRunner, executable_candidates
 
@@ -97,12 +98,15 @@ def dump_argv(criu: str, pid: int, images_dir: Path, opts: CriuOptions,
 
 def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
                  cgroup_root: str | None, work_dir: Path,
-                 action_script: Path | None = None) -> list[str]:
+                 action_script: Path | None = None, lazy: bool = False) -> list[str]:
     """Restore detached (the tree survives CRIU and the CLI), optionally into another memory
-    cgroup: `--cgroup-root memory:/path` (v1) or `--cgroup-root /path` (v2)."""
+    cgroup: `--cgroup-root memory:/path` (v1) or `--cgroup-root /path` (v2). `lazy`: the
+    memory comes from a `criu lazy-pages` daemon listening in `work_dir`."""
     argv = [criu, "restore", "--images-dir", str(images_dir), "--work-dir", str(work_dir),
             "--log-file", RESTORE_LOG, "--restore-detached", "--pidfile", str(pidfile),
             *_common_args(opts)]
+    if lazy:
+        argv.append("--lazy-pages")
     if action_script is not None:
         argv += ["--action-script", str(action_script)]
     if cgroup_root is not None:
@@ -111,9 +115,11 @@ def restore_argv(criu: str, images_dir: Path, opts: CriuOptions, pidfile: Path,
 
 
 def hook_script_text(python: str) -> str:
-    # Only post-dump and post-resume have work to do: no Python for the other actions.
-    return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-resume) ;; *) exit 0 ;;'
-            f' esac\nexec "{python}" -I "{HOOK_MODULE}"\n')
+    # Only post-dump, post-resume and (with a verification gate) post-restore have work to do:
+    # no Python for the other actions.
+    return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-resume) ;;'
+            f' post-restore) [ -n "${VERIFY_GATE_ENV}" ] || exit 0 ;; *) exit 0 ;;'
+            f' esac\nexec "{python}" -I -S "{HOOK_MODULE}"\n')
 
 
 @dataclass
@@ -127,7 +133,8 @@ class Criu:
     options: CriuOptions = field(default_factory=CriuOptions)
     cgroup_procs: Path | None = None
 
-    def _wrap(self, argv: list[str]) -> list[str]:
+    def confined(self, argv: list[str]) -> list[str]:
+        """`argv` run inside CRIU's memory cgroup (where there is one)."""
         if self.cgroup_procs is None:
             return argv
         return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup_procs), *argv]
@@ -145,12 +152,13 @@ class Criu:
         return path
 
     def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None,
-             extra_args: Sequence[str] = ()) -> None:
+             extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
         """`lock_fd` (an flock'd fd on the checkpoint directory) is inherited by CRIU, so the
         lock says "a dump is writing here" for as long as CRIU lives, even if we die.
-        `extra_args`: this dump's own (e.g. `--external tty[...]`)."""
+        `extra_args`: this dump's own (e.g. `--external tty[...]`); `env`: for the action
+        script (its digest gate)."""
         argv = [*dump_argv(self.binary, pid, images_dir, self.options, hook), *extra_args]
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout,
+        result = self.runner.run(self.confined(argv), timeout=self.options.timeout, env=env,
                                  pass_fds=() if lock_fd is None else (lock_fd,))
         if result.timed_out:
             raise CriuError(f"criu dump timed out after {self.options.timeout:.0f}s",
@@ -161,21 +169,25 @@ class Criu:
 
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
                 hook: Path | None = None, extra_args: Sequence[str] = (),
-                pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = ()) -> int:
+                pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = (),
+                env: Mapping[str, str] | None = None, lazy: bool = False) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
         group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
-        `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so."""
+        `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so.
+        `env`: more for the action script (the verification gate). `lazy`: --lazy-pages."""
         pidfile = work_dir / "restore.pid"
         # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
         (work_dir / RESTORE_LOG).unlink(missing_ok=True)
         argv = [*restore_argv(self.binary, images_dir, self.options, pidfile, cgroup_root,
-                              work_dir, hook), *extra_args]
-        env = {KEEP_STOPPED_ENV: ",".join(map(str, keep_stopped))} if keep_stopped else None
-        result = self.runner.run(self._wrap(argv), timeout=self.options.timeout, env=env,
-                                 pass_fds=pass_fds)
+                              work_dir, hook, lazy), *extra_args]
+        script_env = dict(env or {})
+        if keep_stopped:
+            script_env[KEEP_STOPPED_ENV] = ",".join(map(str, keep_stopped))
+        result = self.runner.run(self.confined(argv), timeout=self.options.timeout,
+                                 env=script_env or None, pass_fds=pass_fds)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"
             raise CriuError(f"criu restore {what}",

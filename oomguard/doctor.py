@@ -16,6 +16,7 @@ from oomguard.cgroup.mounts import parse_mountinfo, read_layout
 from oomguard.criu import Criu, find_criu, format_version
 from oomguard.errors import CriuError
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
+from oomguard.lazyrestore import lazy_unavailable
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.procevents import EventSource, ProcEvents, Subscriber, process_events_words
 from oomguard.store import Store
@@ -223,6 +224,12 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
         ok, text = criu.check()
         checks.append(Check("criu", True, f"{binary} version {format_version(version)}"))
         checks.append(Check("criu check", ok, text, "see `criu check --all` for what is missing"))
+        lazy = lazy_unavailable(criu)
+        checks.append(Check("lazy restore", lazy is None,
+                            "available (userfaultfd with fork and exit events): "
+                            "`oomguard restore --lazy` runs a job before its memory is in"
+                            if lazy is None else f"{lazy}: `restore --lazy` restores eagerly",
+                            warn_only=True))
     except CriuError as exc:
         checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
     checks.extend(coexistence_checks(running_commands(proc_root), systemd_version()))

@@ -9,22 +9,26 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.compression import compressed_pages, expand, raw_name
 from oomguard.criu import Criu
-from oomguard.criu_hook import sync_and_drop
+from oomguard.criu_hook import drop_cache
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.exitwatch import ExitWatch
 from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import USER_STOPPED_STATE, Freezer
+from oomguard.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
+from oomguard.imageverify import RestoreVerifier
+from oomguard.lazyrestore import LazySession, lazy_unavailable
 from oomguard.procfs import ProcReader
-from oomguard.store import IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.store import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.ttyclient import HolderError
 from oomguard.ttyext import TTYS
-from oomguard.ttyrestore import criu_tty_hint, gid_of, lease_ttys
+from oomguard.ttyrestore import TtyLease, criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -34,16 +38,27 @@ class RestoreResult:
     meta: CheckpointMeta
     pid: int
     seconds: float  # CRIU's restore, until the tree runs
-    verify_s: float = 0.0  # checking the images against SHA256SUMS first
+    # Checking the images against their checksums: all but the pages before CRIU, the pages
+    # while CRIU reads them (so it overlaps `seconds`)
+    verify_s: float = 0.0
+    total_s: float = 0.0  # from the first check to the tree running
+    lazy: bool = False  # its memory streams in after it runs (oomguard/lazyrestore.py)
+    lazy_fallback: str | None = None  # asked to be lazy, restored eagerly: why
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
     stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
-    """Bytes of memory the restored tree will hold (CRIU's pages-*.img)."""
+    """Bytes of memory the restored tree will hold (CRIU's pages-*.img; compressed ones by
+    their size before compression, which meta.json keeps)."""
     images = store.images_of(checkpoint_id)
-    return sum(p.stat().st_size for p in images.glob("pages-*.img"))
+    plain = sum(p.stat().st_size for p in images.glob("pages-*.img"))
+    stored = compressed_pages(images)
+    if not stored:
+        return plain
+    raw = store.get(checkpoint_id).extra.get(COMPRESSED, {})
+    return plain + sum(int(raw.get(raw_name(p.name), p.stat().st_size)) for p in stored)
 
 
 def criu_cause(exc: CriuError) -> str:
@@ -145,49 +160,65 @@ class Restorer:
                 "with --wait, or pass --force")
 
     def restore(self, checkpoint_id: str, target: MemoryCgroup | None = None,
-                original: MemoryCgroup | None = None, force: bool = False) -> RestoreResult:
+                original: MemoryCgroup | None = None, force: bool = False,
+                lazy: bool = False) -> RestoreResult:
         """Restore into `target` (or the original cgroup, `original` being it when it exists).
         One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
-        state is read again under the lock."""
+        state is read again under the lock. `lazy`: the job runs before its memory is in
+        (oomguard/lazyrestore.py); eager, saying why, where that cannot be done."""
         try:
             if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
                 self.store.complete(checkpoint_id)  # its commit failed earlier: finish it
-            with self.store.restore_lock(checkpoint_id):
-                return self._restore(checkpoint_id, target, original, force)
+            with self.store.restore_lock(checkpoint_id) as lock_fd:
+                return self._restore(checkpoint_id, target, original, force,
+                                     lock_fd if lazy else None)
         except StoreError as exc:
             raise RestoreFailed(str(exc)) from exc
 
     def _restore(self, checkpoint_id: str, target: MemoryCgroup | None,
-                 original: MemoryCgroup | None, force: bool) -> RestoreResult:
+                 original: MemoryCgroup | None, force: bool,
+                 lazy_lock: int | None) -> RestoreResult:
         meta = self.store.get(checkpoint_id)
         self.check(meta, target or original, force)
-        verify_start = self.clock()
-        try:
-            self.store.verify(checkpoint_id)
-        except StoreError as exc:
-            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
-        self._check_files(meta, force)
-        start = self.clock()
         images = self.store.path_of(checkpoint_id) / IMAGES
+        packed = compressed_pages(images)
+        lazy_fallback = None if lazy_lock is None else (
+            "its pages are compressed: they are expanded before CRIU reads them" if packed
+            else lazy_unavailable(self.criu))
+        lazy = lazy_lock is not None and lazy_fallback is None
+        verify_start = self.clock()
         work_dir = self.store.path_of(checkpoint_id)
-        since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
+        # All but the pages first (a few KiB: read before the disk is busy with the pages),
+        # then the pages are read and checked from now on, while the checks below and CRIU's
+        # start go on: CRIU finds them in the page cache, or reads them in alongside. (Lazily:
+        # the keeper checks the pages as they stream in.)
+        verifier = self._start_verifier(checkpoint_id, images, work_dir,
+                                        pages=not lazy and not packed)
+        session: LazySession | None = None
+        expanded: list[Path] = []
         try:
-            ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
-        except (HolderError, OSError, ValueError, KeyError) as exc:
-            raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
-                                f"({exc}); the checkpoint is intact") from exc
-        try:
-            hook = self.criu.install_hook(self.store.root / ".hooks")
-            pid = self.criu.restore(images, work_dir,
-                                    cgroup_root_arg(target) if target is not None else None,
-                                    hook, ttys.args, ttys.fds,
-                                    keep_stopped=meta.stopped_nspids)
-        except CriuError as exc:
-            ttys.failed()
-            hint = criu_tty_hint(str(exc))
-            raise RestoreFailed(f"criu restore of {checkpoint_id} failed; the checkpoint is "
-                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
-                                ) from exc
+            if packed:  # verified as they are expanded: no pages left to check behind CRIU
+                expanded = self._expand(checkpoint_id, packed, verifier)
+            self._check_files(meta, force)
+            start = self.clock()
+            since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
+            try:
+                ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
+            except (HolderError, OSError, ValueError, KeyError) as exc:
+                raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
+                                    f"({exc}); the checkpoint is intact") from exc
+            if lazy and lazy_lock is not None:
+                session = self._start_lazy(meta.id, images, work_dir, lazy_lock, ttys)
+            pid = self._run_criu(meta, images, work_dir, target, ttys, verifier, session)
+        except BaseException:
+            with contextlib.suppress(OSError):  # what the verifier read in, charged to us
+                drop_cache([str(path) for path in verifier.pages()])
+            raise
+        finally:
+            report = verifier.finish(cancel=True)  # done by now unless something failed
+            for path in expanded:  # CRIU has read them (or failed): only the .zst is kept
+                with contextlib.suppress(OSError):
+                    path.unlink()
         ttys.succeeded()
         if ttys.entries:
             meta.extra[TTYS] = ttys.entries
@@ -197,10 +228,13 @@ class Restorer:
         still = {p.pid for p in self.proc.processes(sorted(keep))
                  if p.state == USER_STOPPED_STATE}
         gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
-        seconds = self.clock() - start
-        # Reading the images charged their page cache to the target cgroup: give it back.
-        with contextlib.suppress(OSError):
-            sync_and_drop(str(images))
+        running = self.clock()  # the tree runs
+        seconds = running - start
+        # Reading the images charged their page cache to the target cgroup: give it back
+        # (lazily, the keeper does once every page is in). They were not written: no sync.
+        if session is None:
+            with contextlib.suppress(OSError):
+                drop_cache([str(path) for path in images.iterdir() if path.is_file()])
         meta.state = "restored"
         meta.restored_at = self.wall_clock()
         meta.restored_pid = pid
@@ -210,9 +244,87 @@ class Restorer:
         self.store.update(meta)
         if self.exits is not None:
             self.exits.watch(meta.id, pid, since)
-        return RestoreResult(meta=meta, pid=pid, seconds=seconds, verify_s=start - verify_start,
+        if session is not None:
+            session.hand_over(pid)  # the keeper holds the lock from here until all is in
+        return RestoreResult(meta=meta, pid=pid, seconds=seconds, lazy=lazy,
+                             lazy_fallback=lazy_fallback,
+                             verify_s=report.upfront_s + report.pages_s,
+                             total_s=running - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
                              stopped_pids=tuple(sorted(still)))
+
+    def _start_verifier(self, checkpoint_id: str, images: Path, work_dir: Path,
+                        pages: bool = True) -> RestoreVerifier:
+        try:
+            sums_file, algorithm, expected = self.store.sums_of(checkpoint_id)
+            verifier = RestoreVerifier(images, algorithm, expected, sums_file.name,
+                                       clock=self.clock)
+            verifier.check_upfront()  # before CRIU sees any of it
+            if pages:
+                verifier.start(work_dir)
+        except StoreError as exc:
+            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        except OSError as exc:
+            raise RestoreFailed(f"cannot restore {checkpoint_id}: {exc}") from exc
+        return verifier
+
+    def _expand(self, checkpoint_id: str, packed: list[Path],
+                verifier: RestoreVerifier) -> list[Path]:
+        expanded: list[Path] = []
+        try:
+            for stored in packed:
+                expanded.append(expand(stored, verifier.expected[stored.name],
+                                       verifier.algorithm))
+        except (StoreError, OSError, KeyError) as exc:
+            for path in expanded:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
+        return expanded
+
+    def _start_lazy(self, checkpoint_id: str, images: Path, work_dir: Path, lock_fd: int,
+                    ttys: TtyLease) -> LazySession:
+        try:
+            return LazySession.start(self.criu, images, work_dir, lock_fd)
+        except (CriuError, OSError) as exc:
+            ttys.failed()
+            detail = one_line(exc) if isinstance(exc, CriuError) else str(exc)
+            raise RestoreFailed(f"cannot restore {checkpoint_id} lazily: {detail}; the "
+                                "checkpoint is intact (restore it without --lazy)") from exc
+
+    def _run_criu(self, meta: CheckpointMeta, images: Path, work_dir: Path,
+                  target: MemoryCgroup | None, ttys: TtyLease,
+                  verifier: RestoreVerifier, session: LazySession | None = None) -> int:
+        """CRIU's restore; its post-restore action waits for the pages' verdict (eagerly).
+        Returns the restored root's pid."""
+        try:
+            hook = self.criu.install_hook(self.store.root / ".hooks")
+            pid = self.criu.restore(images, work_dir,
+                                    cgroup_root_arg(target) if target is not None else None,
+                                    hook, ttys.args, ttys.fds,
+                                    keep_stopped=meta.stopped_nspids,
+                                    env=verifier.gate_env(), lazy=session is not None)
+        except CriuError as exc:
+            ttys.failed()
+            if session is not None:
+                session.abort()
+            report = verifier.finish(cancel=True)
+            if report.problems:
+                raise RestoreFailed(
+                    f"refusing to restore {meta.id}: {verifier.damage(report)} (found while "
+                    "CRIU read it: the restored tree was killed before it ran); the checkpoint "
+                    "is untouched") from exc
+            hint = criu_tty_hint(str(exc))
+            raise RestoreFailed(f"criu restore of {meta.id} failed; the checkpoint is "
+                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
+                                ) from exc
+        report = verifier.finish()
+        if report.problems:  # the gate cannot have said yes: never let such a tree run on
+            kill_tree(self.proc.descendants(pid))
+            ttys.failed()
+            raise RestoreFailed(f"refusing to restore {meta.id}: "
+                                f"{verifier.damage(report)}; the restored tree was killed")
+        return pid
 
     def _user_stopped(self, meta: CheckpointMeta, restored: list[int]) -> set[int]:
         """Host pids of the restored tasks the user had stopped (the hook continues one whose

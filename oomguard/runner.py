@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,14 +44,24 @@ class SubprocessRunner:
                 list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                 env=full_env, start_new_session=True, pass_fds=tuple(pass_fds),
             )
-            timed_out = False
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
+            # A blocking wait, woken by the exit itself: Popen.wait(timeout) polls with sleeps
+            # of up to 50 ms, which a 0.2 s restore noticed. The timeout is a timer's.
+            expired = threading.Event()
+
+            def expire() -> None:
+                expired.set()
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
+            timer = threading.Timer(timeout, expire) if timeout is not None else None
+            if timer is not None:
+                timer.daemon = True
+                timer.start()
+            try:
                 proc.wait()
-                timed_out = True
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            timed_out = expired.is_set()
             out.seek(0)
             err.seek(0)
             stdout = out.read().decode(errors="replace")

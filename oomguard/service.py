@@ -139,7 +139,7 @@ class Service:
         return {"id": meta.id}
 
     def restore(self, uid: int, checkpoint_id: str, cgroup: str | None = None,
-                force: bool = False) -> dict[str, Any]:
+                force: bool = False, lazy: bool = False) -> dict[str, Any]:
         """Every way a restore of an existing checkpoint fails is told (on_failure:
         restore.failed) before it is raised; an unknown id, or one the caller may not see or
         restore there, is only answered."""
@@ -157,7 +157,7 @@ class Service:
                 if not force:
                     self._check_guard(meta, target or original)
                 result = self.restorer.restore(meta.id, target=target, original=original,
-                                               force=force)
+                                               force=force, lazy=lazy)
         except PermissionDenied:
             raise
         except OSError as exc:  # answered as a failure, not a dropped connection
@@ -170,11 +170,14 @@ class Service:
         if self.on_event is not None:
             self.on_event("restore.done", id=meta.id, pid=result.pid, auto=False,
                           seconds=round(result.seconds, 3), verify_s=round(result.verify_s, 3),
+                          lazy=result.lazy, lazy_fallback=result.lazy_fallback,
                           uid=meta.uid, command=meta.command,
                           cgroup=result.meta.restored_cgroup, requested_by=uid)
         found = {"id": meta.id, "pid": result.pid, "was_pid": meta.pid,
                  "seconds": round(result.seconds, 3),
-                 "verify_s": round(result.verify_s, 3), "cgroup": result.meta.restored_cgroup}
+                 "verify_s": round(result.verify_s, 3), "total_s": round(result.total_s, 3),
+                 "lazy": result.lazy, "lazy_fallback": result.lazy_fallback,
+                 "cgroup": result.meta.restored_cgroup}
         if result.gpu_pids or result.gpu_error:
             found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)
         return found

@@ -1,7 +1,8 @@
 """The checkpoint store: one root-only directory per checkpoint, CRIU images plus meta.json.
 
-A checkpoint is built in `.partial-<id>` and renamed to `<id>` only once its images are durable
-and its meta.json written, so a crash never leaves a half checkpoint that looks whole.
+A checkpoint is built in `.partial-<id>` and renamed to `<id>` only once its images are durable,
+checksummed (XXH128SUMS, or SHA256SUMS: oomguard/integrity.py) and its meta.json written, so a crash
+never leaves a half checkpoint that looks whole.
 """
 
 from __future__ import annotations
@@ -21,9 +22,19 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from oomguard.criu_hook import sync_and_drop
+from oomguard.commitimages import image_checksums, swap_compressed
 from oomguard.errors import StoreError
-from oomguard.integrity import CHECKSUMS, compute, format_sums, verify
+from oomguard.hookgate import remove_gates
+from oomguard.imagedigest import Digests
+from oomguard.integrity import (
+    SUMS_FILES,
+    find_sums,
+    format_sums,
+    preferred_algorithm,
+    read_sums,
+    sums_name,
+    verify,
+)
 from oomguard.metaschema import check_value
 
 DEFAULT_STORE = Path("/var/lib/oomguard")
@@ -36,6 +47,7 @@ STATE_RESTORED = "restored"
 STATE_INCOMPLETE = "incomplete"  # dumped (the process is gone), but the commit did not finish
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
 LAST_FAILED_LOG = ".last-failed-dump.log"
+COMPRESSED = "compressed"  # meta.extra: pages files stored compressed, name -> raw bytes
 META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 
@@ -152,8 +164,18 @@ class StoreScan:
 
 
 class Store:
-    def __init__(self, root: Path | str = DEFAULT_STORE) -> None:
+    """`algorithm`: what new checkpoints are checksummed with (default: XXH3-128 where the
+    xxhash module is installed, else SHA-256); existing ones are verified with their own."""
+
+    def __init__(self, root: Path | str = DEFAULT_STORE, algorithm: str | None = None) -> None:
         self.root = Path(root)
+        self._algorithm = algorithm
+
+    @property
+    def algorithm(self) -> str:
+        if self._algorithm is None:
+            self._algorithm = preferred_algorithm()
+        return self._algorithm
 
     def ensure(self) -> None:
         """Create the root (0700, images hold every secret of a process) or tighten it."""
@@ -187,23 +209,40 @@ class Store:
             raise StoreError(f"cannot create checkpoint in {self.root}: {exc.strerror}") from exc
         return partial / IMAGES, lock_fd
 
-    def commit(self, meta: CheckpointMeta) -> Path:
-        """Images durable, checksummed, meta.json final, then the rename that makes it whole."""
+    def commit(self, meta: CheckpointMeta, digests: Digests | None = None) -> Path:
+        """Images durable, checksummed, meta.json final, then the rename that makes it whole.
+        `digests`: checksums taken during the dump (oomguard/imagedigest.py); a file they do
+        not cover as it is now is hashed here, read back (a crash recovery: all of them)."""
         partial = self.root / (PARTIAL_PREFIX + validate_id(meta.id))
         images = partial / IMAGES
-        sync_and_drop(str(images))
+        remove_gates(partial)  # FIFOs of a hook gate whose oomguard died
+        compressed = swap_compressed(images, digests, self.algorithm)
+        if compressed:
+            meta.extra[COMPRESSED] = compressed
+        sums = image_checksums(images, digests, self.algorithm)
         meta.image_bytes = dir_size(images)
         meta.state = STATE_CHECKPOINTED
-        _write_durably(partial / CHECKSUMS, format_sums(compute(images)))
+        name = sums_name(self.algorithm)
+        for other in set(SUMS_FILES.values()) - {name}:  # a failed commit's, by another version
+            with contextlib.suppress(FileNotFoundError):
+                (partial / other).unlink()
+        _write_durably(partial / name, format_sums(sums))
         _write_durably(partial / META, meta.to_json())
         final = self.path_of(meta.id)
         partial.rename(final)
         _fsync_dir(self.root)
         return final
 
+    def sums_of(self, checkpoint_id: str) -> tuple[Path, str, dict[str, str]]:
+        """A checkpoint's checksum file, its algorithm and the digests it holds. Raises
+        StoreError (missing, unreadable, malformed)."""
+        path, algorithm = find_sums(self.path_of(checkpoint_id))
+        return path, algorithm, read_sums(path)
+
     def verify(self, checkpoint_id: str) -> None:
+        """Every image against the checkpoint's checksums (XXH128SUMS or SHA256SUMS)."""
         path = self.path_of(checkpoint_id)
-        verify(path / IMAGES, path / CHECKSUMS)
+        verify(path / IMAGES, find_sums(path)[0])
 
     def recover_partials(self) -> list[tuple[str, str]]:
         """After a crash: finish the partial checkpoints whose dump completed (CRIU logged
@@ -383,10 +422,11 @@ class Store:
         return self._read_meta(checkpoint_id)
 
     @contextlib.contextmanager
-    def restore_lock(self, checkpoint_id: str) -> Iterator[None]:
+    def restore_lock(self, checkpoint_id: str) -> Iterator[int]:
         """Held while a checkpoint is restored, by whichever path (the daemon's socket, its
         auto-restore, the CLI without a daemon): a second restore at the same time is refused
-        instead of running the process twice. An flock: it dies with its holder."""
+        instead of running the process twice. An flock: it dies with its holder, and with
+        whatever inherited the yielded fd (a lazy restore's keeper, until every page is in)."""
         path = self.path_of(checkpoint_id)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -397,8 +437,9 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise StoreError(f"checkpoint {checkpoint_id} is being restored right now "
-                                 "(by the daemon or another oomguard)") from None
-            yield
+                                 "(by the daemon or another oomguard, or its pages are still "
+                                 "streaming in after a lazy restore)") from None
+            yield fd
         finally:
             os.close(fd)
 
@@ -411,6 +452,9 @@ class Store:
         _write_durably(self.path_of(meta.id) / META, meta.to_json())
 
     def forget(self, checkpoint_id: str) -> None:
-        """Delete a checkpoint; a symlink or malformed entry is refused, never followed."""
+        """Delete a checkpoint; a symlink or malformed entry is refused, never followed, and so
+        is one being restored (its images are being read: by CRIU, or a lazy restore's
+        lazy-pages daemon)."""
         self._read_meta(validate_id(checkpoint_id))
-        shutil.rmtree(self.path_of(checkpoint_id))
+        with self.restore_lock(checkpoint_id):
+            shutil.rmtree(self.path_of(checkpoint_id))

@@ -103,9 +103,12 @@ def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None
     """`events`: the process-event subscriptions the freeze uses (one is made if not given;
     the daemon passes its own, probed at start)."""
     proc = proc or ProcReader()
-    return Checkpointer(criu, Store(config.store), SigstopFreezer(proc, events=events), proc,
+    return Checkpointer(criu, Store(config.store, algorithm=config.criu.checksum),
+                        SigstopFreezer(proc, events=events), proc,
                         on_failure=on_failure, gpu=build_gpu(config.gpu),
-                        gpu_margin=config.gpu.host_margin)
+                        gpu_margin=config.gpu.host_margin,
+                        compress_level=config.criu.compress_level
+                        if config.criu.compress == "zstd" else None)
 
 
 def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,

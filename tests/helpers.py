@@ -67,6 +67,11 @@ def proc_state(pid: int) -> str | None:
         return None
 
 
+# Inside the v2 VM lane (qemu's software emulation, the host's root over 9p) a daemon's first
+# start alone can take tens of seconds: waits for its events are stretched there.
+EMULATION_FACTOR = 3 if os.environ.get("OOMGUARD_VM") == "1" else 1
+
+
 def read_counts(log: Path) -> list[int]:
     """The counts a hog wrote (first field of each line; 'done' lines excluded)."""
     if not log.exists():
@@ -206,6 +211,7 @@ class DaemonProcess:
         return [e for e in found if name is None or e.get("event") == name]
 
     def wait_event(self, name: str, timeout: float = 30, count: int = 1) -> list[dict[str, Any]]:
+        timeout *= EMULATION_FACTOR
         found = wait_until(lambda: len(self.events(name)) >= count and self.events(name), timeout)
         if not found or len(found) < count:
             raise AssertionError(f"no {name!r} event within {timeout}s; log:\n"

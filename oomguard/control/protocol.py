@@ -30,8 +30,9 @@ INTERFACE_DESCRIPTION = f"""interface {INTERFACE}
 method Status() -> (status: object)
 method List() -> (checkpoints: []object, skipped: []object)
 method Show(id: string) -> (checkpoint: object)
-method Restore(id: string, cgroup: ?string, force: ?bool)
-  -> (id: string, pid: int, seconds: float, verify_s: float, cgroup: ?string)
+method Restore(id: string, cgroup: ?string, force: ?bool, lazy: ?bool)
+  -> (id: string, pid: int, seconds: float, verify_s: float, total_s: float, lazy: bool,
+      lazy_fallback: ?string, cgroup: ?string)
 method Forget(id: string) -> (id: string)
 method Checkpoint(pid: int, reason: ?string) -> (checkpoint: object)
 method GpuResume(pid: int) -> (pid: int)

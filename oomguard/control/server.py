@@ -77,7 +77,8 @@ def dispatch(service: Service, raw: bytes, uid: int, pid: int | None = None,
         if method == "Restore":
             return method, reply(service.restore(
                 uid, param(p, "id", str), param(p, "cgroup", str, required=False),
-                bool(param(p, "force", bool, required=False))))
+                bool(param(p, "force", bool, required=False)),
+                lazy=bool(param(p, "lazy", bool, required=False))))
         if method == "Forget":
             return method, reply(service.forget(uid, param(p, "id", str)))
         if method == "Checkpoint":

@@ -40,6 +40,7 @@ from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, consume
 from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
+from oomguard.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.ledger import SavedLimits
 from oomguard.parkwatch import ParkWatchdog, park_reason
 from oomguard.procfs import ProcessInfo, ProcReader
@@ -53,6 +54,8 @@ from oomguard.store import CheckpointMeta
 
 SAVED_HIGH = ".memory-high.json"
 SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often
+LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pages (a unit's
+# TimeoutStopSec is 330 s)
 STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
 
 
@@ -236,6 +239,13 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
 
     def close(self) -> None:
         self._release_guards()
+        if running_keepers():  # lazily restored jobs still need their lazy-pages daemons
+            self.log.info("restore.lazy_waiting", keepers=running_keepers(),
+                          explanation="waiting until the pages of lazily restored jobs are in")
+            left = wait_for_keepers(LAZY_STOP_WAIT)
+            if left:
+                self.log.warning("restore.lazy_abandoned", keepers=left,
+                                 explanation="pages still streaming in at exit")
         self.park_watch.stop()
         self.files.close()
         self.newcomers.close()

@@ -5,19 +5,20 @@ incomplete, and completed and restored once there is room: nothing is lost."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import threading
+import sys
 from pathlib import Path
 
 import pytest
 
-from oomguard.store import DUMP_SUCCESS, PARTIAL_PREFIX, Store
+from oomguard.criu import find_criu
+from oomguard.store import PARTIAL_PREFIX, Store
 from tests.helpers import (
     CgroupFactory,
     hog_argv,
     kill_pid,
     last_count,
+    own_memory_cgroup,
     read_counts,
     run_oomguard,
     start_in_cgroup,
@@ -27,23 +28,39 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 
 
-def fill_when_dumped(store: Path, filler: Path, stop: threading.Event) -> None:
-    """Fill the file system the moment CRIU reports its dump finished (before the commit)."""
-    while not stop.is_set():
-        for log in store.glob(f"{PARTIAL_PREFIX}*/images/dump.log"):
-            try:
-                if DUMP_SUCCESS in log.read_text(errors="replace"):
-                    free = os.statvfs(store).f_bavail * os.statvfs(store).f_frsize
-                    with open(filler, "wb") as handle:
-                        os.posix_fallocate(handle.fileno(), 0, free)
-                    return
-            except OSError:
-                continue
-        stop.wait(0.0005)
+FILL = """import os, sys
+fs = os.statvfs(os.path.dirname(sys.argv[1]))
+free = fs.f_bavail * fs.f_frsize
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o600)
+os.posix_fallocate(fd, 0, free)
+"""
+
+
+def filling_criu(tmp_path: Path, filler: Path) -> Path:
+    """The real CRIU, behind a wrapper that fills the store's file system the moment a dump
+    has succeeded (CRIU has killed the tree), before oomguard commits: the commit takes a few
+    milliseconds now, too short a window to fill the disk from outside in time."""
+    own = own_memory_cgroup()
+    assert own is not None
+    procs = own.path / "cgroup.procs"
+    fill = tmp_path / "fill.py"
+    fill.write_text(FILL)
+    wrapper = tmp_path / "criu-then-fill"
+    wrapper.write_text(f"""#!/bin/sh
+"{find_criu()[0]}" "$@"
+status=$?
+if [ "$1" = dump ] && [ $status = 0 ]; then
+    echo $$ > "{procs}"  # out of CRIU's small memory cgroup: tmpfs pages are charged
+    "{sys.executable}" "{fill}" "{filler}"
+fi
+exit $status
+""")
+    wrapper.chmod(0o700)
+    return wrapper
 
 
 def test_disk_full_at_commit_keeps_the_images_and_restores_later(
-        cgroups: CgroupFactory, tmp_path: Path) -> None:
+        cgroups: CgroupFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m,mode=700", "tmpfs",
@@ -53,16 +70,12 @@ def test_disk_full_at_commit_keeps_the_images_and_restores_later(
     cg = cgroups.make("commit", None)
     log = tmp_path / "hog.log"
     hog = start_in_cgroup(cg, hog_argv(log, target=160, rate=500, count=400, tick=0.02))
-    stop = threading.Event()
-    watcher = threading.Thread(target=fill_when_dumped, args=(store, filler, stop), daemon=True)
+    monkeypatch.setenv("OOMGUARD_CRIU", str(filling_criu(tmp_path, filler)))
     restored_pid = None
     try:
         assert wait_until(lambda: last_count(log) > 30, 20)
-        watcher.start()
         result = run_oomguard(store, "checkpoint", str(hog.pid))
-        stop.set()
-        watcher.join(5)
-        assert filler.exists(), "the disk was not filled in time (the dump may have failed)"
+        assert filler.exists(), f"the disk was not filled (the dump may have failed): {result.stderr}"
         assert result.returncode == 1, result.stderr
         assert "dumped, commit pending" in result.stderr and "incomplete" in result.stderr
         assert hog.wait(timeout=10) != 0  # CRIU killed it: the images are all that is left
@@ -87,7 +100,6 @@ def test_disk_full_at_commit_keeps_the_images_and_restores_later(
         assert mark >= 30
         assert Store(store).get(checkpoint_id).state == "restored"
     finally:
-        stop.set()
         kill_pid(hog.pid)
         if restored_pid:
             kill_pid(restored_pid)

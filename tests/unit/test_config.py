@@ -39,6 +39,7 @@ ghost_limit = "128M"
 timeout = "10m"
 tcp_close = false
 cgroup_limit = "1GiB"
+checksum = "sha256"
 
 [[guard]]
 cgroup = "/jobs/a"
@@ -69,7 +70,7 @@ def test_full_config_exact_values() -> None:
         rescan_interval=5.0,
         dry_run=True,
         criu=CriuConfig(binary="/opt/criu/sbin/criu", ghost_limit=128 * MiB, timeout=600.0,
-                        tcp_close=False, cgroup_limit=1024 * MiB),
+                        tcp_close=False, cgroup_limit=1024 * MiB, checksum="sha256"),
         guards=(
             GuardConfig(cgroups=("/jobs/a", "/sys/fs/cgroup/memory/jobs/b", "/jobs/c"),
                         threshold=0.9, headroom=32 * MiB, on_failure="kill", events=False),
@@ -127,6 +128,7 @@ def test_input_dict_not_mutated() -> None:
         ('[criu]\nbinary = 3\n', "criu.binary", "expected a non-empty string, got 3"),
         ('[criu]\ntimeout = "forever"\n', "criu.timeout", "expected a duration"),
         ('[criu]\ntcp_close = 1\n', "criu.tcp_close", "expected true or false, got 1"),
+        ('[criu]\nchecksum = "md5"\n', "criu.checksum", "expected one of 'xxh3', 'sha256'"),
         ('[criu]\nversion = "4.2"\n', "criu.version", "unknown key"),
         ("[[guard]]\nthreshold = \"85%\"\n", "guard[0].cgroups",
          "missing: which cgroups to guard (or system = true)"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_restore_argv_cgroup_root(tmp_path: Path, root: str) -> None:
     assert "--restore-detached" in argv  # not optional
 
 
-# -- Criu._wrap ----------------------------------------------------------------------------------
+# -- Criu.confined ----------------------------------------------------------------------------------
 
 @dataclass
 class FakeRunner:
@@ -162,13 +163,13 @@ def _version_result(binary: str, stdout: str, rc: int = 0) -> CommandResult:
 
 def test_wrap_without_cgroup_is_identity() -> None:
     c = Criu("/usr/sbin/criu", (4, 2), runner=FakeRunner())
-    assert c._wrap(["criu", "dump"]) == ["criu", "dump"]
+    assert c.confined(["criu", "dump"]) == ["criu", "dump"]
 
 
 def test_wrap_with_cgroup_procs() -> None:
     procs = Path("/sys/fs/cgroup/memory/oomguard-criu/cgroup.procs")
     c = Criu("/usr/sbin/criu", (4, 2), runner=FakeRunner(), cgroup_procs=procs)
-    assert c._wrap(["criu", "dump", "--tree", "1 2"]) == [
+    assert c.confined(["criu", "dump", "--tree", "1 2"]) == [
         "/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), "criu", "dump", "--tree", "1 2"]
 
 
@@ -178,7 +179,7 @@ def test_wrap_really_moves_the_exec_d_process(tmp_path: Path) -> None:
     procs = tmp_path / "cgroup procs"  # a space in the path must survive
     procs.write_text("")
     c = Criu("criu", (4, 2), cgroup_procs=procs)
-    out = subprocess.run(c._wrap(["/bin/sh", "-c", 'echo "$$" "$1"', "sh", "arg with space"]),
+    out = subprocess.run(c.confined(["/bin/sh", "-c", 'echo "$$" "$1"', "sh", "arg with space"]),
                          capture_output=True, text=True, timeout=10, check=True).stdout.split(" ", 1)
     assert out[1] == "arg with space\n"
     assert procs.read_text().strip() == out[0]
@@ -427,3 +428,24 @@ def test_log_tail_missing_or_binary(tmp_path: Path) -> None:
 )
 def test_cgroup_root_arg(cgroup: V1MemoryCgroup | V2MemoryCgroup, expected: str) -> None:
     assert cgroup_root_arg(cgroup) == expected
+
+
+# -- SubprocessRunner: a blocking wait, a timer for the timeout ---------------------------------
+
+def test_runner_returns_as_soon_as_the_command_ends() -> None:
+    """Popen.wait(timeout) polls with sleeps of up to 50 ms; the runner does not."""
+    from oomguard.runner import SubprocessRunner
+
+    start = time.monotonic()
+    result = SubprocessRunner().run(["sh", "-c", "sleep 0.12; echo hi"], timeout=30)
+    assert (result.returncode, result.stdout, result.timed_out) == (0, "hi\n", False)
+    assert time.monotonic() - start < 0.16
+
+
+def test_runner_kills_the_whole_group_at_the_timeout() -> None:
+    from oomguard.runner import SubprocessRunner
+
+    start = time.monotonic()
+    result = SubprocessRunner().run(["sh", "-c", "sleep 30 & sleep 30"], timeout=0.3)
+    assert result.timed_out and result.returncode == -9
+    assert time.monotonic() - start < 5

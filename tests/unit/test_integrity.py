@@ -12,7 +12,19 @@ from pathlib import Path
 import pytest
 
 from oomguard.errors import StoreError
-from oomguard.integrity import CHECKSUMS, compute, format_sums, image_files, parse_sums, verify
+from oomguard.integrity import (
+    CHECKSUMS,
+    SHA256,
+    SUMS_FILES,
+    XXH3,
+    compute,
+    find_sums,
+    format_sums,
+    image_files,
+    parse_sums,
+    read_sums,
+    verify,
+)
 
 IMAGE_FILES = {
     "pages-1.img": b"\x00\x01page data" * 300,
@@ -252,3 +264,39 @@ def test_compute_leaves_files_untouched(images: Path) -> None:
     compute(images)
     assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in images.iterdir()} == before
     assert os.listdir(images.parent) == ["images"]
+
+
+# -- XXH3-128 (XXH128SUMS), the default of new checkpoints ------------------------------------------
+
+def test_xxh3_sums_round_trip_and_verify(images: Path) -> None:
+    import xxhash
+
+    sums = compute(images, XXH3)
+    assert sums["inventory.img"] == xxhash.xxh3_128(IMAGE_FILES["inventory.img"]).hexdigest()
+    path = images.parent / SUMS_FILES[XXH3]
+    path.write_text(format_sums(sums))
+    assert find_sums(images.parent) == (path, XXH3)  # preferred over a SHA256SUMS beside it
+    assert read_sums(path) == sums
+    verify(images, path)
+    (images / "pagemap-1.img").write_bytes(b"altered")
+    with pytest.raises(StoreError, match=r"pagemap-1\.img checksum mismatch"):
+        verify(images, path)
+
+
+def test_xxh3_sums_have_32_hex_digits() -> None:
+    assert parse_sums(f"{'a' * 32}  x.img\n", "XXH128SUMS") == {"x.img": "a" * 32}
+    with pytest.raises(StoreError, match="XXH128SUMS line 1 is malformed"):
+        parse_sums(f"{DIGEST_A}  x.img\n", "XXH128SUMS")
+
+
+def test_a_checkpoint_without_sums_names_sha256sums() -> None:
+    assert find_sums(Path("/nonexistent")) == (Path("/nonexistent") / CHECKSUMS, SHA256)
+
+
+def test_xxh128sum_accepts_our_format(images: Path) -> None:
+    if shutil.which("xxh128sum") is None:
+        pytest.skip("xxh128sum (the xxhash package's tool) is not installed")
+    (images / SUMS_FILES[XXH3]).write_text(format_sums(compute(images, XXH3)))
+    done = subprocess.run(["xxh128sum", "-c", SUMS_FILES[XXH3]], cwd=images,
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr

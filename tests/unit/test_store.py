@@ -157,7 +157,7 @@ def test_commit(st: Store) -> None:
     assert final == st.root / "ck1"
     assert sorted(p.name for p in st.root.iterdir()) == ["ck1"]  # no partial left
     assert st.partials() == []
-    assert sorted(p.name for p in final.iterdir()) == ["SHA256SUMS", IMAGES, META]  # no .tmp left
+    assert sorted(p.name for p in final.iterdir()) == ["XXH128SUMS", IMAGES, META]  # no .tmp left
     assert (final / IMAGES / "pages-1.img").read_bytes() == b"x" * 10000
     assert mode_of(final / META) == 0o600
     assert meta.image_bytes == 10300
@@ -287,7 +287,7 @@ def test_update(st: Store) -> None:
     assert (again.state, again.restored_pid, again.restored_at, again.restored_cgroup) == (
         "restored", 999, 1_700_000_100.0, "/jobs/bigger")
     assert again.image_bytes == meta.image_bytes
-    assert sorted(p.name for p in (st.root / "ck9").iterdir()) == ["SHA256SUMS", IMAGES, META]
+    assert sorted(p.name for p in (st.root / "ck9").iterdir()) == ["XXH128SUMS", IMAGES, META]
 
 
 def test_dir_size_counts_files_recursively(tmp_path: Path) -> None:

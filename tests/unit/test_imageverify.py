@@ -1,0 +1,136 @@
+"""oomguard.imageverify: the checks of a restore, on real files (the page cache included)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from oomguard.criu_hook import REPLY_OK, VERIFY_GATE_ENV, answer, ask
+from oomguard.errors import StoreError
+from oomguard.imageverify import GATE_NAME, RestoreVerifier
+from oomguard.integrity import SHA256, XXH3, compute
+
+PAGES = bytes(range(256)) * 4096 * 3  # 3 MiB
+
+
+def _images(tmp_path: Path) -> Path:
+    images = tmp_path / "ckpt" / "images"
+    images.mkdir(parents=True)
+    (images / "pages-1.img").write_bytes(PAGES)
+    (images / "pages-2.img").write_bytes(PAGES[::-1])
+    (images / "core-1.img").write_bytes(b"core")
+    (images / "pagemap-1.img").write_bytes(b"map")
+    (images / "dump.log").write_text("log")
+    return images
+
+
+def _verifier(images: Path, algorithm: str = XXH3) -> RestoreVerifier:
+    return RestoreVerifier(images, algorithm, compute(images, algorithm), "XXH128SUMS")
+
+
+def _uncache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("algorithm", [XXH3, SHA256])
+def test_intact_pages_followed_from_the_cache(tmp_path: Path, algorithm: str) -> None:
+    verifier = _verifier(_images(tmp_path), algorithm)
+    verifier.check_upfront()
+    assert verifier.follow_pages(lambda: False, lambda: False) == []
+    assert verifier.pages_bytes == 2 * len(PAGES)
+
+
+def test_pages_not_in_the_cache_are_read_once_criu_has_read_everything(tmp_path: Path) -> None:
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+    for path in images.glob("pages-*.img"):
+        _uncache(path)
+    asked = time.monotonic() + 0.2  # "the post-restore action asks" 0.2 s from now
+    assert verifier.follow_pages(lambda: False, lambda: time.monotonic() > asked) == []
+
+
+def test_a_damaged_pages_file_is_named(tmp_path: Path) -> None:
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+    with (images / "pages-2.img").open("r+b") as handle:
+        handle.seek(len(PAGES) - 100)
+        handle.write(b"\xff")
+    assert verifier.follow_pages(lambda: False, lambda: True) == ["pages-2.img checksum mismatch"]
+
+
+def test_a_truncated_pages_file_is_named(tmp_path: Path) -> None:
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+    os.truncate(images / "pages-1.img", 4096)
+    assert verifier.follow_pages(lambda: False, lambda: True) == ["pages-1.img checksum mismatch"]
+
+
+def test_upfront_names_every_small_problem_and_reads_no_pages(tmp_path: Path) -> None:
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+    (images / "core-1.img").write_bytes(b"CORE")
+    (images / "pages-1.img").write_bytes(b"damaged pages are not looked at upfront")
+    (images / "pagemap-1.img").unlink()
+    (images / "extra.img").write_bytes(b"")
+    with pytest.raises(StoreError) as caught:
+        verifier.check_upfront()
+    assert str(caught.value) == ("checkpoint is damaged: pagemap-1.img missing; extra.img not "
+                                 "in XXH128SUMS; core-1.img checksum mismatch")
+    assert verifier.pages_bytes == 0
+
+
+@pytest.mark.parametrize(("damage", "verdict"), [(False, REPLY_OK),
+                                                 (True, "damaged: pages-1.img checksum mismatch")])
+def test_the_post_restore_action_gets_the_verdict(tmp_path: Path, damage: bool,
+                                                  verdict: str) -> None:
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+    if damage:
+        (images / "pages-1.img").write_bytes(b"x" * len(PAGES))
+    verifier.start(images.parent)
+    base = verifier.gate_env()[VERIFY_GATE_ENV]
+    assert base == str(images.parent / GATE_NAME)
+    reply = ask(base, "verdict")  # what criu_hook's post-restore does
+    assert reply is not None and answer(reply, 10.0) == verdict
+    report = verifier.finish()
+    assert report.finished and (report.problems != ()) == damage
+    assert not list(images.parent.glob(f"{GATE_NAME}.*"))
+
+
+def test_stopped_before_criu_read_anything(tmp_path: Path) -> None:
+    verifier = _verifier(_images(tmp_path))
+    assert verifier.follow_pages(lambda: True, lambda: False) == []  # CRIU failed at once
+    report = verifier.finish(cancel=True)
+    assert not report.finished and report.problems == () and report.pages_bytes == 0
+
+
+def test_check_pages_reads_everything_itself(tmp_path: Path) -> None:
+    """What a lazy restore's keeper does: no CRIU reads for it."""
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+    for path in images.glob("pages-*.img"):
+        _uncache(path)
+    assert verifier.check_pages() == []
+    (images / "pages-1.img").write_bytes(b"")
+    assert _verifier(images).check_pages() == []
+    assert verifier.check_pages() == ["pages-1.img checksum mismatch"]
+
+
+def test_a_file_system_without_rwf_nowait_is_read_outright(tmp_path: Path) -> None:
+    """tmpfs answers RWF_NOWAIT with EOPNOTSUPP (a store there: the commit-failure test's)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=shm) as where:
+        images = _images(Path(where))
+        assert _verifier(images).follow_pages(lambda: False, lambda: False) == []
