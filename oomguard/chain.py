@@ -219,7 +219,7 @@ class ChainRunner:
         try:
             result = self.checkpointer.checkpoint(
                 tree, cgroup, reason, on_frozen=on_frozen, headroom=settings.headroom,
-                on_failure="thaw", after_signal=after_signal, held=held)
+                after_signal=after_signal, held=held)
         except CheckpointFailed as exc:
             self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
             if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do

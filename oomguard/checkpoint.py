@@ -22,11 +22,10 @@ from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.compression import Packer
-from oomguard.configtypes import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
+from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.imagedigest import ImageDigester, with_packed
@@ -72,7 +71,7 @@ def user_name(uid: int) -> str:
 class Checkpointer:
     def __init__(self, criu: Criu, store: Store, freezer: Freezer,
                  proc: ProcReader | None = None, *, headroom: int = 64 << 20,
-                 freeze_timeout: float = 5.0, on_failure: str = ON_FAILURE_THAW,
+                 freeze_timeout: float = 5.0,
                  hook_dir: Path | None = None, ledger: FrozenLedger | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
@@ -90,7 +89,6 @@ class Checkpointer:
         self.proc = proc or ProcReader()
         self.headroom = headroom
         self.freeze_timeout = freeze_timeout
-        self.on_failure = on_failure
         self.hook_dir = hook_dir
         self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
         self.shield = shield or OomShield(store.root / OOM_SHIELD, self.proc)
@@ -106,7 +104,7 @@ class Checkpointer:
 
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                    on_frozen: Callable[[Frozen, float], None] | None = None, *,
-                   headroom: int | None = None, on_failure: str | None = None,
+                   headroom: int | None = None,
                    after_signal: Callable[[], None] | None = None,
                    requester: int | None = None, held: Collection[int] = (),
                    ) -> CheckpointResult:
@@ -250,7 +248,7 @@ class Checkpointer:
                 with contextlib.suppress(OSError, CgroupGone):
                     undo_limit()
                 undo_limit = None
-            outcome = self._fail(frozen, on_failure or self.on_failure)
+            outcome = self._thaw_after_failure(frozen)
             gpu_note = ""
             if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
                 trouble = back_to_gpu(self.gpu, hold.pids)
@@ -340,12 +338,10 @@ class Checkpointer:
                     break
                 time.sleep(0.002)
 
-    def _fail(self, frozen: Frozen, on_failure: str) -> str:
-        """After a failed dump CRIU has resumed the tree (stopped, as it found it); the tasks
-        the user had stopped stay stopped."""
-        if on_failure == ON_FAILURE_KILL:
-            kill_tree(frozen.pids)
-            return "killed"
+    def _thaw_after_failure(self, frozen: Frozen) -> str:
+        """After a failed dump CRIU has resumed the tree (stopped, as it found it): thawed,
+        the tasks the user had stopped left stopped. A rule's kill after a failed checkpoint
+        is the action chain's next step (chain.py), never decided here."""
         self.freezer.thaw(frozen.ours)
         return "thawed"
 

@@ -15,7 +15,6 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
-from oomguard.configtypes import ON_FAILURE_THAW
 from oomguard.criu import Criu, CriuOptions, find_criu
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.freezer import SigstopFreezer
@@ -98,14 +97,13 @@ def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
 
 
 def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
-                       on_failure: str = ON_FAILURE_THAW,
                        events: Subscriber | None = None) -> Checkpointer:
     """`events`: the process-event subscriptions the freeze uses (one is made if not given;
     the daemon passes its own, probed at start)."""
     proc = proc or ProcReader()
     return Checkpointer(criu, Store(config.store, algorithm=config.criu.checksum),
                         SigstopFreezer(proc, events=events), proc,
-                        on_failure=on_failure, gpu=build_gpu(config.gpu),
+                        gpu=build_gpu(config.gpu),
                         gpu_margin=config.gpu.host_margin,
                         compress_level=config.criu.compress_level
                         if config.criu.compress == "zstd" else None)

@@ -182,12 +182,12 @@ class FakeCheckpointer:
 
     def checkpoint(self, tree: ProcessTree, cgroup: Any, reason: str,
                    on_frozen: Callable[[Frozen, float], None] | None = None, *,
-                   headroom: int | None = None, on_failure: str | None = None,
+                   headroom: int | None = None,
                    after_signal: Callable[[], None] | None = None,
                    held: Collection[int] = ()) -> Any:
         self.calls.append({"tree": tree, "cgroup": cgroup, "reason": reason,
                            "on_frozen": on_frozen, "headroom": headroom,
-                           "on_failure": on_failure, "after_signal": after_signal,
+                           "after_signal": after_signal,
                            "held": list(held)})
         self.events.append(("checkpoint", tree.root.pid))
         if self.clock is not None:
@@ -454,7 +454,7 @@ def test_chain_table(tmp_path: Path, case: Case) -> None:
 
 # -- single behaviours ---------------------------------------------------------------------------
 
-def test_checkpoint_gets_rule_settings_and_thaw_on_failure(tmp_path: Path) -> None:
+def test_checkpoint_gets_rule_settings(tmp_path: Path) -> None:
     rig = make_rig(tmp_path)
     tree = make_tree(ROOT, CHILD)
     settings = ChainSettings(headroom=32 * MiB)
@@ -463,7 +463,6 @@ def test_checkpoint_gets_rule_settings_and_thaw_on_failure(tmp_path: Path) -> No
     assert call["tree"] is tree
     assert call["reason"] == REASON
     assert call["headroom"] == 32 * MiB
-    assert call["on_failure"] == "thaw"  # the chain decides about killing, not the checkpoint
     assert rig.free_calls == [tmp_path / "store"]
 
 
