@@ -22,12 +22,12 @@ MB = 1_000_000
 
 
 def _cli(store: Path, config: Path, *args: str) -> dict[str, Any]:
-    from bench.lazy import _cli as run
+    from bench.harness import cli_result
 
     env_before = os.environ.get("OOMGUARD_CONFIG")
     os.environ["OOMGUARD_CONFIG"] = str(config)
     try:
-        return run(store, *args)[0]
+        return cli_result(store, *args)[0]
     finally:
         if env_before is None:
             os.environ.pop("OOMGUARD_CONFIG", None)

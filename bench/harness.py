@@ -34,6 +34,23 @@ from tests.helpers import (
 BENCH_CGROUP_PREFIX = "oomguard-bench"
 
 
+def cli_result(store: Path, *args: str, socket: Path | None = None) -> tuple[dict[str, Any], str]:
+    """`oomguard ARGS` on the store directly, or through the daemon at `socket`: its
+    checkpoint.done or restore.done event and its whole stderr. Raises if it failed."""
+    argv = oomguard_argv(store, *args) if socket is None else \
+        [sys.executable, "-m", "oomguard", "--socket", str(socket), "--log-format", "json", *args]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO,
+                            stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise RuntimeError(f"oomguard {' '.join(args)} failed: {result.stderr[-2000:]}")
+    for line in result.stderr.splitlines():
+        if line.startswith("{"):
+            event = json.loads(line)
+            if event.get("event") in ("checkpoint.done", "restore.done"):
+                return dict(event), result.stderr
+    raise RuntimeError(f"no result event from oomguard {' '.join(args)}: {result.stderr[-2000:]}")
+
+
 def event_time(event: dict[str, Any]) -> float:
     """A daemon event's wall-clock time (structlog's ISO timestamp, UTC)."""
     return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()

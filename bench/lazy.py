@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Daemon
-from tests.helpers import REPO, CgroupFactory, kill_pid, oomguard_argv, wait_until
+from bench.harness import Daemon, cli_result
+from tests.helpers import REPO, CgroupFactory, kill_pid, wait_until
 
 SCANNER = REPO / "tests" / "workloads" / "scanner.py"
 
@@ -32,22 +32,6 @@ def _lines(path: Path) -> list[str]:
 
 def _passes(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in _lines(path) if line.startswith("{")]
-
-
-def _cli(store: Path, *args: str, socket: Path | None = None) -> tuple[dict[str, Any], str]:
-    """The CLI acting on the store directly, or through the daemon at `socket`."""
-    argv = oomguard_argv(store, *args) if socket is None else \
-        [sys.executable, "-m", "oomguard", "--socket", str(socket), "--log-format", "json", *args]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO,
-                            stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise RuntimeError(f"oomguard {' '.join(args)} failed: {result.stderr[-2000:]}")
-    for line in result.stderr.splitlines():
-        if line.startswith("{"):
-            event = json.loads(line)
-            if event.get("event") in ("checkpoint.done", "restore.done"):
-                return dict(event), result.stderr
-    raise RuntimeError(f"no result event from oomguard {' '.join(args)}")
 
 
 def _drop(images: Path) -> None:
@@ -69,8 +53,8 @@ def _one_restore(store: Path, checkpoint_id: str, cgroup: Path, logs: list[Path]
     passes_before = [len(_passes(log)) for log in logs]
     (store / checkpoint_id / "lazy.json").unlink(missing_ok=True)
     command_at = time.time()
-    done, _ = _cli(store, "restore", *(["--lazy"] if lazy else []), "--force", checkpoint_id,
-                   "--cgroup", str(cgroup), socket=socket)
+    done, _ = cli_result(store, "restore", *(["--lazy"] if lazy else []), "--force",
+                         checkpoint_id, "--cgroup", str(cgroup), socket=socket)
     returned = time.time() - command_at
 
     def first_beats() -> list[float] | None:
@@ -137,7 +121,7 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
             raise RuntimeError(f"{name}: the scanners did not start passing")
         before = max(statistics.median(p["end"] - p["start"] for p in _passes(log)[1:])
                      for log in logs)
-        done, _ = _cli(store, "checkpoint", str(proc.pid), "--reason", "benchmark")
+        done, _ = cli_result(store, "checkpoint", str(proc.pid), "--reason", "benchmark")
         proc.wait(timeout=30)
         dumped = [int(x) for x in json.loads((store / done["id"] / "meta.json").read_text())
                   ["pids"]]

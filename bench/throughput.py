@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import disk_read, disk_write
-from tests.helpers import HOG, REPO, CgroupFactory, MiB, kill_pid, oomguard_argv, wait_until
+from bench.harness import cli_result, disk_read, disk_write
+from tests.helpers import HOG, CgroupFactory, MiB, kill_pid, wait_until
 
 MB = 1_000_000
 LOG_LINE = re.compile(r"^\((\d+\.\d+)\) (.*)$")
@@ -149,19 +149,6 @@ def _grown(stamps: list[Path]) -> list[dict[str, Any]] | None:
     return found
 
 
-def _cli(store: Path, *args: str) -> dict[str, Any]:
-    result = subprocess.run(oomguard_argv(store, *args), capture_output=True, text=True,
-                            timeout=600, cwd=REPO, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise RuntimeError(f"oomguard {' '.join(args)} failed: {result.stderr[-2000:]}")
-    for line in result.stderr.splitlines():
-        if line.startswith("{"):
-            event = json.loads(line)
-            if event.get("event") in ("checkpoint.done", "restore.done"):
-                return dict(event)
-    raise RuntimeError(f"no result event from oomguard {' '.join(args)}: {result.stderr}")
-
-
 def old_commit_s(images: Path) -> float:
     """What the commit did before checksums were taken during the dump: read every image back
     with a cold cache and SHA-256 it."""
@@ -202,13 +189,13 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
         raise RuntimeError(f"{name}: the hogs did not grow")
     alloc = [m["grown"]["allocated"] / MB / (m["grown"]["t"] - m["start"]["t"]) for m in marks]
     try:
-        done = _cli(store, "checkpoint", str(proc.pid), "--reason", "benchmark")
+        done = cli_result(store, "checkpoint", str(proc.pid), "--reason", "benchmark")[0]
         proc.wait(timeout=30)
         images = store / done["id"] / "images"
         phases = breakdown(done, images)
         old_commit = old_commit_s(images)
         started = time.monotonic()
-        restored = _cli(store, "restore", done["id"], "--cgroup", str(target.path))
+        restored = cli_result(store, "restore", done["id"], "--cgroup", str(target.path))[0]
         restore_wall = time.monotonic() - started
         logs = [Path(str(s).replace(".stamps", ".log")) for s in stamps]
         counts = [p.stat().st_size for p in logs]

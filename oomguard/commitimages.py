@@ -22,7 +22,8 @@ def _sync_and_drop(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """A directory's entries durable (a rename or a new file in it)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -52,7 +53,7 @@ def swap_compressed(images: Path, digests: Digests | None,
         else:
             stored.unlink()
     if kept:
-        _fsync_dir(images)
+        fsync_dir(images)
     return kept
 
 
@@ -73,5 +74,5 @@ def image_checksums(images: Path, digests: Digests | None,
         else:
             sums[path.name] = digest_file(path, algorithm, drop_cache=False)
         _sync_and_drop(path)
-    _fsync_dir(images)
+    fsync_dir(images)
     return sums

@@ -22,7 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from oomguard.commitimages import image_checksums, swap_compressed
+from oomguard.commitimages import fsync_dir, image_checksums, swap_compressed
 from oomguard.errors import StoreError
 from oomguard.hookgate import remove_gates
 from oomguard.imagedigest import Digests
@@ -138,15 +138,7 @@ def _write_durably(path: Path, text: str) -> None:
     finally:
         os.close(fd)
     tmp.replace(path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
 
 
 def _reason(exc: BaseException) -> str:
@@ -230,7 +222,7 @@ class Store:
         _write_durably(partial / META, meta.to_json())
         final = self.path_of(meta.id)
         partial.rename(final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         return final
 
     def sums_of(self, checkpoint_id: str) -> tuple[Path, str, dict[str, str]]:
