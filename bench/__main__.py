@@ -11,6 +11,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,11 @@ def main() -> int:
                 return
             start = time.monotonic()
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
-            results[name] = fn(factory, work, *fn_args)
+            try:
+                results[name] = fn(factory, work, *fn_args)
+            except Exception as exc:  # one part's failure keeps the others' figures
+                traceback.print_exc()
+                results.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"[:2000]
             results.setdefault("seconds", {})[name] = round(time.monotonic() - start, 1)
             print(f"bench: {name} done in {time.monotonic() - start:.0f} s", file=sys.stderr,
                   flush=True)
