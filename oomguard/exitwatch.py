@@ -135,6 +135,10 @@ class ExitWatch:
             self.on_exit(checkpoint_id, pid, self.wall_clock(), status)
             return
         with self._lock:
+            # The thread closes the connector once nothing is watched and expect()'s time is
+            # up, which can fall between expect() and this call (rewatch at start expects 0 s):
+            # opened again here, or the exit would come with no status.
+            self._open_events()
             self._watches[pidfd] = _Watch(checkpoint_id, pid, since_ns)
             self._ensure_thread()
         self._wake()

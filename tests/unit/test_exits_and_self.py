@@ -26,6 +26,7 @@ from oomguard.procfs import ProcReader
 from oomguard.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.sense.procevents import EventBatch, ProcessEvent, ProcessExit, ProcessFork
 from oomguard.store import CheckpointMeta, Store
+from tests.helpers import wait_until
 from tests.unit._support import FakeProc, fake_proc_tree
 
 # -- selfguard ------------------------------------------------------------------------------------
@@ -258,6 +259,35 @@ def test_a_root_gone_before_it_is_watched_is_reported_at_once() -> None:
     finally:
         watch.close()
     assert reports.seen == [("job-3", child.pid, None)]
+
+
+def test_a_watch_after_the_connector_was_closed_opens_it_again() -> None:
+    """expect(0) then watch(): the thread may close the connector in between (nothing watched,
+    time up); the watch opens it again, and the exit still comes with its status. (A daemon
+    restarted meanwhile lost the status this way in CI.)"""
+    opened: list[FakeEvents] = []
+
+    def open_events() -> FakeEvents:
+        opened.append(FakeEvents())
+        return opened[-1]
+
+    reports = Reports()
+    watch = ExitWatch(reports, open_events=open_events)
+    since = watch.expect(0)
+    assert wait_until(lambda: opened[0].closed, 10)  # the thread found nothing to do
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        watch.watch("job-5", child.pid, since)
+        assert len(opened) == 2 and not opened[1].closed
+        opened[1].push(ProcessExit(child.pid, child.pid, 4 << 8, since + 10**12))
+        child.terminate()
+        child.wait()
+        assert reports.event.wait(10)
+    finally:
+        child.kill()
+        watch.close()
+    assert reports.seen == [("job-5", child.pid,
+                             ProcessExit(child.pid, child.pid, 4 << 8, since + 10**12))]
 
 
 class Recorder:
