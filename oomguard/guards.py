@@ -27,7 +27,7 @@ EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOL
 PSI_STALL_SHARE = 10  # a trigger fires at 10% of the window stalled ("some")
 
 
-@dataclass
+@dataclass(slots=True)
 class CgroupGuard:
     spec: GuardConfig
     cgroup: MemoryCgroup
@@ -60,7 +60,7 @@ class CgroupGuard:
         return str(self.cgroup.path)
 
 
-@dataclass
+@dataclass(slots=True)
 class SystemGuard:
     spec: GuardConfig
     fds: dict[int, str] = field(default_factory=dict)

@@ -6,7 +6,7 @@ import contextlib
 import resource
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomguard import __version__
 from oomguard.cgroup.mounts import read_layout
@@ -18,7 +18,6 @@ from oomguard.dbusnotify import SignalEmitter
 from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.hooks import HookRunner
 from oomguard.logsetup import RecordingLogger
-from oomguard.metrics import Metrics, TextfileWriter
 from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
@@ -37,6 +36,9 @@ from oomguard.wiring import (
     remove_criu_cgroup,
 )
 
+if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
+    from oomguard.metrics import Metrics, TextfileWriter
+
 
 class Heartbeat:
     """After every loop turn: the watchdog ping, and every EVERY seconds the STATUS= line
@@ -45,7 +47,7 @@ class Heartbeat:
 
     EVERY = 2.0
 
-    def __init__(self, daemon: Daemon, notifier: Notifier, metrics: Metrics,
+    def __init__(self, daemon: Daemon, notifier: Notifier, metrics: Metrics | None,
                  textfile: TextfileWriter | None, clock: Callable[[], float] = time.monotonic,
                  ) -> None:
         self.daemon = daemon
@@ -69,7 +71,7 @@ class Heartbeat:
         self._next = now + self.EVERY
         if self.notifier.enabled:
             self.notifier.status(self.daemon.summary())
-        if self.textfile is not None:
+        if self.textfile is not None and self.metrics is not None:
             with contextlib.suppress(OSError):
                 self.textfile.write(self.metrics)  # the gauges are read as it renders
 
@@ -121,9 +123,19 @@ def _exit_recorder(store: Store, log: Any, why_unknown: Callable[[], str | None]
     return exited
 
 
+def wanted_metrics(config: DaemonConfig) -> Metrics | None:
+    """The daemon's metrics where they go somewhere (a port or a textfile directory); else
+    none are kept, and prometheus_client is not imported."""
+    if not (config.metrics_port or config.metrics_textfile_dir):
+        return None
+    from oomguard.metrics import Metrics
+
+    return Metrics()
+
+
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     open_files = raise_open_files_limit()
-    metrics = Metrics()
+    metrics = wanted_metrics(config)
     hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
     tap = EventTap(metrics, hooks, emitter, slurm=build_slurm(config.slurm))
@@ -145,17 +157,22 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes))
     daemon.install_signal_handlers()
-    textfile = TextfileWriter(config.metrics_textfile_dir) if config.metrics_textfile_dir else None
+    textfile = None
     metrics_server = None
-    if config.metrics_port:
-        try:
-            metrics_server = metrics.serve(config.metrics_port, config.metrics_address)
-            log.info("metrics.listening", address=f"{config.metrics_address}:"
-                     f"{metrics_server.port}", url=f"http://{config.metrics_address}:"
-                     f"{metrics_server.port}/metrics")
-        except OSError as exc:
-            log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
-    metrics.before_render = gauge_reader(metrics, daemon)
+    if metrics is not None:
+        from oomguard.metrics import TextfileWriter
+
+        if config.metrics_textfile_dir:
+            textfile = TextfileWriter(config.metrics_textfile_dir)
+        if config.metrics_port:
+            try:
+                metrics_server = metrics.serve(config.metrics_port, config.metrics_address)
+                log.info("metrics.listening", address=f"{config.metrics_address}:"
+                         f"{metrics_server.port}", url=f"http://{config.metrics_address}:"
+                         f"{metrics_server.port}/metrics")
+            except OSError as exc:
+                log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
+        metrics.before_render = gauge_reader(metrics, daemon)
     beat = Heartbeat(daemon, notifier, metrics, textfile)
     daemon.heartbeat = beat
     daemon.heartbeat_due = beat.due_in

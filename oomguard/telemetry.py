@@ -10,18 +10,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.dbusnotify import SignalEmitter
 from oomguard.errors import CgroupGone
 from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
-from oomguard.metrics import Metrics
 from oomguard.psi import parse_pressure
 from oomguard.scheduler import SlurmStep
 from oomguard.slurm import SlurmError, SlurmNotifier
 from oomguard.store import CheckpointMeta
+
+if TYPE_CHECKING:  # prometheus_client is imported only where metrics are wanted
+    from oomguard.metrics import Metrics
 
 
 def slurm_owner(fields: dict[str, Any]) -> SlurmStep | None:

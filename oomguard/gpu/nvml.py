@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +102,25 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _import_pynvml() -> Any:
+NVML_LIBRARY = "libnvidia-ml.so.1"  # what pynvml loads on Linux
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+
+
+def _import_pynvml(library: str = NVML_LIBRARY) -> Any:
+    """pynvml, once the driver's library is known to load: on a machine without NVIDIA's
+    driver the daemon never imports it (pynvml and ctypes' types for it are ~3 MiB)."""
+    import ctypes  # the library is looked for only here
+
+    if "pynvml" not in sys.modules and importlib.util.find_spec("pynvml") is None:
+        raise ImportError("No module named 'pynvml'")
+    try:
+        if "pynvml" not in sys.modules:  # (imported already: it answers for itself)
+            ctypes.CDLL(library)
+    except OSError as exc:
+        raise GpuUnavailable(f"nvmlInit: NVML Shared Library Not Found; "
+                             f"{_HINTS[NVML_ERROR_LIBRARY_NOT_FOUND]} "
+                             f"(NVML error {NVML_ERROR_LIBRARY_NOT_FOUND})",
+                             NVML_ERROR_LIBRARY_NOT_FOUND) from exc
     return importlib.import_module("pynvml")
 
 
@@ -166,6 +186,8 @@ class NvmlSensor:
         if self._nvml is None:
             try:
                 self._nvml = self._loader()
+            except GpuUnavailable:
+                raise
             except ImportError as exc:
                 raise GpuUnavailable(f"nvidia-ml-py (pynvml) is not installed: {exc}") from exc
             except Exception as exc:  # a broken install raises anything at import

@@ -67,8 +67,20 @@ class FakeGpu:
         self.processes.append({"pid": pid, "device": 0, "used": used})
         self.write()
 
+    def library_dir(self) -> Path:
+        """oomguard imports pynvml only once the driver's libnvidia-ml.so.1 loads: here a
+        name for a library this machine has (libc), which the fake pynvml never calls."""
+        directory = self.work / "lib"
+        if not directory.exists():
+            directory.mkdir()
+            libc = next(line.split()[-1] for line in Path("/proc/self/maps").read_text()
+                        .splitlines() if "/libc.so" in line or "/libc-" in line)
+            (directory / "libnvidia-ml.so.1").symlink_to(libc)
+        return directory
+
     def env(self, fail: str | None = None) -> dict[str, str]:
         env = {**os.environ, "PYTHONPATH": str(FAKES), "OOMGUARD_FAKE_NVML": str(self.nvml),
+               "LD_LIBRARY_PATH": str(self.library_dir()),
                "FAKE_CUDA_STATE": str(self.state), "FAKE_CUDA_LOG": str(self.calls_log),
                "OOMGUARD_CUDA_CHECKPOINT": str(FAKES / "cuda-checkpoint")}
         if fail:

@@ -232,3 +232,20 @@ def test_tree_vram() -> None:
     assert tree_vram(SNAP, [10, 11]) == 90 * GiB
     assert tree_vram(SNAP, iter([10, 10, 12, 999])) == 100 * GiB  # duplicates once, strangers 0
     assert tree_vram(SNAP, []) == 0
+
+
+def test_without_the_drivers_library_pynvml_is_not_imported() -> None:
+    """The default loader dlopens libnvidia-ml first: where it is missing, the reason is
+    pynvml's own (error 12) and pynvml stays unimported (~3 MiB of the daemon's memory)."""
+    script = (
+        "import sys\n"
+        "from oomguard.gpu import nvml\n"
+        "sensor = nvml.NvmlSensor(loader=lambda: nvml._import_pynvml('libnvidia-ml-missing.so.1'))\n"
+        "print(sensor.available())\n"
+        "print('pynvml' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.splitlines() == [
+        "(False, 'nvmlInit: NVML Shared Library Not Found; libnvidia-ml.so not found (no NVIDIA "
+        "driver installed?) (NVML error 12)')",
+        "False"]
