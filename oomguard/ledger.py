@@ -1,18 +1,20 @@
 """A durable record of the trees oomguard has stopped, so a crash never leaves one frozen.
 
-Written (fsync'd) before SIGSTOP, cleared when the tree is dumped, thawed or killed. On start the
-daemon thaws whatever is still recorded, after checking each PID still names the same process
-(its start time), so a reused PID is never touched.
+Written before SIGSTOP, cleared when the tree is dumped, thawed or killed (not fsync'd: it
+guards against a dead oomguard, not a dead machine, which takes the stopped tasks with it). On
+start the daemon thaws whatever is still recorded, after checking each PID still names the same
+process (its start time), so a reused PID is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,25 @@ def _write_json_durably(path: Path, data: object) -> None:
     tmp.replace(path)
 
 
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    offset = 0
+    while chunk := os.pread(fd, 65536, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _parse_entries(text: bytes) -> list[FrozenEntry]:
+    """The ledger's entries; none from an empty or unreadable file."""
+    try:
+        return [FrozenEntry(int(e["pid"]), int(e["starttime"]), str(e.get("cgroup", "")),
+                            int(e.get("owner", 0)), int(e.get("owner_start", 0)))
+                for e in json.loads(text or b"[]")]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
 class FrozenLedger:
     """Shared by the daemon and the CLI (each entry names the process that wrote it): recovery
     only touches entries whose owner is dead, and leaves a task that a CRIU of the dead owner
@@ -57,17 +78,41 @@ class FrozenLedger:
         self._lock = threading.Lock()
 
 
+    @contextlib.contextmanager
+    def _file(self, write: bool = True) -> Iterator[int]:
+        """The ledger, open and locked (flock: the daemon and CLI processes share it);
+        created for a write."""
+        flags = (os.O_RDWR | os.O_CREAT if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            if not write:
+                raise
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+            yield fd
+        finally:
+            os.close(fd)
+
     def _load(self) -> list[FrozenEntry]:
         try:
-            data = json.loads(self.path.read_text())
-            return [FrozenEntry(int(e["pid"]), int(e["starttime"]), str(e.get("cgroup", "")),
-                                int(e.get("owner", 0)), int(e.get("owner_start", 0)))
-                    for e in data]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            with self._file(write=False) as fd:
+                return _parse_entries(_read_all(fd))
+        except OSError:
             return []
 
-    def _save(self, entries: list[FrozenEntry]) -> None:
-        _write_json_durably(self.path, [e.__dict__ for e in entries])
+    def _update(self, change: Callable[[list[FrozenEntry]], list[FrozenEntry]]) -> None:
+        """Read, change and write the ledger under its lock, in place: one pwrite of the new
+        text padded with spaces to the old length (valid JSON at every moment a process can
+        die: there is no half-written file and no rename), then the padding cut off."""
+        with self._file() as fd:
+            old = _read_all(fd)
+            text = json.dumps([e.__dict__ for e in change(_parse_entries(old))]).encode()
+            os.pwrite(fd, text + b" " * max(0, len(old) - len(text)), 0)
+            if len(old) > len(text):
+                os.ftruncate(fd, len(text))
 
     def _mine(self, entry: FrozenEntry) -> bool:
         return (entry.owner == self.owner and entry.owner_start == self._owner_start
@@ -81,24 +126,23 @@ class FrozenLedger:
             if started:
                 fresh[pid] = FrozenEntry(pid, started, "", self.owner, self._owner_start)
         with self._lock:
-            entries = [e for e in self._load() if e.cgroup or e.pid not in fresh]
-            self._save(entries + list(fresh.values()))
+            self._update(lambda entries: [e for e in entries if e.cgroup or e.pid not in fresh]
+                         + list(fresh.values()))
 
     def clear(self, pids: list[int]) -> None:
         gone = set(pids)
         with self._lock:
-            self._save([e for e in self._load() if e.pid not in gone or e.cgroup])
+            self._update(lambda entries: [e for e in entries if e.pid not in gone or e.cgroup])
 
     def record_cgroup(self, directory: Path) -> None:
+        entry = FrozenEntry(0, 0, str(directory), self.owner, self._owner_start)
         with self._lock:
-            entries = self._load()
-            if not any(e.cgroup == str(directory) for e in entries):
-                entries.append(FrozenEntry(0, 0, str(directory), self.owner, self._owner_start))
-            self._save(entries)
+            self._update(lambda entries: entries if any(e.cgroup == str(directory)
+                                                        for e in entries) else [*entries, entry])
 
     def clear_cgroup(self, directory: Path) -> None:
         with self._lock:
-            self._save([e for e in self._load() if e.cgroup != str(directory)])
+            self._update(lambda entries: [e for e in entries if e.cgroup != str(directory)])
 
     def _owner_alive(self, entry: FrozenEntry) -> bool:
         if self._mine(entry):
@@ -111,9 +155,10 @@ class FrozenLedger:
         that still exists as the same process and is not being dumped right now. Returns what
         was thawed; entries still pending stay (see `pending`)."""
         thawed: list[str] = []
-        with self._lock:
+
+        def settle(entries: list[FrozenEntry]) -> list[FrozenEntry]:
             keep = []
-            for entry in self._load():
+            for entry in entries:
                 if self._owner_alive(entry):
                     keep.append(entry)
                 elif entry.cgroup:
@@ -133,7 +178,10 @@ class FrozenLedger:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(entry.pid, signal.SIGCONT)
                         thawed.append(str(entry.pid))
-            self._save(keep)
+            return keep
+
+        with self._lock:
+            self._update(settle)
         return thawed
 
     def pending(self) -> bool:

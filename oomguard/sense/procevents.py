@@ -1,5 +1,6 @@
 """Process events from the kernel's connector (cn_proc): fork, exec and exit of every process
-on the machine, as they happen, read through pyroute2 (its ProcEventSocket and its marshal).
+on the machine, as they happen, on a NETLINK_CONNECTOR socket, encoded and decoded by pyroute2
+(its cn_proc messages and marshal).
 
 Who may listen: since Linux 6.6 any user (before it, CAP_NET_ADMIN), in the initial network,
 PID and user namespaces, on a kernel with CONFIG_PROC_EVENTS. Elsewhere opening raises OSError:
@@ -16,8 +17,7 @@ the connector's own modules (the daemon stays within 40 MiB guarding 1000 cgroup
 The descriptor is read directly: pyroute2 keeps its socket, event loop and queue per thread
 (threading.local) and its get() waits for a message, while the exit watch subscribes in one
 thread and reads in another, and a freeze must read exactly what is queued, at once. So
-pyroute2 makes the socket and encodes and decodes the messages; ProcEvents keeps a duplicate
-of the descriptor and closes pyroute2's event loop at once, in the thread that made it.
+ProcEvents makes and reads the socket itself, and pyroute2 encodes and decodes the messages.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ FORKS = frozenset({PROC_EVENT_FORK})  # what the freeze reads
 EXITS = frozenset({PROC_EVENT_EXIT})  # what the exit watch reads
 NLMSG_DONE = 3
 NLMSG_HEADER = 16  # struct nlmsghdr
+CN_ACK_OFFSET = NLMSG_HEADER + 12  # struct cn_msg: id {idx, val}, seq, ack
+NETLINK_CONNECTOR = 11  # linux/netlink.h
 EVENT_OFFSET = NLMSG_HEADER + 20  # + struct cn_msg: where struct proc_event begins
 EVENT_MIN = EVENT_OFFSET + 16  # what, cpu, timestamp_ns
 ACK_TIMEOUT = 0.25  # the kernel answers within the send (measured: 25 us); none means ignored
@@ -62,6 +64,7 @@ LASTING = frozenset({errno.EPERM, errno.EACCES, errno.ECONNREFUSED, errno.EPROTO
                      errno.EAFNOSUPPORT, errno.ETIMEDOUT, errno.ENOENT, errno.ENOPKG})
 
 _import_lock = threading.Lock()
+_CONTROL: dict[int, bytes] = {}  # LISTEN and IGNORE as pyroute2 encodes them, ack 0
 
 
 @dataclass(frozen=True)
@@ -175,17 +178,24 @@ def _marshal() -> Any:
 
 
 def control_message(op: int, ack: int) -> bytes:
-    """LISTEN or IGNORE as pyroute2 encodes it: nlmsghdr, cn_msg {idx 1, val 1, ack}, op."""
-    msg = load_cn_proc().proc_event_control()
-    msg["header"]["type"] = NLMSG_DONE
-    msg["header"]["flags"] = 0
-    msg["header"]["sequence_number"] = 0
-    msg["header"]["pid"] = 0
-    msg["idx"], msg["val"], msg["seq"], msg["ack"] = CN_IDX_PROC, CN_VAL_PROC, 0, ack
-    msg["len"] = 4
-    msg["action"] = op
-    msg.encode()
-    return bytes(msg.data)
+    """LISTEN or IGNORE as pyroute2 encodes it: nlmsghdr, cn_msg {idx 1, val 1, ack}, op.
+    Encoded by pyroute2 once per op (~0.2 ms); the ack, random per subscription, is put in
+    its place in a copy (cn_msg's fourth field)."""
+    template = _CONTROL.get(op)
+    if template is None:
+        msg = load_cn_proc().proc_event_control()
+        msg["header"]["type"] = NLMSG_DONE
+        msg["header"]["flags"] = 0
+        msg["header"]["sequence_number"] = 0
+        msg["header"]["pid"] = 0
+        msg["idx"], msg["val"], msg["seq"], msg["ack"] = CN_IDX_PROC, CN_VAL_PROC, 0, 0
+        msg["len"] = 4
+        msg["action"] = op
+        msg.encode()
+        template = _CONTROL.setdefault(op, bytes(msg.data))
+    message = bytearray(template)
+    struct.pack_into("=I", message, CN_ACK_OFFSET, ack & 0xFFFFFFFF)
+    return bytes(message)
 
 
 def _convert(msg: Any) -> ProcessEvent | ControlAck | None:
@@ -235,23 +245,17 @@ def parse_events(datagram: bytes, kinds: frozenset[int] | None = None) -> list[P
 
 
 def connector_socket() -> socket.socket:
-    """A NETLINK_CONNECTOR socket made by pyroute2's ProcEventSocket, bound to the process
-    events' multicast group, non-blocking. (Bound here, not with pyroute2's bind(): that one
-    tries ports 20-199 and turns EPERM into KeyError('no free address').)"""
+    """A non-blocking NETLINK_CONNECTOR socket bound to the process events' multicast group.
+    Made here rather than by pyroute2's ProcEventSocket: that one builds an asyncio event
+    loop per socket (~1.3 ms, on the path from a crossing to SIGSTOP), and its bind() tries
+    ports 20-199 and turns EPERM into KeyError('no free address'). pyroute2 still encodes
+    and decodes every message, so it is loaded (or found missing) here first."""
     try:
-        cn_proc = load_cn_proc()
+        load_cn_proc()
     except ImportError as exc:  # an environment made before the dependency: fall back
         raise OSError(errno.ENOPKG, f"pyroute2 is not installed ({exc})") from exc
-    try:
-        made = cn_proc.ProcEventSocket()
-    except OSError:
-        raise  # EMFILE, EPROTONOSUPPORT...: the caller says why in words
-    except Exception as exc:  # pyroute2's own errors, as OSError
-        raise OSError(errno.EIO, f"pyroute2 could not make the socket: {exc}") from exc
-    try:
-        sock = socket.socket(fileno=os.dup(made.fileno()))
-    finally:
-        made.close()
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC,
+                         NETLINK_CONNECTOR)
     try:
         sock.setblocking(False)
         sock.bind((0, CN_IDX_PROC))

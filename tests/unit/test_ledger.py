@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -85,6 +86,52 @@ def test_record_replaces_stale_entry_for_reused_pid(tmp_path: Path, fake_proc: P
     path.write_text(json.dumps([{"pid": 10, "starttime": 42, "cgroup": ""}]))  # an older process 10
     FrozenLedger(path, fake_proc).record([10])
     assert [(e["pid"], e["starttime"]) for e in _entries(path)] == [(10, 5000)]
+
+
+def test_writes_are_in_place_and_always_whole_json(tmp_path: Path, fake_proc: ProcReader) -> None:
+    """No temporary file and no rename (one pwrite on the hot path to SIGSTOP): the same inode
+    throughout, and a shrinking write leaves exactly the new text behind."""
+    path = tmp_path / "frozen.json"
+    ledger = FrozenLedger(path, fake_proc)
+    ledger.record([10, 11, 12])
+    inode = path.stat().st_ino
+    ledger.clear([10, 11])
+    assert path.stat().st_ino == inode
+    text = path.read_bytes()
+    assert text == text.rstrip() and json.loads(text)[0]["pid"] == 12
+    ledger.clear([12])
+    assert path.read_bytes() == b"[]" and path.stat().st_ino == inode
+
+
+def test_a_padded_ledger_is_read(tmp_path: Path, fake_proc: ProcReader) -> None:
+    """What a process that died between the padded write and the truncation leaves."""
+    path = tmp_path / "frozen.json"
+    path.write_text(json.dumps([{"pid": 11, "starttime": 5001, "cgroup": ""}]) + " " * 200)
+    ledger = FrozenLedger(path, fake_proc)
+    assert [e.pid for e in ledger._load()] == [11]
+    ledger.record([12])
+    assert [e["pid"] for e in _entries(path)] == [11, 12]
+
+
+def test_two_writers_lose_nothing(tmp_path: Path, fake_proc: ProcReader) -> None:
+    """The daemon and a CLI each have their ledger object on one file: flock, not the
+    in-process lock, keeps one's entries from being written over by the other's."""
+    path = tmp_path / "frozen.json"
+    first, second = FrozenLedger(path, fake_proc), FrozenLedger(path, fake_proc)
+
+    def churn(ledger: FrozenLedger, cgroup: str) -> None:
+        for _ in range(200):
+            ledger.record_cgroup(tmp_path / cgroup)
+            ledger.record([10])
+
+    threads = [threading.Thread(target=churn, args=(first, "a")),
+               threading.Thread(target=churn, args=(second, "b"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(e["cgroup"] for e in _entries(path)) == ["", str(tmp_path / "a"),
+                                                           str(tmp_path / "b")]
 
 
 def test_clear_removes_pids_but_keeps_cgroups(tmp_path: Path, fake_proc: ProcReader) -> None:

@@ -32,6 +32,7 @@ from oomguard.sense.procevents import (
     ProcEvents,
     Subscriber,
     control_message,
+    load_cn_proc,
     parse_events,
     parse_messages,
     unavailable,
@@ -119,6 +120,19 @@ def test_control_message_layout() -> None:
     assert (length, kind, flags) == (len(raw), 3, 0) and len(raw) == 16 + 20 + 4
     assert struct.unpack_from("=IIIIHH", raw, 16) == (1, 1, 0, 4242, 4, 0)
     assert struct.unpack_from("=I", raw, 36) == (PROC_CN_MCAST_IGNORE,)
+
+
+@pytest.mark.parametrize("ack", [0, 1, 4242, 0x7FFFFFFF, 0xFFFFFFFF])
+@pytest.mark.parametrize("op", [PROC_CN_MCAST_LISTEN, PROC_CN_MCAST_IGNORE])
+def test_control_message_is_pyroute2s_own_encoding(op: int, ack: int) -> None:
+    """The template with its ack put in place is byte for byte what pyroute2 encodes."""
+    msg = load_cn_proc().proc_event_control()
+    msg["header"]["type"], msg["header"]["flags"] = 3, 0
+    msg["header"]["sequence_number"], msg["header"]["pid"] = 0, 0
+    msg["idx"], msg["val"], msg["seq"], msg["ack"], msg["len"] = 1, 1, 0, ack, 4
+    msg["action"] = op
+    msg.encode()
+    assert control_message(op, ack) == bytes(msg.data)
 
 
 @pytest.mark.parametrize(("code", "words"), [
