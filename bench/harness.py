@@ -164,12 +164,17 @@ class Hog:
     log: Path
 
     def marks(self) -> dict[str, dict[str, Any]]:
+        """The first mark of each kind; for 'step' (one before each allocation step near the
+        crossing), the last."""
         found: dict[str, dict[str, Any]] = {}
         if self.stamps.exists():
             for line in self.stamps.read_text().splitlines():
                 with contextlib.suppress(ValueError):
                     mark = json.loads(line)
-                    found.setdefault(mark["event"], mark)
+                    if mark["event"] == "step" and "cross" not in found:
+                        found["step"] = mark
+                    else:
+                        found.setdefault(mark["event"], mark)
         return found
 
     def kill(self) -> None:

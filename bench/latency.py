@@ -1,6 +1,10 @@
-"""Detection latency: from the moment a hog's cgroup crosses the threshold (the hog reads its
-cgroup's usage after every chunk and stamps the wall-clock time) to the moment the daemon has
-the victim stopped (its `victim.frozen` event), per allocation rate.
+"""Detection latency: from the moment a hog's cgroup crosses the threshold to the moment the
+daemon has the victim stopped (its `victim.frozen` event), per allocation rate. The hog reads
+its cgroup's usage around every allocation step (2 MiB, at full speed, then a pause that keeps
+the rate) and stamps the wall-clock time before each step that may cross: the crossing
+happened inside the last step stamped, so the latency is measured from that step's start (an
+upper bound: it includes the part of the step before the crossing). The stamp after the step
+('cross') cannot be used: the daemon often stops the hog inside that step, before it writes it.
 
 Two guards on the same hogs in the same run: oomguard on kernel notifications (the default),
 and the baseline, oomguard polling usage every 100 ms (`events = false`): the same actuator,
@@ -39,11 +43,12 @@ def measure(events: EventLog, cgroup: Path, work: Path, name: str, rate_mb: floa
     finally:
         hog.kill()
     marks = hog.marks()
-    cross = marks["cross"]
-    allocated = cross.get("allocated", 0)
-    seconds = cross["t"] - marks["start"]["t"]
+    began = marks["step"]  # the allocation step that crossed began here
+    allocated = began.get("allocated", 0)
+    seconds = began["t"] - marks["start"]["t"]
     return {
-        "latency_ms": (event_time(frozen) - cross["t"]) * 1000,
+        "latency_ms": (event_time(frozen) - began["t"]) * 1000,
+        "stamped_cross": "cross" in marks,
         "detect_to_frozen_ms": frozen.get("detect_to_frozen_ms"),
         "achieved_mb_per_s": allocated / MB / seconds if seconds > 0 else None,
     }

@@ -234,8 +234,9 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     latency = results.get("latency")
     if latency:
         lines += ["## 1. Detection latency", "",
-                  "Threshold crossing (the hog's own reading of its cgroup's usage, 128 MiB of a "
-                  "256 MiB limit) to victim stopped (the daemon's `victim.frozen` event).", ""]
+                  "Threshold crossing (128 MiB of a 256 MiB limit; from the start of the hog's "
+                  "2 MiB allocation step that crossed it, an upper bound) to victim stopped "
+                  "(the daemon's `victim.frozen` event).", ""]
         rows = []
         for key, label in (("events", "oomguard"), ("poll_100ms", "polling 100 ms")):
             for rate, v in latency[key].items():

@@ -26,7 +26,8 @@ def main() -> int:
     parser.add_argument("--tick", type=float, default=0.05, help="seconds per step once grown")
     parser.add_argument("--children", type=int, default=0, help="forked children that also count")
     parser.add_argument("--stamps", help="benchmarks: JSON lines of wall-clock times (start, "
-                        "cross: the cgroup's usage reached --cross-at, grown: at --target)")
+                        "step: before a step that may cross --cross-at, cross: the cgroup's usage reached "
+                        "it, grown: at --target)")
     parser.add_argument("--usage-file", help="the cgroup's usage file, read after every chunk")
     parser.add_argument("--cross-at", type=int, default=0, help="bytes of usage for 'cross'")
     args = parser.parse_args()
@@ -47,6 +48,7 @@ def main() -> int:
     while count < args.count:
         count += 1
         if len(chunks) * args.chunk < args.target:
+            stamps.before_chunk(len(chunks) * chunk_bytes, chunk_bytes)
             chunks.append(bytes([len(chunks) % 251]) * chunk_bytes)
             stamps.after_chunk(len(chunks) * chunk_bytes, len(chunks) * args.chunk >= args.target)
             due = start + len(chunks) * args.chunk / args.rate
@@ -80,6 +82,17 @@ class Stamps:
         if self.out is not None:
             extra = "".join(f', "{key}": {value}' for key, value in fields.items())
             self.out.write(f'{{"event": "{event}", "t": {time.time():.6f}{extra}}}\n')
+
+    def before_chunk(self, allocated: int, chunk_bytes: int) -> None:
+        """'step': the time before an allocation step that may cross --cross-at (usage within
+        two steps of it). The daemon may stop the hog inside the step that crosses, before
+        'cross' is written: the last 'step' then bounds when the crossing began."""
+        if self.out is None or self.usage_file is None:
+            return
+        with open(self.usage_file) as handle:
+            usage = int(handle.read())
+        if usage + 2 * chunk_bytes >= self.cross_at:
+            self.mark("step", usage=usage, allocated=allocated)
 
     def after_chunk(self, allocated: int, grown: bool) -> None:
         if self.out is None:
