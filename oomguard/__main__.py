@@ -1,3 +1,5 @@
+"""`python -m oomguard`: the command line (oomguard.cli)."""
+
 import sys
 
 from oomguard.cli import main

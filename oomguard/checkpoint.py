@@ -20,7 +20,7 @@ import psutil
 
 from oomguard import fileids
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.cgroup.watch import shields_needed
 from oomguard.compression import Packer
 from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
@@ -137,7 +137,7 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
         # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
         # (memory taken inside one system call fails there instead of killing the job).
-        shielding = isinstance(cgroup, V2MemoryCgroup)
+        shielding = shields_needed(cgroup)
         if shielding:
             self.shield.shield(list(tree.pids))
         hold = self._off_gpu(tree, cgroup, held)

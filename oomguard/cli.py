@@ -326,7 +326,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_notify_agent(args: argparse.Namespace) -> int:
-    from oomguard.dbusnotify import NotificationAgent, NotificationError
+    from oomguard.notifyagent import NotificationAgent, NotificationError
 
     log = get_logger()
     while True:

@@ -1,12 +1,10 @@
-"""What the daemon watches, per rule: the kernel's notification fds for one cgroup (v1 eventfd
-thresholds and OOM events; v2 memory.high events, memory.events changes and a PSI trigger) or
-for the whole system (a PSI trigger on /proc/pressure/memory)."""
+"""What the daemon watches, per rule: one cgroup (its notification fds, armed by
+oomguard.cgroup.watch whatever the cgroup version) or the whole system (a PSI trigger on
+/proc/pressure/memory and MemAvailable)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import select
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,16 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
+from oomguard.cgroup.watch import (  # re-exported: the kinds of fd and the marks
+    EPOLL_MASK,
+    EVENTFD,
+    KERNFS,
+    OOM_KILL_KEY,
+    PSI,
+    claimed_key,
+    consume,
+    put_back_saved,
+    threshold_marks,
+)
 from oomguard.config import GuardConfig
 from oomguard.errors import CgroupGone
 from oomguard.ledger import SavedLimits
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.cgroupfiles import Stamp
 
-EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
-EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI}
+__all__ = ["EPOLL_MASK", "EVENTFD", "KERNFS", "OOM_KILL_KEY", "PSI", "CgroupGuard", "Guard",
+           "SystemGuard", "arm_system", "claimed_keys", "consume", "psi_trigger_for",
+           "put_back_leftovers", "threshold_marks"]
+
 PSI_STALL_SHARE = 10  # a trigger fires at 10% of the window stalled ("some")
 
 
@@ -78,20 +87,6 @@ class SystemGuard:
 Guard = CgroupGuard | SystemGuard
 
 
-# Sixteenths of the way from the threshold to the limit. Each v1 registration costs the
-# kernel an RCU grace period (~8 ms here): three marks keep a 1000-cgroup start near 25 s.
-MARK_STEPS = (0, 1, 8)
-
-
-def threshold_marks(limit: int, threshold: float) -> list[int]:
-    """Usage levels to be told about: the threshold, then 1/16 and 1/2 of the way from it to
-    the limit. A crossing that is page cache rather than resident memory is watched (polled);
-    the marks that follow wake the daemon again as soon as resident memory catches up."""
-    first = limit * threshold
-    step = (limit - first) / 16
-    return sorted({min(limit, int(first + k * step)) for k in MARK_STEPS})
-
-
 def psi_trigger_for(proc_root: str = "/proc") -> str:
     """The fastest trigger this process may register: a 500 ms window with CAP_SYS_RESOURCE,
     else 2 s (the kernel's rule for unprivileged triggers)."""
@@ -101,58 +96,6 @@ def psi_trigger_for(proc_root: str = "/proc") -> str:
         privileged = False
     window = shortest_window_us(privileged)
     return trigger_string("some", window // PSI_STALL_SHARE, window)
-
-
-def v1_marks(guard: CgroupGuard, limit: int) -> tuple[list[int], list[int]]:
-    """The usage levels to register on v1, as (first, later): first the threshold itself (and,
-    with time_to_limit, the level where growth starts being watched), which make the guard
-    armed; then the marks beyond the threshold, which only catch up with page cache."""
-    marks = threshold_marks(limit, guard.spec.threshold)
-    first = marks[:1]
-    if guard.spec.time_to_limit:  # wake where growth starts being watched
-        first.insert(0, int(limit * guard.spec.predict_from))
-    return first, marks[1:]
-
-
-def arm_v1_first(guard: CgroupGuard, limit: int) -> None:
-    """The threshold mark and the OOM notification: from here on the guard is armed."""
-    assert isinstance(guard.cgroup, V1MemoryCgroup)
-    first, _later = v1_marks(guard, limit)
-    for mark in first:
-        guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
-    guard.fds[guard.cgroup.register_oom()] = EVENTFD
-    guard.detection = "v1 memory threshold eventfd + OOM notification"
-
-
-def arm_v1_later(guard: CgroupGuard, limit: int) -> None:
-    """The marks beyond the threshold (each registration waits for an RCU grace period, so
-    they come after every guard's first mark)."""
-    assert isinstance(guard.cgroup, V1MemoryCgroup)
-    for mark in v1_marks(guard, limit)[1]:
-        guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
-
-
-def arm_v1(guard: CgroupGuard, limit: int) -> None:
-    arm_v1_first(guard, limit)
-    arm_v1_later(guard, limit)
-
-
-def arm_v2(guard: CgroupGuard, limit: int, psi_trigger: str) -> list[str]:
-    """Registers memory.events and PSI watches; returns the paths that are active."""
-    assert isinstance(guard.cgroup, V2MemoryCgroup)
-    paths = []
-    guard.fds[guard.cgroup.open_events_watch()] = KERNFS
-    paths.append("memory.events")
-    if guard.high_set:
-        paths.insert(0, f"memory.high at {guard.spec.threshold:.0%}")
-    if guard.spec.psi:
-        try:
-            guard.fds[guard.cgroup.open_psi_trigger(psi_trigger)] = PSI
-            paths.append(f"PSI '{psi_trigger}'")
-        except (OSError, ValueError):
-            pass
-    guard.detection = " + ".join(paths)
-    return paths
 
 
 def arm_system(guard: SystemGuard, psi_trigger: str, proc_root: str = "/proc") -> None:
@@ -167,86 +110,9 @@ def arm_system(guard: SystemGuard, psi_trigger: str, proc_root: str = "/proc") -
     guard.detection = " + ".join(paths)
 
 
-def consume(fd: int, kind: str) -> None:
-    """Reset an fd after it woke us, so it does not report ready again for the same event."""
-    with contextlib.suppress(BlockingIOError, OSError):
-        if kind == EVENTFD:
-            os.read(fd, 8)
-        elif kind == KERNFS:
-            rearm_watch(fd)
-
-
-def high_to_set(guard: CgroupGuard, limit: int, current: int | None) -> bool:
-    """Whether arming sets memory.high at the threshold: a memory.high the user set at or
-    below it already throttles there (and wakes us), and is left alone."""
-    return guard.spec.memory_high and not (
-        current is not None and current <= int(limit * guard.spec.threshold))
-
-
-def set_high_at_threshold(guard: CgroupGuard, cgroup: V2MemoryCgroup, limit: int,
-                          change: bool, original: int | None) -> None:
-    """memory.high at the threshold: the kernel throttles there and counts a `high` event,
-    which wakes us exactly at the crossing (v2 has no usage thresholds). `original` was
-    saved (SavedLimits) before this is called."""
-    if not guard.spec.memory_high:
-        return
-    guard.high_set = True
-    if not change:
-        return
-    cgroup.set_high(int(limit * guard.spec.threshold))
-    guard.high_original = original
-    guard.high_changed = True
-
-
-def put_back_high(guard: CgroupGuard) -> list[str]:
-    """memory.high as it was; returns the SavedLimits key to forget (the caller forgets many
-    in one write)."""
-    keys = []
-    if guard.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
-        with contextlib.suppress(OSError, CgroupGone):
-            guard.cgroup.set_high(guard.high_original)
-        keys.append(guard.name)
-    guard.high_set = False
-    guard.high_changed = False
-    return keys
-
-
-OOM_KILL_KEY = "#oom_kill_disable"  # SavedLimits key suffix: the cgroup's path + this
-
-
-def disable_oom_kill(guard: CgroupGuard, cgroup: V1MemoryCgroup, original: int | None) -> None:
-    """v1 `oom_kill_disable` (the default): a task that reaches the limit before oomguard has
-    stopped it (memory taken inside one system call, which no SIGSTOP interrupts) waits instead
-    of being killed; its OOM event wakes the daemon, which stops it, lifts the limit a little
-    and dumps it. Put back when the guard stops (and after a crash, at start). `original` was
-    saved (SavedLimits, key name + OOM_KILL_KEY) before this is called."""
-    if not guard.spec.oom_kill_disable:
-        return
-    cgroup.set_oom_kill_disable(True)
-    guard.oom_disable_original = bool(original)
-    guard.oom_disable_changed = True
-
-
-def put_back_oom_kill(guard: CgroupGuard) -> list[str]:
-    """oom_kill_disable as it was; returns the SavedLimits key to forget."""
-    keys = []
-    if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
-        with contextlib.suppress(OSError, CgroupGone):
-            guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
-        keys.append(guard.name + OOM_KILL_KEY)
-    guard.oom_disable_changed = False
-    return keys
-
-
 def claimed_keys(guards: list[CgroupGuard]) -> set[str]:
     """The SavedLimits keys that armed guards hold (their originals stay saved)."""
-    keys = set()
-    for guard in guards:
-        if guard.high_changed:
-            keys.add(guard.name)
-        if guard.oom_disable_changed:
-            keys.add(guard.name + OOM_KILL_KEY)
-    return keys
+    return {key for guard in guards if (key := claimed_key(guard)) is not None}
 
 
 def put_back_leftovers(saved: SavedLimits, claimed: set[str],
@@ -261,13 +127,9 @@ def put_back_leftovers(saved: SavedLimits, claimed: set[str],
             continue
         path = key.removesuffix(OOM_KILL_KEY)
         with contextlib.suppress(OSError, CgroupGone, ValueError):
-            cgroup = open_path(path)
-            if key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V1MemoryCgroup):
-                cgroup.set_oom_kill_disable(bool(original))
-                done.append((path, f"oom_kill_disable {int(bool(original))}"))
-            elif not key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V2MemoryCgroup):
-                cgroup.set_high(original)
-                done.append((path, f"memory.high {'max' if original is None else original}"))
+            what = put_back_saved(open_path(path), key, original)
+            if what is not None:
+                done.append((path, what))
         forgotten.append(key)
     saved.forget_many(forgotten)
     return done

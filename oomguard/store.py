@@ -10,18 +10,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
-import re
-import secrets
 import shutil
 import stat
-import time
 from collections.abc import Iterator
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from oomguard.checkpointmeta import (  # re-exported: what the store holds
+    ID_RE,
+    STATE_CHECKPOINTED,
+    STATE_DUMPING,
+    STATE_INCOMPLETE,
+    STATE_RESTORED,
+    CheckpointMeta,
+    new_id,
+    validate_id,
+)
 from oomguard.commitimages import fsync_dir, image_checksums, swap_compressed
 from oomguard.errors import StoreError
 from oomguard.hookgate import remove_gates
@@ -35,94 +40,20 @@ from oomguard.integrity import (
     sums_name,
     verify,
 )
-from oomguard.metaschema import check_value
+
+__all__ = ["COMPRESSED", "DEFAULT_STORE", "DUMP_SUCCESS", "ID_RE", "IMAGES", "LAST_FAILED_LOG",
+           "META", "META_MAX", "PARTIAL_PREFIX", "STATE_CHECKPOINTED", "STATE_DUMPING",
+           "STATE_INCOMPLETE", "STATE_RESTORED", "CheckpointMeta", "Store", "StoreScan",
+           "dir_size", "new_id", "validate_id"]
 
 DEFAULT_STORE = Path("/var/lib/oomguard")
 META = "meta.json"
 IMAGES = "images"
 PARTIAL_PREFIX = ".partial-"
-STATE_DUMPING = "dumping"
-STATE_CHECKPOINTED = "checkpointed"
-STATE_RESTORED = "restored"
-STATE_INCOMPLETE = "incomplete"  # dumped (the process is gone), but the commit did not finish
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
 LAST_FAILED_LOG = ".last-failed-dump.log"
 COMPRESSED = "compressed"  # meta.extra: pages files stored compressed, name -> raw bytes
 META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-
-
-@dataclass
-class CheckpointMeta:
-    id: str
-    pid: int  # root of the dumped tree (host PID)
-    pids: list[int]  # every task of the tree: CRIU restores these PIDs
-    command: str
-    comm: str
-    uid: int
-    user: str
-    cgroup: str  # memory cgroup path inside its hierarchy
-    cgroup_version: int
-    rss_bytes: int
-    reason: str
-    criu_version: str
-    created: float
-    pidns: bool = False  # the tree is the init of its own PID namespace (`oomguard exec`)
-    image_bytes: int = 0
-    dump_seconds: float = 0.0
-    state: str = "checkpointed"  # dumping (provisional) | checkpointed | restored
-    restored_at: float | None = None
-    restored_pid: int | None = None
-    restored_cgroup: str | None = None
-    # When the restored tree's root exited (the daemon watches it), and how: exit_status (its
-    # exit code) or exit_signal (the signal's name); both None with exited_at set: unknown.
-    exited_at: float | None = None
-    exit_status: int | None = None
-    exit_signal: str | None = None
-    gpu_pids: list[int] = field(default_factory=list)  # CUDA processes (pids in the tree's
-    # own PID namespace): their state was moved off the GPU with cuda-checkpoint before the dump
-    gpu_engine: str = ""  # what checkpointed their CUDA state: cuda-checkpoint | criu-plugin
-    vram_bytes: int = 0
-    stopped_nspids: list[int] = field(default_factory=list)  # tasks the user had stopped
-    # (pids in the tree's own PID namespace): restored stopped, never continued by oomguard
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> CheckpointMeta:
-        """Raises ValueError saying what is wrong: not JSON, nested too deep, a field missing,
-        of the wrong type or out of range. Unknown keys (a newer oomguard's) are ignored."""
-        try:
-            data = json.loads(text)
-        except RecursionError:
-            raise ValueError("meta.json is nested too deeply") from None
-        if not isinstance(data, dict):
-            raise ValueError("meta.json is not a JSON object")
-        values = {}
-        for spec in fields(cls):
-            if spec.name not in data:
-                if spec.default is MISSING and spec.default_factory is MISSING:
-                    raise ValueError(f"meta.json lacks {spec.name!r}")
-                continue
-            problem = check_value(spec.name, str(spec.type), data[spec.name])
-            if problem is not None:
-                raise ValueError(f"meta.json: {problem}")
-            values[spec.name] = data[spec.name]
-        return cls(**values)
-
-
-def validate_id(checkpoint_id: str) -> str:
-    """Ids name directories: letters, digits, '-' and '_' only (no '/', no '..', no dotfiles)."""
-    if not isinstance(checkpoint_id, str) or not ID_RE.fullmatch(checkpoint_id):
-        raise StoreError(f"invalid checkpoint id {checkpoint_id!r}")
-    return checkpoint_id
-
-
-def new_id(pid: int, now: float) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now))
-    return f"{stamp}-{pid}-{secrets.token_hex(2)}"
 
 
 def _write_durably(path: Path, text: str) -> None:

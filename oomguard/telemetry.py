@@ -12,12 +12,11 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.cgroup.watch import pressure_avg10
 from oomguard.dbusnotify import SignalEmitter
 from oomguard.errors import CgroupGone
 from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
-from oomguard.psi import parse_pressure
 from oomguard.scheduler import SlurmStep
 from oomguard.slurm import SlurmError, SlurmNotifier
 from oomguard.store import CheckpointMeta
@@ -129,12 +128,6 @@ def publish_gauges(metrics: Metrics, guards: Iterable[CgroupGuard | SystemGuard]
             except CgroupGone:
                 metrics.forget_cgroup(guard.name)
                 continue
-        pressure = None
-        if isinstance(guard.cgroup, V2MemoryCgroup):
-            try:
-                text = (guard.cgroup.path / "memory.pressure").read_text()
-                pressure = parse_pressure(text).some.avg10
-            except (OSError, ValueError):
-                pressure = None
-        metrics.set_cgroup(guard.name, snap.usage_bytes, snap.limit_bytes, pressure)
+        metrics.set_cgroup(guard.name, snap.usage_bytes, snap.limit_bytes,
+                           pressure_avg10(guard.cgroup))
     metrics.set_store(sum(c.image_bytes for c in checkpoints), len(checkpoints))

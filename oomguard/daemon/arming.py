@@ -15,20 +15,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.errors import CgroupGone
-from oomguard.guards import (
-    OOM_KILL_KEY,
-    CgroupGuard,
-    arm_v1_first,
-    arm_v1_later,
-    arm_v2,
-    disable_oom_kill,
-    high_to_set,
-    set_high_at_threshold,
-)
+from oomguard.guards import CgroupGuard
 from oomguard.ledger import SavedLimits
 
 ARM_WORKERS = 64  # concurrent registrations: past this the kernel's grace periods dominate
@@ -50,7 +40,7 @@ class Prepared:
 
     @property
     def saved_key(self) -> str:
-        return self.guard.name + (OOM_KILL_KEY if self.guard.cgroup.version == 1 else "")
+        return watch.saved_key(self.guard)
 
 
 class Armer:
@@ -85,14 +75,8 @@ class Armer:
             found.snapshot = snap = self.own_snapshot(guard.cgroup)
             if snap.limit_bytes is None or not guard.spec.events:
                 return found
-            cgroup = guard.cgroup
-            if isinstance(cgroup, V1MemoryCgroup):
-                if guard.spec.oom_kill_disable and not self.dry_run:  # nothing acts in a dry run
-                    found.setting_now = int(cgroup.oom_kill_disabled())
-                    found.change_setting = True
-            elif isinstance(cgroup, V2MemoryCgroup) and guard.spec.memory_high:
-                found.setting_now = cgroup.high()
-                found.change_setting = high_to_set(guard, snap.limit_bytes, found.setting_now)
+            setting = watch.read_setting(guard, snap.limit_bytes, self.dry_run)
+            found.setting_now, found.change_setting = setting.now, setting.change
         except CgroupGone:
             found.snapshot = None
         except OSError as exc:
@@ -106,24 +90,17 @@ class Armer:
         if found.error is not None or snap is None or snap.limit_bytes is None \
                 or not guard.spec.events:
             return False
-        limit = snap.limit_bytes
         try:
-            if isinstance(guard.cgroup, V1MemoryCgroup):
-                arm_v1_first(guard, limit)
-                if found.change_setting:
-                    disable_oom_kill(guard, guard.cgroup, original)
-            elif isinstance(guard.cgroup, V2MemoryCgroup):
-                set_high_at_threshold(guard, guard.cgroup, limit, found.change_setting, original)
-                arm_v2(guard, limit, self.psi_trigger)
+            return watch.arm_first(guard, snap.limit_bytes, found.change_setting, original,
+                                   self.psi_trigger)
         except (OSError, CgroupGone) as exc:
             found.error = str(exc)
             return False
-        return isinstance(guard.cgroup, V1MemoryCgroup)  # v2 has no later marks
 
     def _later(self, found: Prepared) -> None:
         assert found.snapshot is not None and found.snapshot.limit_bytes is not None
         try:
-            arm_v1_later(found.guard, found.snapshot.limit_bytes)
+            watch.arm_later(found.guard, found.snapshot.limit_bytes)
         except (OSError, CgroupGone) as exc:
             found.later_error = str(exc)
 

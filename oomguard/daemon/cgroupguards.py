@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.acting import rule_parts
+from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig, GuardConfig
 from oomguard.daemon.arming import Armer, Prepared
@@ -28,9 +27,7 @@ from oomguard.guards import (
     CgroupGuard,
     Guard,
     claimed_keys,
-    put_back_high,
     put_back_leftovers,
-    put_back_oom_kill,
 )
 from oomguard.ledger import SavedLimits
 from oomguard.parkwatch import ParkWatchdog
@@ -139,16 +136,15 @@ class CgroupGuardsMixin:
             if not guard.fds:
                 guard.detection = ""
             # v2 reports no usage crossings by itself: without memory.high it is polled.
-            guard.poll_only = not guard.fds or (
-                isinstance(guard.cgroup, V2MemoryCgroup) and not guard.high_set)
+            guard.poll_only = not guard.fds or not watch.reports_crossings(guard)
             if guard.poll_only:
                 polled = f"polling every {self.config.poll_interval * 1000:.0f}ms"
                 guard.detection = f"{guard.detection} + {polled}" if guard.fds else polled
                 guard.due_at = self.clock()
             self._register(guard)
-            if guard.oom_disable_changed and not guard.oom_disable_original \
-                    and isinstance(guard.cgroup, V1MemoryCgroup):
-                self.park_watch.watch(guard.name, guard.cgroup, guard.spec.park_deadline)
+            parking = watch.parks_at_limit(guard)
+            if parking is not None:
+                self.park_watch.watch(guard.name, parking, guard.spec.park_deadline)
         self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
                       detection=guard.detection, limit=snap.limit_bytes,
                       threshold=guard.spec.threshold, usage=snap.usage_bytes,
@@ -274,9 +270,8 @@ class CgroupGuardsMixin:
 
     def _put_back(self, guard: CgroupGuard) -> list[str]:
         """memory.high and oom_kill_disable as they were; returns the SavedLimits keys."""
-        keys = put_back_high(guard)
-        self.park_watch.unwatch(guard.name)  # before: the watchdog must not write after it
-        return keys + put_back_oom_kill(guard)
+        self.park_watch.unwatch(guard.name)  # first: the watchdog must not write after it
+        return watch.put_back(guard)
 
     def _release_cgroup_guards(self) -> None:
         forgotten: list[str] = []

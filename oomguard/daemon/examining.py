@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from oomguard.acting import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.cgroup.watch import freezable
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig
 from oomguard.decisionlog import DecisionLog
@@ -158,8 +158,7 @@ class ExaminingMixin:
                                           self._vram()))
 
         assert guard.parts is not None
-        freeze = cgroup if (guard.spec.freeze_cgroup and isinstance(cgroup, V2MemoryCgroup)
-                            and acting) else None
+        freeze = freezable(cgroup) if guard.spec.freeze_cgroup and acting else None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
                                  lambda tree: cgroup, still_pressing, freeze))
 

@@ -30,13 +30,8 @@ from jeepney import (  # type: ignore[import-untyped]
 from jeepney.io.blocking import open_dbus_connection  # type: ignore[import-untyped]
 
 from oomguard import dbusnotify
-from oomguard.dbusnotify import (
-    NotificationAgent,
-    NotificationError,
-    SignalEmitter,
-    checkpointed_message,
-    restored_message,
-)
+from oomguard.dbusnotify import SignalEmitter, checkpointed_message, restored_message
+from oomguard.notifyagent import NotificationAgent, NotificationError
 
 DBUS_DAEMON = shutil.which("dbus-daemon")
 pytestmark = pytest.mark.skipif(DBUS_DAEMON is None, reason="dbus-daemon not installed")

@@ -1,0 +1,275 @@
+"""How a memory cgroup is watched, one interface for cgroup v1 and v2: the daemon asks what a
+cgroup offers (usage crossings, a setting to replace, parking at the limit, a whole-cgroup
+freeze) and never which version it has; a new backend is a new branch here, not in the loop.
+
+v1: eventfd usage thresholds and the OOM notification (cgroup.event_control), with
+oom_kill_disable so that a task reaching the limit waits instead of being killed. v2: has no
+usage thresholds: memory.high at the threshold (the kernel throttles there and counts a `high`
+event in memory.events, which wakes the daemon), a PSI trigger, and cgroup.freeze.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+from dataclasses import dataclass
+from typing import Protocol
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
+from oomguard.configtypes import GuardConfig
+from oomguard.errors import CgroupGone
+from oomguard.psi import parse_pressure
+
+EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
+EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI}
+OOM_KILL_KEY = "#oom_kill_disable"  # SavedLimits key suffix: the cgroup's path + this
+# Sixteenths of the way from the threshold to the limit. Each v1 registration costs the
+# kernel an RCU grace period (~8 ms here): three marks keep a 1000-cgroup start near 25 s.
+MARK_STEPS = (0, 1, 8)
+
+
+class Watched(Protocol):
+    """What of a guard the watch reads and writes (guards.CgroupGuard)."""
+
+    spec: GuardConfig
+    cgroup: MemoryCgroup
+    fds: dict[int, str]
+    detection: str
+    high_original: int | None
+    high_set: bool
+    high_changed: bool
+    oom_disable_changed: bool
+    oom_disable_original: bool
+
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass
+class Setting:
+    """The setting oomguard replaces to watch a cgroup (v1 oom_kill_disable, v2 memory.high):
+    its value as found, whether oomguard changes it (the original is saved first), and the
+    SavedLimits key it is saved under."""
+
+    key: str
+    now: int | None = None
+    change: bool = False
+
+
+def threshold_marks(limit: int, threshold: float) -> list[int]:
+    """Usage levels to be told about: the threshold, then 1/16 and 1/2 of the way from it to
+    the limit. A crossing that is page cache rather than resident memory is watched (polled);
+    the marks that follow wake the daemon again as soon as resident memory catches up."""
+    first = limit * threshold
+    step = (limit - first) / 16
+    return sorted({min(limit, int(first + k * step)) for k in MARK_STEPS})
+
+
+def v1_marks(guard: Watched, limit: int) -> tuple[list[int], list[int]]:
+    """The usage levels to register on v1, as (first, later): first the threshold itself (and,
+    with time_to_limit, the level where growth starts being watched), which make the guard
+    armed; then the marks beyond the threshold, which only catch up with page cache."""
+    marks = threshold_marks(limit, guard.spec.threshold)
+    first = marks[:1]
+    if guard.spec.time_to_limit:  # wake where growth starts being watched
+        first.insert(0, int(limit * guard.spec.predict_from))
+    return first, marks[1:]
+
+
+# -- what a cgroup offers ------------------------------------------------------------------------
+
+def has_later_marks(cgroup: MemoryCgroup) -> bool:
+    """Marks beyond the threshold exist (v1 usage thresholds; v2 has none)."""
+    return isinstance(cgroup, V1MemoryCgroup)
+
+
+def reports_crossings(guard: Watched) -> bool:
+    """The kernel says when usage crosses the threshold: v1 marks always; v2 only through
+    memory.high at the threshold (else the guard is polled)."""
+    return not isinstance(guard.cgroup, V2MemoryCgroup) or guard.high_set
+
+
+def parks_at_limit(guard: Watched) -> V1MemoryCgroup | None:
+    """The cgroup, where its tasks at the limit wait instead of being killed because oomguard
+    set it so (v1 oom_kill_disable, which the park watchdog then looks after)."""
+    cgroup = guard.cgroup
+    if isinstance(cgroup, V1MemoryCgroup) and guard.oom_disable_changed \
+            and not guard.oom_disable_original:
+        return cgroup
+    return None
+
+
+def freezable(cgroup: MemoryCgroup) -> V2MemoryCgroup | None:
+    """The cgroup, where the whole of it can be frozen at once (v2 cgroup.freeze)."""
+    return cgroup if isinstance(cgroup, V2MemoryCgroup) else None
+
+
+def shields_needed(cgroup: MemoryCgroup | None) -> bool:
+    """Until its tree has stopped, a victim needs oom_score_adj's shield: v2 has no
+    oom_kill_disable (v1's keeps a task at the limit waiting instead)."""
+    return isinstance(cgroup, V2MemoryCgroup)
+
+
+def pressure_avg10(cgroup: MemoryCgroup) -> float | None:
+    """The cgroup's memory pressure (PSI some avg10) where it has its own (v2), else None."""
+    if not isinstance(cgroup, V2MemoryCgroup):
+        return None
+    try:
+        return parse_pressure((cgroup.path / "memory.pressure").read_text()).some.avg10
+    except (OSError, ValueError):
+        return None
+
+
+# -- arming ----------------------------------------------------------------------------------
+
+def saved_key(guard: Watched) -> str:
+    return guard.name + (OOM_KILL_KEY if isinstance(guard.cgroup, V1MemoryCgroup) else "")
+
+
+def read_setting(guard: Watched, limit: int, dry_run: bool) -> Setting:
+    """The setting as found, and whether arming replaces it. Raises OSError, CgroupGone."""
+    found = Setting(saved_key(guard))
+    cgroup = guard.cgroup
+    if isinstance(cgroup, V1MemoryCgroup):
+        if guard.spec.oom_kill_disable and not dry_run:  # nothing acts in a dry run
+            found.now = int(cgroup.oom_kill_disabled())
+            found.change = True
+    elif isinstance(cgroup, V2MemoryCgroup) and guard.spec.memory_high:
+        found.now = cgroup.high()
+        found.change = high_to_set(guard, limit, found.now)
+    return found
+
+
+def arm_first(guard: Watched, limit: int, change: bool, original: int | None,
+              psi_trigger: str) -> bool:
+    """What makes the guard armed: v1 the threshold mark, the OOM notification and
+    oom_kill_disable; v2 memory.high, memory.events and PSI. Returns whether later marks
+    follow (arm_later). Raises OSError, CgroupGone."""
+    cgroup = guard.cgroup
+    if isinstance(cgroup, V1MemoryCgroup):
+        first, _later = v1_marks(guard, limit)
+        for mark in first:
+            guard.fds[cgroup.register_threshold(mark)] = EVENTFD
+        guard.fds[cgroup.register_oom()] = EVENTFD
+        guard.detection = "v1 memory threshold eventfd + OOM notification"
+        if change:
+            disable_oom_kill(guard, cgroup, original)
+        return True
+    if isinstance(cgroup, V2MemoryCgroup):
+        set_high_at_threshold(guard, cgroup, limit, change, original)
+        arm_v2(guard, psi_trigger)
+    return False
+
+
+def arm_later(guard: Watched, limit: int) -> None:
+    """The v1 marks beyond the threshold (each registration waits for an RCU grace period,
+    so they come after every guard's first mark)."""
+    assert isinstance(guard.cgroup, V1MemoryCgroup)
+    for mark in v1_marks(guard, limit)[1]:
+        guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
+
+
+def arm_v2(guard: Watched, psi_trigger: str) -> list[str]:
+    """Registers memory.events and PSI watches; returns the paths that are active."""
+    assert isinstance(guard.cgroup, V2MemoryCgroup)
+    paths = []
+    guard.fds[guard.cgroup.open_events_watch()] = KERNFS
+    paths.append("memory.events")
+    if guard.high_set:
+        paths.insert(0, f"memory.high at {guard.spec.threshold:.0%}")
+    if guard.spec.psi:
+        try:
+            guard.fds[guard.cgroup.open_psi_trigger(psi_trigger)] = PSI
+            paths.append(f"PSI '{psi_trigger}'")
+        except (OSError, ValueError):
+            pass
+    guard.detection = " + ".join(paths)
+    return paths
+
+
+def consume(fd: int, kind: str) -> None:
+    """Reset an fd after it woke us, so it does not report ready again for the same event."""
+    with contextlib.suppress(BlockingIOError, OSError):
+        if kind == EVENTFD:
+            os.read(fd, 8)
+        elif kind == KERNFS:
+            rearm_watch(fd)
+
+
+def high_to_set(guard: Watched, limit: int, current: int | None) -> bool:
+    """Whether arming sets memory.high at the threshold: a memory.high the user set at or
+    below it already throttles there (and wakes us), and is left alone."""
+    return guard.spec.memory_high and not (
+        current is not None and current <= int(limit * guard.spec.threshold))
+
+
+def set_high_at_threshold(guard: Watched, cgroup: V2MemoryCgroup, limit: int,
+                          change: bool, original: int | None) -> None:
+    """memory.high at the threshold: the kernel throttles there and counts a `high` event,
+    which wakes us exactly at the crossing (v2 has no usage thresholds). `original` was
+    saved (SavedLimits) before this is called."""
+    if not guard.spec.memory_high:
+        return
+    guard.high_set = True
+    if not change:
+        return
+    cgroup.set_high(int(limit * guard.spec.threshold))
+    guard.high_original = original
+    guard.high_changed = True
+
+
+def disable_oom_kill(guard: Watched, cgroup: V1MemoryCgroup, original: int | None) -> None:
+    """v1 `oom_kill_disable` (the default): a task that reaches the limit before oomguard has
+    stopped it (memory taken inside one system call, which no SIGSTOP interrupts) waits instead
+    of being killed; its OOM event wakes the daemon, which stops it, lifts the limit a little
+    and dumps it. Put back when the guard stops (and after a crash, at start). `original` was
+    saved (SavedLimits, key name + OOM_KILL_KEY) before this is called."""
+    if not guard.spec.oom_kill_disable:
+        return
+    cgroup.set_oom_kill_disable(True)
+    guard.oom_disable_original = bool(original)
+    guard.oom_disable_changed = True
+
+
+# -- putting back ------------------------------------------------------------------------------
+
+def put_back(guard: Watched) -> list[str]:
+    """The replaced settings as they were; returns the SavedLimits keys to forget (the caller
+    forgets many in one write)."""
+    keys = []
+    if guard.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
+        with contextlib.suppress(OSError, CgroupGone):
+            guard.cgroup.set_high(guard.high_original)
+        keys.append(guard.name)
+    guard.high_set = False
+    guard.high_changed = False
+    if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
+        with contextlib.suppress(OSError, CgroupGone):
+            guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
+        keys.append(guard.name + OOM_KILL_KEY)
+    guard.oom_disable_changed = False
+    return keys
+
+
+def claimed_key(guard: Watched) -> str | None:
+    """The SavedLimits key an armed guard holds (its original stays saved), if any."""
+    if guard.high_changed:
+        return guard.name
+    if guard.oom_disable_changed:
+        return guard.name + OOM_KILL_KEY
+    return None
+
+
+def put_back_saved(cgroup: MemoryCgroup, key: str, original: int | None) -> str | None:
+    """After a crash: a saved original put back on its cgroup; what was put back, in words
+    (None where the key is not this cgroup's kind). Raises OSError, CgroupGone."""
+    if key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V1MemoryCgroup):
+        cgroup.set_oom_kill_disable(bool(original))
+        return f"oom_kill_disable {int(bool(original))}"
+    if not key.endswith(OOM_KILL_KEY) and isinstance(cgroup, V2MemoryCgroup):
+        cgroup.set_high(original)
+        return f"memory.high {'max' if original is None else original}"
+    return None
