@@ -55,6 +55,7 @@ NLMSG_DONE = 3
 NLMSG_HEADER = 16  # struct nlmsghdr
 CN_ACK_OFFSET = NLMSG_HEADER + 12  # struct cn_msg: id {idx, val}, seq, ack
 NETLINK_CONNECTOR = 11  # linux/netlink.h
+SOCKET_BUFFER = 1 << 20  # SO_RCVBUF/SO_SNDBUF, as pyroute2's NetlinkSocket sets them
 EVENT_OFFSET = NLMSG_HEADER + 20  # + struct cn_msg: where struct proc_event begins
 EVENT_MIN = EVENT_OFFSET + 16  # what, cpu, timestamp_ns
 ACK_TIMEOUT = 0.25  # the kernel answers within the send (measured: 25 us); none means ignored
@@ -258,6 +259,9 @@ def connector_socket() -> socket.socket:
                          NETLINK_CONNECTOR)
     try:
         sock.setblocking(False)
+        # The buffers pyroute2 gives its sockets (the kernel caps them at rmem/wmem_max).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
         sock.bind((0, CN_IDX_PROC))
     except OSError:
         sock.close()
