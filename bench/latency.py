@@ -48,7 +48,6 @@ def measure(events: EventLog, cgroup: Path, work: Path, name: str, rate_mb: floa
     seconds = began["t"] - marks["start"]["t"]
     return {
         "latency_ms": (event_time(frozen) - began["t"]) * 1000,
-        "stamped_cross": "cross" in marks,
         "detect_to_frozen_ms": frozen.get("detect_to_frozen_ms"),
         "achieved_mb_per_s": allocated / MB / seconds if seconds > 0 else None,
     }

@@ -12,26 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.cgroup.watch import (  # re-exported: the kinds of fd and the marks
-    EPOLL_MASK,
-    EVENTFD,
-    KERNFS,
-    OOM_KILL_KEY,
-    PSI,
-    claimed_key,
-    consume,
-    put_back_saved,
-    threshold_marks,
-)
+from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, claimed_key, put_back_saved
 from oomguard.config import GuardConfig
 from oomguard.errors import CgroupGone
 from oomguard.ledger import SavedLimits
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.cgroupfiles import Stamp
-
-__all__ = ["EPOLL_MASK", "EVENTFD", "KERNFS", "OOM_KILL_KEY", "PSI", "CgroupGuard", "Guard",
-           "SystemGuard", "arm_system", "claimed_keys", "consume", "psi_trigger_for",
-           "put_back_leftovers", "threshold_marks"]
 
 PSI_STALL_SHARE = 10  # a trigger fires at 10% of the window stalled ("some")
 

@@ -51,10 +51,9 @@ class Watched(Protocol):
 @dataclass
 class Setting:
     """The setting oomguard replaces to watch a cgroup (v1 oom_kill_disable, v2 memory.high):
-    its value as found, whether oomguard changes it (the original is saved first), and the
-    SavedLimits key it is saved under."""
+    its value as found, and whether oomguard changes it (the original is saved first, under
+    saved_key)."""
 
-    key: str
     now: int | None = None
     change: bool = False
 
@@ -80,11 +79,6 @@ def v1_marks(guard: Watched, limit: int) -> tuple[list[int], list[int]]:
 
 
 # -- what a cgroup offers ------------------------------------------------------------------------
-
-def has_later_marks(cgroup: MemoryCgroup) -> bool:
-    """Marks beyond the threshold exist (v1 usage thresholds; v2 has none)."""
-    return isinstance(cgroup, V1MemoryCgroup)
-
 
 def reports_crossings(guard: Watched) -> bool:
     """The kernel says when usage crosses the threshold: v1 marks always; v2 only through
@@ -131,7 +125,7 @@ def saved_key(guard: Watched) -> str:
 
 def read_setting(guard: Watched, limit: int, dry_run: bool) -> Setting:
     """The setting as found, and whether arming replaces it. Raises OSError, CgroupGone."""
-    found = Setting(saved_key(guard))
+    found = Setting()
     cgroup = guard.cgroup
     if isinstance(cgroup, V1MemoryCgroup):
         if guard.spec.oom_kill_disable and not dry_run:  # nothing acts in a dry run
@@ -161,7 +155,7 @@ def arm_first(guard: Watched, limit: int, change: bool, original: int | None,
     if isinstance(cgroup, V2MemoryCgroup):
         set_high_at_threshold(guard, cgroup, limit, change, original)
         arm_v2(guard, psi_trigger)
-    return False
+    return False  # v2 has no usage thresholds, so no later marks
 
 
 def arm_later(guard: Watched, limit: int) -> None:
@@ -172,8 +166,8 @@ def arm_later(guard: Watched, limit: int) -> None:
         guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
 
 
-def arm_v2(guard: Watched, psi_trigger: str) -> list[str]:
-    """Registers memory.events and PSI watches; returns the paths that are active."""
+def arm_v2(guard: Watched, psi_trigger: str) -> None:
+    """Registers memory.events and PSI watches, and says them in guard.detection."""
     assert isinstance(guard.cgroup, V2MemoryCgroup)
     paths = []
     guard.fds[guard.cgroup.open_events_watch()] = KERNFS
@@ -187,7 +181,6 @@ def arm_v2(guard: Watched, psi_trigger: str) -> list[str]:
         except (OSError, ValueError):
             pass
     guard.detection = " + ".join(paths)
-    return paths
 
 
 def consume(fd: int, kind: str) -> None:
@@ -239,28 +232,20 @@ def disable_oom_kill(guard: Watched, cgroup: V1MemoryCgroup, original: int | Non
 def put_back(guard: Watched) -> list[str]:
     """The replaced settings as they were; returns the SavedLimits keys to forget (the caller
     forgets many in one write)."""
-    keys = []
+    key = claimed_key(guard)
     if guard.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
             guard.cgroup.set_high(guard.high_original)
-        keys.append(guard.name)
-    guard.high_set = False
-    guard.high_changed = False
     if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
             guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
-        keys.append(guard.name + OOM_KILL_KEY)
-    guard.oom_disable_changed = False
-    return keys
+    guard.high_set = guard.high_changed = guard.oom_disable_changed = False
+    return [key] if key is not None else []
 
 
 def claimed_key(guard: Watched) -> str | None:
     """The SavedLimits key an armed guard holds (its original stays saved), if any."""
-    if guard.high_changed:
-        return guard.name
-    if guard.oom_disable_changed:
-        return guard.name + OOM_KILL_KEY
-    return None
+    return saved_key(guard) if guard.high_changed or guard.oom_disable_changed else None
 
 
 def put_back_saved(cgroup: MemoryCgroup, key: str, original: int | None) -> str | None:

@@ -23,7 +23,6 @@ from oomguard.config import DaemonConfig, GuardConfig
 from oomguard.daemon.arming import Armer, Prepared
 from oomguard.errors import CgroupGone
 from oomguard.guards import (
-    EPOLL_MASK,
     CgroupGuard,
     Guard,
     claimed_keys,
@@ -155,7 +154,7 @@ class CgroupGuardsMixin:
 
     def _register(self, guard: Guard) -> None:
         for fd, kind in guard.fds.items():
-            self.epoll.register(fd, EPOLL_MASK[kind])
+            self.epoll.register(fd, watch.EPOLL_MASK[kind])
             self._fd_owner[fd] = (guard, kind)
 
     def _disarm(self, guard: Guard) -> None:

@@ -27,6 +27,7 @@ import psutil
 from oomguard.acting import Actor, rule_parts
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout
+from oomguard.cgroup.watch import consume
 from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
 from oomguard.config import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
@@ -36,7 +37,7 @@ from oomguard.daemon.examining import ExaminingMixin
 from oomguard.decisionlog import DecisionLog
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.gpuwatch import GpuWatch
-from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, consume, psi_trigger_for
+from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
 from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer

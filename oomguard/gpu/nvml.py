@@ -111,15 +111,13 @@ def _import_pynvml(library: str = NVML_LIBRARY) -> Any:
     driver the daemon never imports it (pynvml and ctypes' types for it are ~3 MiB)."""
     import ctypes  # the library is looked for only here
 
-    if "pynvml" not in sys.modules and importlib.util.find_spec("pynvml") is None:
-        raise ImportError("No module named 'pynvml'")
-    try:
-        if "pynvml" not in sys.modules:  # (imported already: it answers for itself)
+    if "pynvml" not in sys.modules:  # (imported already: it answers for itself)
+        if importlib.util.find_spec("pynvml") is None:
+            raise ImportError("No module named 'pynvml'")
+        try:
             ctypes.CDLL(library)
-    except OSError as exc:
-        raise GpuUnavailable(f"nvmlInit: NVML Shared Library Not Found; "
-                             f"{_HINTS[NVML_ERROR_LIBRARY_NOT_FOUND]} "
-                             f"(NVML error {NVML_ERROR_LIBRARY_NOT_FOUND})",
+        except OSError as exc:  # what pynvml's nvmlInit would say
+            raise _described("nvmlInit", "NVML Shared Library Not Found",
                              NVML_ERROR_LIBRARY_NOT_FOUND) from exc
     return importlib.import_module("pynvml")
 
@@ -220,8 +218,13 @@ def _unavailable(name: str, exc: Exception) -> GpuUnavailable:
         text = str(exc)  # pynvml's __str__ calls into the library, which may be what is missing
     except Exception:
         text = ""
+    return _described(name, text, code, type(exc).__name__)
+
+
+def _described(name: str, text: str, code: int | None, fallback: str = "") -> GpuUnavailable:
+    """`name: text; hint (NVML error code)`, the hint saying what the code usually means."""
     hint = _HINTS.get(code) if code is not None else None
     parts = [p for p in (text, hint) if p]
-    detail = "; ".join(dict.fromkeys(parts)) or type(exc).__name__
+    detail = "; ".join(dict.fromkeys(parts)) or fallback
     suffix = f" (NVML error {code})" if code is not None else ""
     return GpuUnavailable(f"{name}: {detail}{suffix}", code)

@@ -13,9 +13,10 @@ import pytest
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.watch import OOM_KILL_KEY, threshold_marks
 from oomguard.config import GuardConfig
 from oomguard.daemon.arming import Armer
-from oomguard.guards import OOM_KILL_KEY, CgroupGuard, threshold_marks
+from oomguard.guards import CgroupGuard
 from oomguard.ledger import SavedLimits
 from tests.unit._support import MiB
 

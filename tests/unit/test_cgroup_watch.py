@@ -45,7 +45,7 @@ def v2_guard(tmp_path: Path, high: str = "max") -> CgroupGuard:
 
 def test_what_v1_offers(tmp_path: Path) -> None:
     guard = v1_guard(tmp_path)
-    assert watch.reports_crossings(guard) and watch.has_later_marks(guard.cgroup)
+    assert watch.reports_crossings(guard)
     assert watch.freezable(guard.cgroup) is None and not watch.shields_needed(guard.cgroup)
     assert watch.pressure_avg10(guard.cgroup) is None
     assert watch.saved_key(guard) == guard.name + watch.OOM_KILL_KEY
@@ -60,7 +60,6 @@ def test_what_v2_offers(tmp_path: Path) -> None:
     assert not watch.reports_crossings(guard)  # no usage thresholds: polled...
     guard.high_set = True
     assert watch.reports_crossings(guard)  # ...unless memory.high is at the threshold
-    assert not watch.has_later_marks(guard.cgroup)
     assert watch.freezable(guard.cgroup) is guard.cgroup and watch.shields_needed(guard.cgroup)
     assert watch.pressure_avg10(guard.cgroup) == 1.5
     (guard.cgroup.path / "memory.pressure").unlink()

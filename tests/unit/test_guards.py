@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.cgroup.watch import PSI, threshold_marks
 from oomguard.config import GuardConfig
-from oomguard.guards import PSI, CgroupGuard, SystemGuard, arm_system, psi_trigger_for, threshold_marks
+from oomguard.guards import CgroupGuard, SystemGuard, arm_system, psi_trigger_for
 from tests.unit._support import MiB
 
 # -- threshold_marks -----------------------------------------------------------------------------
@@ -109,7 +110,8 @@ def test_arm_system_falls_back_to_polling(tmp_path: Path, psi: bool) -> None:
 def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Path) -> None:
     from oomguard.cgroup.v1 import V1MemoryCgroup
     from oomguard.cgroup.v2 import V2MemoryCgroup
-    from oomguard.guards import OOM_KILL_KEY, claimed_keys, put_back_leftovers
+    from oomguard.cgroup.watch import OOM_KILL_KEY
+    from oomguard.guards import claimed_keys, put_back_leftovers
     from oomguard.ledger import SavedLimits
 
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
