@@ -9,6 +9,7 @@ process (its start time), so a reused PID is never touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -77,7 +78,6 @@ class FrozenLedger:
         self._owner_start = self.proc.starttime(self.owner)
         self._lock = threading.Lock()
 
-
     @contextlib.contextmanager
     def _file(self, write: bool = True) -> Iterator[int]:
         """The ledger, open and locked (flock: the daemon and CLI processes share it);
@@ -110,7 +110,12 @@ class FrozenLedger:
         with self._file() as fd:
             old = _read_all(fd)
             text = json.dumps([e.__dict__ for e in change(_parse_entries(old))]).encode()
-            os.pwrite(fd, text + b" " * max(0, len(old) - len(text)), 0)
+            data = text + b" " * max(0, len(old) - len(text))
+            # The blocks first: on a full disk a write that grows the file would stop short
+            # and leave a half-new ledger (every entry lost); this fails with nothing changed.
+            os.posix_fallocate(fd, 0, len(data))
+            if os.pwrite(fd, data, 0) != len(data):
+                raise OSError(errno.EIO, f"short write to {self.path}")
             if len(old) > len(text):
                 os.ftruncate(fd, len(text))
 
