@@ -6,11 +6,12 @@ is followed (the thresholds move with it), all within seconds. Real cgroups, rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from oomguard.cgroup.base import MemoryCgroup
-from tests.helpers import CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup
+from tests.helpers import EMULATION_FACTOR, CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup, wait_until
 
 pytestmark = pytest.mark.integration
 NO_RESCAN = '[daemon]\nrescan_interval = "1h"\n\n'
@@ -28,6 +29,19 @@ def _child(cgroups: CgroupFactory, parent: MemoryCgroup, name: str, limit: int) 
     return child
 
 
+def armed_with(guard: Any, path: Path, limit: int, timeout: float = 10) -> dict[str, Any]:
+    """The guard.armed event for `path` at `limit`. A cgroup is made (mkdir) before its limit
+    is written: the daemon may arm it at once with no limit, then again when the limit file
+    is written; the one that counts is the one with the limit."""
+    def found() -> dict[str, Any] | None:
+        return next((e for e in guard.events("guard.armed")
+                     if e["cgroup"] == str(path) and e["limit"] == limit), None)
+
+    event = wait_until(found, timeout * EMULATION_FACTOR)
+    assert event, f"{path} not armed at {limit}: {guard.events('guard.armed')}"
+    return dict(event)
+
+
 def test_a_cgroup_created_under_a_glob_is_guarded_at_once(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     jobs = cgroups.make("globjobs", None)
@@ -38,8 +52,7 @@ def test_a_cgroup_created_under_a_glob_is_guarded_at_once(
         guard.wait_event("guard.started")
         assert guard.events("guard.armed") == []  # nothing matches yet
         job = _child(cgroups, jobs, "job_1", 256 * MiB)
-        armed = guard.wait_event("guard.armed", timeout=10)[0]
-        assert armed["cgroup"] == str(job.path) and armed["limit"] == 256 * MiB
+        armed_with(guard, job.path, 256 * MiB)
         hog = start_in_cgroup(job, hog_argv(tmp_path / "hog.log", target=400, rate=200,
                                             count=100_000))
         done = guard.wait_event("checkpoint.done", timeout=60)[0]
@@ -50,8 +63,7 @@ def test_a_cgroup_created_under_a_glob_is_guarded_at_once(
         gone = guard.wait_event("guard.cgroup_gone", timeout=10)[0]
         assert gone["cgroup"] == str(job.path)
         again = _child(cgroups, jobs, "job_2", 128 * MiB)
-        rearmed = guard.wait_event("guard.armed", timeout=10, count=2)[1]
-        assert rearmed["cgroup"] == str(again.path) and rearmed["limit"] == 128 * MiB
+        armed_with(guard, again.path, 128 * MiB)
     assert job.path.exists() is False and again.snapshot().oom_kills == 0
 
 
@@ -64,8 +76,7 @@ def test_a_configured_cgroup_that_appears_later_is_armed(
     with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
         guard.wait_event("guard.cgroup_missing")
         _child(cgroups, parent, "build", 300 * MiB)
-        armed = guard.wait_event("guard.armed", timeout=10)[0]
-        assert armed["cgroup"] == str(target.path) and armed["limit"] == 300 * MiB
+        armed_with(guard, target.path, 300 * MiB)
 
 
 def test_a_limit_written_is_followed_without_a_rescan(
@@ -101,5 +112,22 @@ def test_a_configured_cgroup_removed_and_made_again_is_followed(
         assert guard.wait_event("guard.cgroup_gone", timeout=10)[0]["cgroup"] == str(build.path)
         build.create()
         build.set_limit(200 * MiB)
-        again = guard.wait_event("guard.armed", timeout=10, count=2)[1]
-        assert again["cgroup"] == str(build.path) and again["limit"] == 200 * MiB
+        armed_with(guard, build.path, 200 * MiB)
+
+
+def test_a_limit_written_after_the_cgroup_was_made_arms_it_at_that_limit(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """The race a scheduler makes every time (mkdir, then the limit): armed first with no
+    limit, then at the limit once it is written."""
+    jobs = cgroups.make("slowlimit", None)
+    config = tmp_path / "slow.toml"
+    config.write_text(NO_RESCAN + f'[[guard]]\ncgroups = ["{jobs.path}/job_*"]\n')
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.started")
+        job = jobs.child("job_1")
+        job.create()
+        cgroups.created.append(job)
+        first = guard.wait_event("guard.armed", timeout=10)[0]
+        assert first["cgroup"] == str(job.path) and first["limit"] is None
+        job.set_limit(192 * MiB)
+        armed_with(guard, job.path, 192 * MiB)
