@@ -17,15 +17,20 @@ pytestmark = pytest.mark.integration
 NO_RESCAN = '[daemon]\nrescan_interval = "1h"\n\n'
 
 
-def _child(cgroups: CgroupFactory, parent: MemoryCgroup, name: str, limit: int) -> MemoryCgroup:
+def _made(cgroups: CgroupFactory, parent: MemoryCgroup, name: str) -> MemoryCgroup:
     if parent.version == 2:  # v2: a child has memory files only where the parent delegates it
         control = parent.path / "cgroup.subtree_control"
         if "memory" not in control.read_text().split():
             control.write_text("+memory")
     child = parent.child(name)
     child.create()
-    child.set_limit(limit)
     cgroups.created.append(child)  # removed (after what runs in it) before its parent
+    return child
+
+
+def _child(cgroups: CgroupFactory, parent: MemoryCgroup, name: str, limit: int) -> MemoryCgroup:
+    child = _made(cgroups, parent, name)
+    child.set_limit(limit)
     return child
 
 
@@ -124,9 +129,7 @@ def test_a_limit_written_after_the_cgroup_was_made_arms_it_at_that_limit(
     config.write_text(NO_RESCAN + f'[[guard]]\ncgroups = ["{jobs.path}/job_*"]\n')
     with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
         guard.wait_event("guard.started")
-        job = jobs.child("job_1")
-        job.create()
-        cgroups.created.append(job)
+        job = _made(cgroups, jobs, "job_1")
         first = guard.wait_event("guard.armed", timeout=10)[0]
         assert first["cgroup"] == str(job.path) and first["limit"] is None
         job.set_limit(192 * MiB)
