@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -82,6 +84,23 @@ class MemoryCgroup(Protocol):
     def remove(self) -> None: ...
 
 
+def removed(exc: OSError) -> bool:
+    """Whether an error on a cgroup file means the cgroup was removed: ENOENT when the path was
+    looked up after the rmdir, ENODEV when the file was opened before it and read after."""
+    return exc.errno in (errno.ENOENT, errno.ENODEV)
+
+
+@contextlib.contextmanager
+def gone_if_removed(path: Path) -> Iterator[None]:
+    """Turns the errors of a removed cgroup into CgroupGone; other OSErrors pass through."""
+    try:
+        yield
+    except OSError as exc:
+        if removed(exc):
+            raise CgroupGone(f"cgroup {path} is gone") from exc
+        raise
+
+
 def subtree_procs(path: Path) -> list[int]:
     """The processes of a cgroup and of every cgroup beneath it (a Slurm job's or a systemd
     slice's live in leaves; a limit set higher up covers them all). Raises CgroupGone if the
@@ -92,11 +111,9 @@ def subtree_procs(path: Path) -> list[int]:
             continue
         try:
             text = Path(directory, "cgroup.procs").read_text()
-        except FileNotFoundError:
-            if Path(directory) == path:
+        except OSError as exc:
+            if removed(exc) and Path(directory) == path:
                 raise CgroupGone(f"cgroup {path} is gone") from None
-            continue
-        except OSError:
             continue
         pids += [int(x) for x in text.split()]
     if not pids and not path.exists():

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from cgroupspy.controllers import MemoryController
 
-from oomguard.cgroup.base import LimitBusy, MemorySnapshot, parse_flat_keyed, parse_procs
+from oomguard.cgroup.base import (
+    LimitBusy,
+    MemorySnapshot,
+    gone_if_removed,
+    parse_flat_keyed,
+    parse_procs,
+    removed,
+)
 from oomguard.errors import CgroupGone
 
 # The kernel reports "no limit" as PAGE_COUNTER_MAX rounded to pages: anything this big is unlimited.
@@ -47,17 +54,18 @@ class V1MemoryCgroup:
         return (self.path / "memory.usage_in_bytes").exists()
 
     def _read(self, name: str) -> str:
-        try:
+        with gone_if_removed(self.path):
             return (self.path / name).read_text()
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+
+    def _write(self, name: str, value: str) -> None:
+        with gone_if_removed(self.path):
+            (self.path / name).write_text(value)
 
     def _int(self, attribute: str) -> int:
-        # cgroupspy raises FileNotFoundError for a vanished cgroup (or returns None on some paths).
-        try:
+        # cgroupspy raises FileNotFoundError (ENODEV if removed between open and read) for a
+        # vanished cgroup, or returns None on some paths.
+        with gone_if_removed(self.path):
             value = getattr(self._ctl, attribute)
-        except FileNotFoundError:
-            value = None
         if value is None:
             raise CgroupGone(f"cgroup {self.path} is gone")
         return int(value)
@@ -92,10 +100,7 @@ class V1MemoryCgroup:
 
     def set_limit(self, limit_bytes: int | None) -> None:
         value = "-1" if limit_bytes is None else str(limit_bytes)
-        try:
-            (self.path / "memory.limit_in_bytes").write_text(value)
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+        self._write("memory.limit_in_bytes", value)
 
     def oom_kill_disabled(self) -> bool:
         return bool(self.oom_control().get("oom_kill_disable", 0))
@@ -103,10 +108,7 @@ class V1MemoryCgroup:
     def set_oom_kill_disable(self, disabled: bool) -> None:
         """memory.oom_control: with 1, a task at the limit waits (in the kernel) instead of
         being OOM-killed, and the cgroup's OOM eventfd fires."""
-        try:
-            (self.path / "memory.oom_control").write_text("1" if disabled else "0")
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+        self._write("memory.oom_control", "1" if disabled else "0")
 
     def raise_limit(self, new_limit: int) -> Callable[[], None]:
         """Lift the limit to `new_limit`; returns the undo."""
@@ -133,10 +135,7 @@ class V1MemoryCgroup:
         return parse_procs(self._read("cgroup.procs"))
 
     def add_proc(self, pid: int) -> None:
-        try:
-            (self.path / "cgroup.procs").write_text(str(pid))
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+        self._write("cgroup.procs", str(pid))
 
     def child(self, name: str) -> V1MemoryCgroup:
         return V1MemoryCgroup(self.path / name, self.mount)
@@ -161,16 +160,17 @@ class V1MemoryCgroup:
     def _register(self, control_file: str, argument: str | None) -> int:
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            target = os.open(self.path / control_file, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
+            with gone_if_removed(self.path):
+                target = os.open(self.path / control_file, os.O_RDONLY | os.O_CLOEXEC)
+        except (OSError, CgroupGone):
             os.close(efd)
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
+            raise
         try:
             line = f"{efd} {target}" + (f" {argument}" if argument else "")
             (self.path / "cgroup.event_control").write_text(line)
         except OSError as exc:
             os.close(efd)
-            if exc.errno == errno.ENOENT:
+            if removed(exc):
                 raise CgroupGone(f"cgroup {self.path} is gone") from exc
             raise
         finally:

@@ -9,8 +9,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from oomguard.cgroup.base import LimitBusy, MemorySnapshot, parse_flat_keyed, parse_procs
-from oomguard.errors import CgroupGone
+from oomguard.cgroup.base import (
+    LimitBusy,
+    MemorySnapshot,
+    gone_if_removed,
+    parse_flat_keyed,
+    parse_procs,
+)
 
 
 def parse_max(text: str) -> int | None:
@@ -36,16 +41,12 @@ class V2MemoryCgroup:
         return (self.path / "memory.current").exists()
 
     def _read(self, name: str) -> str:
-        try:
+        with gone_if_removed(self.path):
             return (self.path / name).read_text()
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
 
     def _write(self, name: str, value: str) -> None:
-        try:
+        with gone_if_removed(self.path):
             (self.path / name).write_text(value)
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
 
     def limit(self) -> int | None:
         return parse_max(self._read("memory.max"))
@@ -136,10 +137,8 @@ class V2MemoryCgroup:
     def open_events_watch(self) -> int:
         """An fd on memory.events that polls POLLPRI when a counter changes (kernfs notify).
         After each wake-up it must be re-read (`rearm_watch`) or it stays ready."""
-        try:
+        with gone_if_removed(self.path):
             fd = os.open(self.path / "memory.events", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError as exc:
-            raise CgroupGone(f"cgroup {self.path} is gone") from exc
         rearm_watch(fd)
         return fd
 

@@ -3,6 +3,7 @@ bad input (exit 2, naming the key and the file), the daemon on the embedded defa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.errors import CgroupGone
 from tests.helpers import (
     REPO,
     CgroupFactory,
@@ -153,6 +156,42 @@ def test_guarded_cgroup_removed_and_recreated(cgroups: CgroupFactory, store: Pat
         assert daemon.handle.poll() is None
     finally:
         assert daemon.stop() == 0
+
+
+class _RemovedBetweenOpenAndRead:
+    """A controller whose every read opens the cgroup's file, removes the cgroup, then reads:
+    the race CI hit at start-up (cgroupspy had opened the file when the test's rmdir came)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __getattr__(self, attribute: str) -> str:
+        with open(self.path / f"memory.{attribute}") as control:
+            self.path.rmdir()
+            return control.read()
+
+
+def test_a_cgroup_removed_between_open_and_read_is_gone_not_a_crash(
+        cgroups: CgroupFactory) -> None:
+    """The kernel answers ENODEV, not ENOENT, when a cgroup is removed after one of its files
+    was opened. CI saw the daemon die of it while arming (an OSError out of the first
+    snapshot); the layer must say CgroupGone, which the daemon handles as routine."""
+    raw = cgroups.make("openread-raw", 64 * MiB)
+    fd = os.open(raw.path / "memory.usage_in_bytes", os.O_RDONLY)
+    try:
+        raw.path.rmdir()
+        with pytest.raises(OSError) as read_error:
+            os.read(fd, 64)
+        assert read_error.value.errno == errno.ENODEV
+    finally:
+        os.close(fd)
+
+    cg = cgroups.make("openread", 64 * MiB)
+    assert isinstance(cg, V1MemoryCgroup)
+    cg._ctl = _RemovedBetweenOpenAndRead(cg.path)  # type: ignore[assignment]
+    with pytest.raises(CgroupGone):
+        cg.snapshot()
+    assert not cg.path.exists()
 
 
 def test_checkpoint_and_restore_show_progress_on_a_terminal(
