@@ -24,6 +24,7 @@ from oomguard.errors import CgroupGone
 from oomguard.freezer import Frozen
 from oomguard.policy import ProcessTree
 from oomguard.preferences import Preferences, apply_preferences, compile_patterns
+from oomguard.priority import ThreadPriority
 from oomguard.units import format_size
 
 MiB = 1 << 20
@@ -40,10 +41,13 @@ KEEP_WORKERS = 4  # idle action threads kept for the next crossing
 class Workers:
     """Daemon threads that outlive one action: starting a thread costs about half a
     millisecond, on the path from a crossing to SIGSTOP. A thread is started only when none is
-    idle; up to KEEP_WORKERS idle ones are kept."""
+    idle; up to KEEP_WORKERS idle ones are kept. An idle one waits at the guard's niceness
+    (`priority`), so it wakes as promptly as the loop that hands it the crossing; the work
+    lowers it once its victim is stopped."""
 
-    def __init__(self, keep: int = KEEP_WORKERS) -> None:
+    def __init__(self, keep: int = KEEP_WORKERS, priority: ThreadPriority | None = None) -> None:
         self.keep = keep
+        self.priority = priority
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = \
             queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -63,6 +67,8 @@ class Workers:
 
     def _serve(self) -> None:
         while True:
+            if self.priority is not None:
+                self.priority.raise_()
             work, done = self._queue.get()
             try:
                 work()
@@ -115,15 +121,17 @@ class Actor:
                  on_checkpoint: Callable[[int, float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  decisions: DecisionLog | None = None,
-                 on_done: Callable[[str], None] | None = None) -> None:
+                 on_done: Callable[[str], None] | None = None,
+                 priority: ThreadPriority | None = None) -> None:
         self.runner = runner
+        self.priority = priority
         self.on_done = on_done  # called (from the action's thread) when an action has ended
         self.log = log
         self.dry_run = dry_run
         self.decisions = decisions or DecisionLog(clock)  # a dry run's repeated decisions
         self.on_checkpoint = on_checkpoint
         self.clock = clock
-        self._workers = Workers()
+        self._workers = Workers(priority=priority)
         self._running: dict[str, threading.Event] = {}  # guard name -> set once its action ended
         self.last_done: dict[str, float] = {}
 
@@ -197,6 +205,8 @@ class Actor:
                 return
 
             def frozen(stopped: Frozen, at: float, fields: dict[str, Any] = fields) -> None:
+                if self.priority is not None:
+                    self.priority.lower()  # the dump competes with the user's work as an equal
                 self.log.info("victim.frozen",
                               detect_to_frozen_ms=round((at - request.woke) * 1000, 2),
                               choose_ms=choose_ms, **stopped.fields(), **fields)

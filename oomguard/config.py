@@ -38,6 +38,7 @@ from oomguard.configvalues import (
     choice,
     factor,
     guard_array,
+    niceness,
     nonempty_str,
     port,
     size,
@@ -83,6 +84,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     rescan = read.take(daemon, "daemon.", "rescan_interval", wait(positive=True),
                        base.rescan_interval)
     dry_run = read.take(daemon, "daemon.", "dry_run", boolean, base.dry_run)
+    nice = read.take(daemon, "daemon.", "nice", niceness, base.nice)
     socket = read.take(daemon, "daemon.", "socket", lambda v: Path(nonempty_str(v)), base.socket)
     max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_OR_NONE, base.store_max_size)
     max_age = read.take(daemon, "daemon.", "store_max_age", DURATION_OR_NONE, base.store_max_age)
@@ -171,7 +173,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     if issues:
         raise ConfigError(issues)
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
-                        dry_run=dry_run, socket=socket, store_max_size=max_size,
+                        dry_run=dry_run, nice=nice, socket=socket, store_max_size=max_size,
                         store_max_age=max_age, metrics_textfile_dir=textfile, metrics_port=metrics_port,
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),

@@ -104,6 +104,7 @@ class DaemonConfig:
     poll_interval: float = 0.1
     rescan_interval: float = 60.0  # the safety rescan: inotify and the kernel's events tell the rest
     dry_run: bool = False
+    nice: int = -10  # the threads from a crossing to SIGSTOP (priority.py); 0: untouched
     socket: Path = Path("/run/oomguard/control.sock")
     store_max_size: int | None = None  # size budget of the store; None: no budget
     store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go

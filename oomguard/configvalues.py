@@ -226,6 +226,13 @@ def port(value: Any) -> int:
     return value
 
 
+def niceness(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -20 <= value <= 0:
+        raise ValueError(f"expected a niceness from -20 to 0 (0: the ordinary priority), "
+                         f"got {value!r}")
+    return value
+
+
 def regex_list(value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list):

@@ -203,12 +203,19 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
             log.warning("oomd.prekill_unavailable", dir=str(config.oomd_prekill_dir),
                         error=str(exc))
     gpu_words, gpu_detail = gpu_summary(gpu)  # no probe text where there is no driver
+    daemon.priority.raise_()  # this thread is the event loop's
     log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
              socket=str(config.socket) if server else None, criu=criu.binary,
              criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
              guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
              gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}),
-             process_events=process_events_words(no_events))
+             process_events=process_events_words(no_events),
+             nice=daemon.priority.nice if daemon.priority.enabled else 0)
+    if daemon.priority.error is not None:
+        log.warning("guard.priority_unavailable", error=daemon.priority.error,
+                    explanation="the guard runs at the ordinary priority: on busy CPUs a "
+                    "crossing waits its turn (needs CAP_SYS_NICE or RLIMIT_NICE; set "
+                    "daemon.nice = 0 to say so)")
     if not config.guards:
         log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
                     "to the config or pass --cgroup")

@@ -197,12 +197,13 @@ class DaemonProcess:
     config's (pass the config's socket as `socket`, so that stop() can tidy it)."""
 
     def __init__(self, store: Path, log: Path, *args: str, socket: Path | None = None,
-                 env: dict[str, str] | None = None, config: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, config: Path | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.log = log
         self.socket = socket or short_socket_path()
         argv = oomguard_argv(store, "--socket", str(self.socket), "run", *args) \
             if config is None else cli_argv("--config", str(config), "run", *args)
-        self.handle = subprocess.Popen(argv, cwd=REPO, env=env,
+        self.handle = subprocess.Popen([*wrapper, *argv], cwd=REPO, env=env,
                                        stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)
 

@@ -44,6 +44,7 @@ from oomguard.kubelet import ContainerCheckpointer
 from oomguard.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.ledger import SavedLimits
 from oomguard.parkwatch import ParkWatchdog, park_reason
+from oomguard.priority import ThreadPriority
 from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.restore import Restorer
 from oomguard.selfguard import ancestors_of, own_family
@@ -101,10 +102,12 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   restorer=restorer, clock=clock, wall_clock=wall_clock)
+        self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
         self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
                                        clock=clock, containers=containers),
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
-                           clock=clock, decisions=self.decisions, on_done=self._action_done)
+                           clock=clock, decisions=self.decisions, on_done=self._action_done,
+                           priority=self.priority)
         self._reload = False
         self._globs: list[tuple[GuardConfig, str]] = []
         self._rule_parts: dict[int, Any] = {}
@@ -202,7 +205,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
             self.log.error("config.rejected", source=source, issues=issues,
                            explanation="the running rules stay in force")
             return
-        for key in ("store", "socket", "criu"):
+        for key in ("store", "socket", "criu", "nice"):
             if getattr(new, key) != getattr(self.config, key):
                 self.log.warning("config.restart_needed", key=f"daemon.{key}",
                                  explanation="this setting takes effect at the next start")
@@ -212,7 +215,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self._globs = []
         self._rule_parts = {}
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
-                              criu=self.config.criu)
+                              criu=self.config.criu, nice=self.config.nice)
         self._gpu_watching = self._wants_gpu_watch()
         self.actor.dry_run = self.armer.dry_run = self.config.dry_run
         self.log.info("config.reloaded", source=source, guards=len(new.guards))

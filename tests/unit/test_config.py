@@ -32,6 +32,7 @@ store = "/srv/oomguard"
 poll_interval = "250ms"
 rescan_interval = "5s"
 dry_run = true
+nice = -5
 
 [criu]
 binary = "/opt/criu/sbin/criu"
@@ -69,6 +70,7 @@ def test_full_config_exact_values() -> None:
         poll_interval=0.25,
         rescan_interval=5.0,
         dry_run=True,
+        nice=-5,
         criu=CriuConfig(binary="/opt/criu/sbin/criu", ghost_limit=128 * MiB, timeout=600.0,
                         tcp_close=False, cgroup_limit=1024 * MiB, checksum="sha256"),
         guards=(
@@ -89,6 +91,7 @@ def test_empty_config_is_all_defaults() -> None:
     assert config == DaemonConfig(source="empty.toml")
     assert config.store == Path("/var/lib/oomguard")
     assert (config.poll_interval, config.rescan_interval, config.dry_run) == (0.1, 60.0, False)
+    assert config.nice == -10
     assert config.criu == CriuConfig(binary="auto", ghost_limit=64 * MiB, timeout=300.0,
                                      tcp_close=True, cgroup_limit=256 * MiB)
     assert config.guards == ()
@@ -118,6 +121,10 @@ def test_input_dict_not_mutated() -> None:
         ('[daemon]\npoll_interval = "0ms"\n', "daemon.poll_interval", "must be above 0"),
         ('[daemon]\nrescan_interval = -1\n', "daemon.rescan_interval", "cannot be negative"),
         ('[daemon]\ndry_run = "yes"\n', "daemon.dry_run", "expected true or false, got 'yes'"),
+        ('[daemon]\nnice = 5\n', "daemon.nice", "expected a niceness from -20 to 0"),
+        ('[daemon]\nnice = -21\n', "daemon.nice", "expected a niceness from -20 to 0"),
+        ('[daemon]\nnice = "high"\n', "daemon.nice", "got 'high'"),
+        ('[daemon]\nnice = true\n', "daemon.nice", "got True"),
         ('[daemon]\nstore = ""\n', "daemon.store", "expected a non-empty string"),
         ('[daemon]\ncolour = "blue"\n', "daemon.colour", "unknown key"),
         ('deamon = 1\n', "deamon", "unknown key"),
