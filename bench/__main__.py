@@ -18,14 +18,14 @@ from typing import Any
 from bench.compress import compression
 from bench.harness import cgroup_factory, machine
 from bench.idle import idle_cost
-from bench.latency import detection_latency, scale_latency
+from bench.latency import contended_latency, detection_latency, scale_latency
 from bench.lazy import lazy_restore
 from bench.report import write_report
 from bench.saverate import UNTHROTTLED, save_rate
 from bench.throughput import throughput
 from bench.victims import victim_choice
 
-PARTS = ("latency", "saverate", "throughput", "lazy", "compress", "idle", "scale", "victims")
+PARTS = ("latency", "contended", "saverate", "throughput", "lazy", "compress", "idle", "scale", "victims")
 
 
 def main() -> int:
@@ -74,6 +74,7 @@ def main() -> int:
             factory.created.clear()
 
         timed("latency", detection_latency, [100, 500, 2000], latency_runs)
+        timed("contended", contended_latency, 500, latency_runs)
         timed("saverate", save_rate, [100, 500, 2000, UNTHROTTLED], 3 if quick else 10)
         sizes = [(256, 1), (1024, 1)] if quick else [(256, 1), (1024, 1), (2048, 2)]
         timed("throughput", throughput, sizes, 1 if quick else 3)

@@ -12,7 +12,11 @@ only the detection differs. The victim is then checkpointed as usual."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +58,9 @@ def measure(events: EventLog, cgroup: Path, work: Path, name: str, rate_mb: floa
 
 
 def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float], runs: int,
-              poll: bool, extra_cgroups: int = 0) -> dict[str, Any]:
+              poll: bool, extra_cgroups: int = 0, nice: int | None = None) -> dict[str, Any]:
     """One daemon guarding the hog's cgroup (and `extra_cgroups` idle ones), `runs` hogs per
-    rate in turn."""
+    rate in turn; `nice`: its daemon.nice (None: the default)."""
     hot = factory.make(f"{label}-hot", LIMIT)
     idle = [factory.make(f"{label}-{i:04d}", LIMIT) for i in range(extra_cgroups)]
     store = work / f"store-{label}"
@@ -68,6 +72,8 @@ def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float]
     if poll:
         text = config.read_text().replace("[daemon]\n", '[daemon]\npoll_interval = "100ms"\n')
         config.write_text(text)
+    if nice is not None:
+        config.write_text(config.read_text().replace("[daemon]\n", f"[daemon]\nnice = {nice}\n"))
     daemon = Daemon(store, config, work / f"{label}.log")
     events = daemon.start()
     results: dict[str, Any] = {}
@@ -114,3 +120,35 @@ def scale_latency(factory: CgroupFactory, work: Path, rates: list[float], runs: 
     """Detection latency with `cgroups` guarded cgroups, one of them under pressure, per rate."""
     return {"cgroups": cgroups, **run_guard(factory, work, f"scale{cgroups}", rates, runs,
                                             poll=False, extra_cgroups=cgroups - 1)}
+
+
+@contextmanager
+def busy_machine(work: Path, burners: int) -> Iterator[None]:
+    """`burners` shell loops spinning (one per CPU: the job's own threads, a build) and one
+    writer (dd of 256 MiB with fsync, over and over) while the block runs; all started here and
+    killed by PID afterwards."""
+    loads = [subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=True)
+             for _ in range(burners)]
+    target = work / "busy-writer.bin"
+    loads.append(subprocess.Popen(
+        ["sh", "-c", f"while :; do dd if=/dev/zero of={target} bs=1M count=256 conv=fsync "
+         "status=none; done"], start_new_session=True))
+    try:
+        yield
+    finally:
+        for load in loads:
+            load.kill()
+            load.wait()
+        target.unlink(missing_ok=True)
+
+
+def contended_latency(factory: CgroupFactory, work: Path, rate: float,
+                      runs: int) -> dict[str, Any]:
+    """Detection at `rate` on busy CPUs: the guard at the ordinary priority (daemon.nice = 0,
+    the baseline) and at the default, under the same load, in turn."""
+    burners = os.cpu_count() or 2
+    with busy_machine(work, burners):
+        ordinary = run_guard(factory, work, "busy-nice0", [rate], runs, poll=False, nice=0)
+        raised = run_guard(factory, work, "busy-default", [rate], runs, poll=False)
+    return {"burners": burners, "writer": True, "nice_0": ordinary[f"{rate:g}"],
+            "default": raised[f"{rate:g}"]}
