@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -34,6 +33,7 @@ from oomguard.config import DaemonConfig, GuardConfig, check_config, config_warn
 from oomguard.daemon.arming import Armer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin
+from oomguard.daemon.settling import SettlingMixin
 from oomguard.decisionlog import DecisionLog
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.gpuwatch import GpuWatch
@@ -55,13 +55,12 @@ from oomguard.startup import guard_line
 from oomguard.store import CheckpointMeta
 
 SAVED_HIGH = ".memory-high.json"
-SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often
 LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pages (a unit's
 # TimeoutStopSec is 330 s)
 STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
 
 
-class Daemon(ExaminingMixin, CgroupGuardsMixin):
+class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
     def __init__(self, config: DaemonConfig, checkpointer: Checkpointer, layout: CgroupLayout,
                  log: Any, *, proc: ProcReader | None = None,
                  clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
@@ -348,60 +347,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         limit to put back, a store to prune) at once."""
         self._acted.set()
         self._wake(b"a")
-
-    # -- work that waits ---------------------------------------------------------------------------
-
-    def _settle(self) -> None:
-        """Limits to put back, a dead run's leftovers, auto-restores that wait for room: done
-        now, and retried every SETTLE_INTERVAL while any is left."""
-        waiting = False
-        if self.checkpointer.lifts.pending() or self._limit_busy:
-            self._settle_lifts()
-            waiting = waiting or self.checkpointer.lifts.pending() or bool(self._limit_busy)
-        waiting = self.keeper.tick() or waiting
-        restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present]
-        if restoring:
-            wanted = self.keeper.waiting_cgroups()
-            for guard in restoring:
-                if guard.cgroup.rel_path not in wanted:
-                    guard.quiet_since = None
-                    continue
-                waiting = True
-                snap = guard.last_snapshot
-                with contextlib.suppress(OSError):
-                    snap = guard.cgroup.snapshot()
-                    guard.last_snapshot = snap
-                if snap is not None:
-                    self.keeper.consider_restore(guard, snap)
-        self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
-
-    def _settle_lifts(self) -> None:
-        """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
-        that cannot be put back (something grew into the lifted room) is retried, and its guard
-        acts on the grower at once: the limit comes back, never stays."""
-        for path in sorted(self._limit_busy):
-            if not self.checkpointer.lifts.lifted(Path(path)):  # put back by a later dump
-                self._limit_busy.discard(path)
-                self.log.info("limit.restored", cgroup=path,
-                              explanation="the limit lifted for a dump's headroom is back")
-        for settled in self.checkpointer.lifts.settle(self._cgroup_at):
-            if settled.outcome == "restored":
-                self.log.info("limit.restored", cgroup=settled.path,
-                              explanation="the limit lifted for a dump's headroom is back")
-                self._limit_busy.discard(settled.path)
-            elif settled.outcome == "busy":
-                if settled.path not in self._limit_busy:
-                    self._limit_busy.add(settled.path)
-                    self.log.error("limit.restore_failed", cgroup=settled.path,
-                                   error=settled.detail, explanation="the cgroup grew into the "
-                                   "room lifted for a dump; acting on it until the limit is back")
-                guard = self._guard_at(Path(settled.path))
-                if guard is not None:
-                    self._examine_cgroup(guard, self.clock(), "limit-restore")
-
-    def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
-        self.keeper.note_dump(image_bytes, dump_seconds)
-        self.keeper.prune()
 
     # -- asked by others (the control service, the park watchdog, the GPU watch) --------------
 

@@ -1,0 +1,89 @@
+"""Work that waits, done after a turn and retried every SETTLE_INTERVAL while any is left:
+limits lifted for a dump's headroom to put back, a dead run's leftovers, auto-restores that
+wait for room, the store's pruning after a dump."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.checkpoint import Checkpointer
+from oomguard.guards import CgroupGuard
+from oomguard.keeper import StoreKeeper
+
+SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often
+
+
+class SettlingMixin:
+    """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
+
+    log: Any
+    checkpointer: Checkpointer
+    keeper: StoreKeeper
+    clock: Callable[[], float]
+    _limit_busy: set[str]  # cgroups whose lifted limit could not be put back yet
+    _next_settle: float | None  # None: nothing waits to be settled
+
+    if TYPE_CHECKING:  # Daemon's (never defined here: they would shadow the real ones)
+        def _cgroup_guards(self) -> list[CgroupGuard]: ...
+
+        def _cgroup_at(self, path: str) -> MemoryCgroup | None: ...
+
+        def _guard_at(self, path: Path) -> CgroupGuard | None: ...
+
+        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None: ...
+
+    def _settle(self) -> None:
+        """Limits to put back, a dead run's leftovers, auto-restores that wait for room: done
+        now, and retried every SETTLE_INTERVAL while any is left."""
+        waiting = False
+        if self.checkpointer.lifts.pending() or self._limit_busy:
+            self._settle_lifts()
+            waiting = waiting or self.checkpointer.lifts.pending() or bool(self._limit_busy)
+        waiting = self.keeper.tick() or waiting
+        restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present]
+        if restoring:
+            wanted = self.keeper.waiting_cgroups()
+            for guard in restoring:
+                if guard.cgroup.rel_path not in wanted:
+                    guard.quiet_since = None
+                    continue
+                waiting = True
+                snap = guard.last_snapshot
+                with contextlib.suppress(OSError):
+                    snap = guard.cgroup.snapshot()
+                    guard.last_snapshot = snap
+                if snap is not None:
+                    self.keeper.consider_restore(guard, snap)
+        self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
+
+    def _settle_lifts(self) -> None:
+        """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
+        that cannot be put back (something grew into the lifted room) is retried, and its guard
+        acts on the grower at once: the limit comes back, never stays."""
+        for path in sorted(self._limit_busy):
+            if not self.checkpointer.lifts.lifted(Path(path)):  # put back by a later dump
+                self._limit_busy.discard(path)
+                self.log.info("limit.restored", cgroup=path,
+                              explanation="the limit lifted for a dump's headroom is back")
+        for settled in self.checkpointer.lifts.settle(self._cgroup_at):
+            if settled.outcome == "restored":
+                self.log.info("limit.restored", cgroup=settled.path,
+                              explanation="the limit lifted for a dump's headroom is back")
+                self._limit_busy.discard(settled.path)
+            elif settled.outcome == "busy":
+                if settled.path not in self._limit_busy:
+                    self._limit_busy.add(settled.path)
+                    self.log.error("limit.restore_failed", cgroup=settled.path,
+                                   error=settled.detail, explanation="the cgroup grew into the "
+                                   "room lifted for a dump; acting on it until the limit is back")
+                guard = self._guard_at(Path(settled.path))
+                if guard is not None:
+                    self._examine_cgroup(guard, self.clock(), "limit-restore")
+
+    def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
+        self.keeper.note_dump(image_bytes, dump_seconds)
+        self.keeper.prune()
