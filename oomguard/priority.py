@@ -1,8 +1,9 @@
 """The niceness of the threads between a threshold crossing and the victim's SIGSTOP.
 
 The work that fills memory often fills the CPUs too: at nice 0 the guard waits its turn
-behind it (bench: detection p95 at 500 MB/s on 2 busy vCPUs, 14 ms at nice 0, 9-11 ms at
-nice -10). Linux niceness is per thread, so only the threads on that path run at
+behind it, as earlyoom's -p (nice -20) also assumes. bench/ measures it (the 'contended'
+part: the same load, nice 0 against the default); on this project's noisy 2-vCPU VM the gain
+has ranged from 1.0x to 2.7x at the p95. Linux niceness is per thread, so only the threads on that path run at
 `daemon.nice`: the event loop's, and an action worker's until its victim is stopped (a worker
 waits for work at that niceness, so it wakes as promptly as the loop; once the tree is
 stopped it drops back for the dump). Every such thread also carries SCHED_RESET_ON_FORK:
