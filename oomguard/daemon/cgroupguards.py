@@ -34,6 +34,7 @@ from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watc
 from oomguard.startup import guard_line
 
 SWEEP_SLICES = 10  # with inotify, each safety rescan stats this share of the guards
+ARM_ROUNDS = 3  # a limit written while arming: armed again, at most this many times in all
 
 
 class CgroupGuardsMixin:
@@ -99,28 +100,36 @@ class CgroupGuardsMixin:
     def _arm_guards(self, guards: list[CgroupGuard]) -> None:
         """Arm these guards together (concurrently: see arming.py), then register and report
         each, and look at each that is over its threshold already."""
-        if not guards:
-            return
-        for guard in guards:
-            self._disarm(guard)
-        for prepared in self.armer.arm(guards):
-            self._finish_arming(prepared)
+        for round_ in range(ARM_ROUNDS):
+            if not guards:
+                break
+            for guard in guards:
+                self._disarm(guard)
+            last = round_ == ARM_ROUNDS - 1
+            guards = [p.guard for p in self.armer.arm(guards)
+                      if self._finish_arming(p, recheck=not last)]
         self._watch_directories()  # where the missing would appear, beside the present
 
-    def _finish_arming(self, prepared: Prepared) -> None:
+    def _finish_arming(self, prepared: Prepared, recheck: bool = True) -> bool:
+        """Register and report one armed guard. True (nothing registered: arm it again) when
+        `recheck` and its limit was written while it was being armed, after the read and
+        before the inotify watch (a job scheduler sets the limit of a cgroup it has just
+        made): no event would tell, and the file's stamp already has the write in it."""
         guard, snap = prepared.guard, prepared.snapshot
         if snap is None:
             if guard.present:
                 self.log.warning("guard.cgroup_missing", cgroup=guard.name)
             guard.present = False
             guard.limit_stamp = None
-            return
+            return False
         guard.present = True
         guard.armed_limit = snap.limit_bytes
         guard.oom_kills = snap.oom_kills
         guard.last_snapshot = snap
         guard.limit_stamp = stamp(guard.cgroup.path / guard.cgroup.limit_file)
         self.files.watch_limit(guard.name, guard.cgroup.path / guard.cgroup.limit_file)
+        if recheck and self._limit_moved(guard, snap.limit_bytes):
+            return True
         if snap.limit_bytes is None:
             guard.detection = "none (no memory limit)"
         else:
@@ -151,6 +160,17 @@ class CgroupGuardsMixin:
         # Already over the threshold when armed: no crossing will come, look now.
         if self._examine_on_arm and snap.limit_bytes is not None:
             self._examine_cgroup(guard, self.clock(), source="arm")
+        return False
+
+    def _limit_moved(self, guard: CgroupGuard, armed: int | None) -> bool:
+        """Whether the guard's limit file now says other than `armed` (one read; a limit
+        oomguard lifted for a dump's headroom does not count)."""
+        if self.checkpointer.limit_lifted(guard.cgroup.path):
+            return False
+        try:
+            return guard.cgroup.limit() != armed
+        except (CgroupGone, OSError):
+            return False  # gone: the directory watch and the rescan say so
 
     def _register(self, guard: Guard) -> None:
         for fd, kind in guard.fds.items():

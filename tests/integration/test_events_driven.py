@@ -11,6 +11,12 @@ from typing import Any
 import pytest
 
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.mounts import read_layout
+from oomguard.config import load_config
+from oomguard.daemon.loop import Daemon
+from oomguard.guards import CgroupGuard
+from oomguard.procfs import ProcReader
+from oomguard.wiring import build_checkpointer, build_criu
 from tests.helpers import EMULATION_FACTOR, CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup, wait_until
 
 pytestmark = pytest.mark.integration
@@ -134,3 +140,56 @@ def test_a_limit_written_after_the_cgroup_was_made_arms_it_at_that_limit(
         assert first["cgroup"] == str(job.path) and first["limit"] is None
         job.set_limit(192 * MiB)
         armed_with(guard, job.path, 192 * MiB)
+
+
+class _Events:
+    """The daemon's log, kept: (event, fields)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **fields: self.seen.append((event, fields))
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.seen if name == event]
+
+
+def test_a_limit_written_while_the_guard_is_being_armed_is_not_missed(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """What the Slurm lane hit: slurmstepd wrote job_1's limit after the daemon had read the
+    cgroup (no limit) and before the daemon's inotify watch was on the file. No event came,
+    and the file's stamp, taken after the write, never changed again: the job grew to its
+    limit unguarded and was OOM-killed. The write is forced into that window here: a real
+    daemon arms a real cgroup whose limit is written right after the daemon's read."""
+    jobs = cgroups.make("armrace", None)
+    job = _made(cgroups, jobs, "job_1")
+    path = tmp_path / "race.toml"
+    path.write_text(f'[daemon]\nrescan_interval = "1h"\nstore = "{store}"\n\n'
+                    f'[[guard]]\ncgroups = ["{jobs.path}/job_*"]\n')
+    config = load_config(path)
+    layout = read_layout()
+    checkpointer = build_checkpointer(config, build_criu(config.criu, layout, ProcReader()))
+    log = _Events()
+    guard_daemon = Daemon(config, checkpointer, layout, log)
+    read = guard_daemon.armer.own_snapshot
+    written: list[int] = []
+
+    def read_then_the_scheduler_writes(cgroup: MemoryCgroup) -> Any:
+        snap = read(cgroup)
+        if cgroup.path == job.path and not written:
+            job.set_limit(192 * MiB)
+            written.append(192 * MiB)
+        return snap
+
+    guard_daemon.armer.own_snapshot = read_then_the_scheduler_writes
+    try:
+        guard_daemon.arm()
+        assert written == [192 * MiB]
+        armed = [e for e in log.named("guard.armed") if e["cgroup"] == str(job.path)]
+        assert [e["limit"] for e in armed] == [192 * MiB], log.seen
+        (guard,) = [g for g in guard_daemon.guards
+                    if isinstance(g, CgroupGuard) and g.name == str(job.path)]
+        assert guard.armed_limit == 192 * MiB and guard.fds  # its threshold mark is in place
+    finally:
+        guard_daemon.close()
