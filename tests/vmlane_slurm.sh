@@ -24,7 +24,8 @@ say() { printf '[slurm-lane] %s\n' "$*" >&2; }
 fail() { say "FAIL: $*"; for f in "$work"/log/*.log "$work"/out/* "$local_dir"/store/*/*.log \
     "$local_dir"/store/*/images/restore.log; do
   [ -f "$f" ] && { echo "== $f" >&2; tail -n 40 "$f" >&2; }; done
-  echo "== dmesg" >&2; dmesg | tail -n 30 >&2; exit 1; }
+  echo "== dmesg" >&2; dmesg | tail -n 30 >&2
+  say "FAIL: $* (again, after the logs: the end of the output is what a CI log keeps)"; exit 1; }
 
 command -v slurmctld >/dev/null && command -v munged >/dev/null \
   || { say "SKIP: slurm-wlm or munge not installed (scripts/setup installs them)"; exit 3; }
@@ -107,6 +108,8 @@ EOF
   > "$work/log/oomguard.log" 2>&1 &
 guard=$!
 for _ in $(seq 1 60); do grep -q '"guard.started"' "$work/log/oomguard.log" && break; sleep 1; done
+sleep 2  # it arms the guards after saying so: a daemon that died doing it fails here, not later
+kill -0 "$guard" 2>/dev/null || fail "oomguard exited at start"
 
 # -- the job: first run grows past --mem; the requeued run resumes it -----------------------
 cat > "$work/job.sh" <<EOF
@@ -125,8 +128,16 @@ say "submitted job $job"
 
 for _ in $(seq 1 900); do
   grep -q "^done " "$work/out/hog.log" 2>/dev/null && break
-  scontrol show job "$job" 2>/dev/null | grep -q "JobState=\(COMPLETED\|FAILED\).*" \
-    && scontrol show job "$job" | grep -q "Restarts=[1-9]" && { sleep 5; break; }
+  # One look at the job for both: a finished first run seen by one call and the requeue by
+  # the next would look like a finished second run.
+  info=$(scontrol show job "$job" 2>/dev/null || true)
+  if echo "$info" | grep -q "JobState=\(COMPLETED\|FAILED\|OUT_OF_MEMORY\|CANCELLED\)"; then
+    echo "$info" | grep -q "Restarts=[1-9]" && { sleep 5; break; }
+    ended=$((${ended:-0} + 1))  # the first run ended and no requeue came: not for ever
+    [ "$ended" -ge 30 ] && break
+  else
+    ended=0
+  fi
   sleep 1
 done
 grep -q '"checkpoint.done"' "$work/log/oomguard.log" || fail "no checkpoint"
