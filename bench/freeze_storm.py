@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from oomguard.freezer import SigstopFreezer
-from oomguard.sense.procevents import FORKS, EventSource, Subscriber
+from oomguard.sense.cnproc import FORKS
+from oomguard.sense.procevents import EventSource, Subscriber
 from tests.helpers import REPO
 
 STORM = REPO / "tests" / "workloads" / "forkstorm.py"

@@ -24,7 +24,8 @@ from typing import Any
 import psutil
 
 from oomguard.errors import StoreError
-from oomguard.sense.procevents import EXITS, EventSource, ProcessExit, ProcEvents, unavailable
+from oomguard.sense.cnproc import EXITS, ProcessExit
+from oomguard.sense.procevents import EventSource, ProcEvents, unavailable
 from oomguard.store import Store
 
 STATUS_WAIT = 1.0  # after the pidfd says "exited", how long the connector's event may take

@@ -30,7 +30,8 @@ from typing import Protocol
 
 from oomguard.errors import ProcessGone
 from oomguard.procfs import ProcReader
-from oomguard.sense.procevents import FORKS, EventSource, ProcessFork, Subscriber
+from oomguard.sense.cnproc import FORKS, ProcessFork
+from oomguard.sense.procevents import EventSource, Subscriber
 
 STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
 USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)

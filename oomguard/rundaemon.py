@@ -21,7 +21,8 @@ from oomguard.logsetup import RecordingLogger
 from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
 from oomguard.sdnotify import Notifier
-from oomguard.sense.procevents import FORKS, ProcessExit, Subscriber, process_events_words
+from oomguard.sense.cnproc import FORKS, ProcessExit
+from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.startup import gpu_summary
 from oomguard.store import Store

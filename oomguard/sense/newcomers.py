@@ -10,7 +10,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from oomguard.sense.procevents import FORKS, EventSource, ProcessFork, Subscriber
+from oomguard.sense.cnproc import FORKS, ProcessFork
+from oomguard.sense.procevents import EventSource, Subscriber
 
 KEPT = 8192  # the newest births remembered (older ones are in the next ranking anyway)
 

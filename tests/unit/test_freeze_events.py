@@ -15,15 +15,8 @@ import pytest
 from oomguard.errors import ProcessGone
 from oomguard.freezer import BY_EVENTS, BY_LISTING, ForkFollow, SigstopFreezer
 from oomguard.procfs import ProcReader
-from oomguard.sense.procevents import (
-    EventBatch,
-    EventSource,
-    ProcessEvent,
-    ProcessExec,
-    ProcessExit,
-    ProcessFork,
-    Subscriber,
-)
+from oomguard.sense.cnproc import ProcessEvent, ProcessExec, ProcessExit, ProcessFork
+from oomguard.sense.procevents import EventBatch, EventSource, Subscriber
 from tests.unit._support import stat_line
 
 ROOT, KID, GRANDKID, GREAT = 4_000_100, 4_000_101, 4_000_102, 4_000_103  # above any real pid

@@ -21,7 +21,7 @@ def loaded_by(module: str) -> set[str]:
 
 @pytest.mark.parametrize("module", ["oomguard.config", "oomguard.policy",
                                     "oomguard.sense.cgroupfiles", "oomguard.sense.ranking",
-                                    "oomguard.sense.procevents"])
+                                    "oomguard.sense.procevents", "oomguard.sense.cnproc"])
 def test_lower_layers_load_nothing_that_acts(module: str) -> None:
     loaded = loaded_by(module)
     assert not {name for name in loaded for acting in ACTING

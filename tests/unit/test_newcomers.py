@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from oomguard.sense.cnproc import ProcessExec, ProcessFork
 from oomguard.sense.newcomers import Newcomers
-from oomguard.sense.procevents import EventBatch, ProcessExec, ProcessFork, Subscriber
+from oomguard.sense.procevents import EventBatch, Subscriber
 
 
 class FakeEvents:

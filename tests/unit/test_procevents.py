@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from oomguard.sense.procevents import (
+from oomguard.sense.cnproc import (
     EXITS,
     FORKS,
     PROC_CN_MCAST_IGNORE,
@@ -25,18 +25,15 @@ from oomguard.sense.procevents import (
     PROC_EVENT_EXIT,
     PROC_EVENT_FORK,
     ControlAck,
-    EventBatch,
     ProcessExec,
     ProcessExit,
     ProcessFork,
-    ProcEvents,
-    Subscriber,
     control_message,
     load_cn_proc,
     parse_events,
     parse_messages,
-    unavailable,
 )
+from oomguard.sense.procevents import EventBatch, ProcEvents, Subscriber, unavailable
 from tests.helpers import REPO
 
 PROC_EVENT_COMM = 0x200
@@ -302,7 +299,7 @@ def test_importing_oomguard_imports_no_pyroute2() -> None:
 
 
 def test_the_connector_modules_load_without_pyroute2s_init() -> None:
-    assert fresh("import sys\nfrom oomguard.sense.procevents import parse_events\n"
+    assert fresh("import sys\nfrom oomguard.sense.cnproc import parse_events\n"
                  + textwrap.dedent(CHECK)) == "False False"
 
 
@@ -314,13 +311,13 @@ def test_the_plain_import_when_the_light_one_fails(find_spec: str) -> None:
     assert fresh(textwrap.dedent(f"""
         import importlib.util, sys
         from oomguard.sense import procevents
-        from oomguard.sense.procevents import parse_events
+        from oomguard.sense.cnproc import parse_events
         procevents.load_cn_proc(find_spec={find_spec})
     """) + textwrap.dedent(CHECK)) == "True True"
 
 
 def test_a_pyroute2_imported_already_is_used_as_it_is() -> None:
-    assert fresh("import sys, pyroute2\nfrom oomguard.sense.procevents import parse_events\n"
+    assert fresh("import sys, pyroute2\nfrom oomguard.sense.cnproc import parse_events\n"
                  + textwrap.dedent(CHECK)) == "True True"
 
 
