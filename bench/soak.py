@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.harness import machine
 from oomguard.procfs import ProcReader
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     HOG,
     CgroupFactory,

@@ -152,7 +152,7 @@ def _grown(stamps: list[Path]) -> list[dict[str, Any]] | None:
 def old_commit_s(images: Path) -> float:
     """What the commit did before checksums were taken during the dump: read every image back
     with a cold cache and SHA-256 it."""
-    from oomguard.integrity import SHA256, compute
+    from oomguard.store.integrity import SHA256, compute
 
     for path in images.iterdir():
         fd = os.open(path, os.O_RDONLY)

@@ -28,15 +28,15 @@ from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
-from oomguard.imagedigest import ImageDigester, with_packed
-from oomguard.ledger import FrozenLedger
 from oomguard.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.oomshield import OomShield
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
 from oomguard.selfguard import refuse_own_tree
-from oomguard.store import CheckpointMeta, Store, new_id
+from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
+from oomguard.store.digest import ImageDigester, with_packed
+from oomguard.store.ledger import FrozenLedger
 from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
 
 FROZEN_LEDGER = ".frozen.json"

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.errors import StoreError
-from oomguard.integrity import READ_BLOCK, hasher_factory
+from oomguard.store.integrity import READ_BLOCK, hasher_factory
 
 SUFFIX = ".zst"
 SAMPLE = 64 << 20  # raw bytes after which a stream that saved under a tenth is given up

@@ -5,11 +5,11 @@ images durable (fdatasync each file and the directory) and drops their page cach
 (POSIX_FADV_DONTNEED after the sync; fsync alone does not uncharge the cache from the memory
 cgroup). A non-zero exit makes CRIU resume the tree instead of killing it, so a checkpoint that
 is not on disk never costs the process its life. Before dropping the cache it lets oomguard's
-digester (oomguard/imagedigest.py) finish the checksums it took while CRIU wrote, so they are
+digester (oomguard/store/digest.py) finish the checksums it took while CRIU wrote, so they are
 read from memory, not back from disk.
 
 On `post-restore` (only when oomguard names a gate) it asks oomguard whether the images CRIU
-has just read are intact (oomguard/imageverify.py checks them while CRIU reads): anything but
+has just read are intact (oomguard/store/verify.py checks them while CRIU reads): anything but
 "ok" (a mismatch, no answer, oomguard gone) exits 1, and CRIU kills the restored tree before
 it ran a single instruction. On `post-resume` it continues the tree.
 

@@ -19,7 +19,7 @@ from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lazyrestore import lazy_unavailable
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.procevents import EventSource, ProcEvents, Subscriber, process_events_words
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from oomguard.units import format_size
 
 PREKILL_SYSTEMD = 260  # systemd-oomd's io.systemd.oom.Prekill hook

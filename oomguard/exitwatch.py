@@ -26,7 +26,7 @@ import psutil
 from oomguard.errors import StoreError
 from oomguard.sense.cnproc import EXITS, ProcessExit
 from oomguard.sense.procevents import EventSource, ProcEvents, unavailable
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 
 STATUS_WAIT = 1.0  # after the pidfd says "exited", how long the connector's event may take
 RECENT_EXITS = 4096  # exits remembered for roots that end before they are watched

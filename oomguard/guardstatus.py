@@ -8,7 +8,7 @@ from typing import Any
 
 from oomguard.errors import CgroupGone
 from oomguard.guards import CgroupGuard, Guard, SystemGuard
-from oomguard.store import CheckpointMeta
+from oomguard.store.checkpoints import CheckpointMeta
 
 
 def summary_line(guards: list[Guard], stored: Iterable[CheckpointMeta]) -> str:

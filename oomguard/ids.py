@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from oomguard.errors import AmbiguousId, UnknownCheckpoint
-from oomguard.store import CheckpointMeta
+from oomguard.store.checkpoints import CheckpointMeta
 
 LAST = "last"
 CANDIDATES_SHOWN = 10  # an ambiguous prefix lists at most this many matches

@@ -13,12 +13,12 @@ from oomguard.cgroup.base import MemorySnapshot
 from oomguard.config import DaemonConfig
 from oomguard.errors import OomguardError, StoreError
 from oomguard.guards import CgroupGuard
-from oomguard.ledger import FrozenLedger
 from oomguard.policy import restore_fits
 from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
 from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.retention import Stored, choose_prunes
-from oomguard.store import CheckpointMeta, Store
+from oomguard.store.checkpoints import CheckpointMeta, Store
+from oomguard.store.ledger import FrozenLedger
 
 PRUNE_INTERVAL = 60.0
 LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from oomguard.criu_hook import drop_cache, tree_pids
 from oomguard.errors import StoreError
-from oomguard.imageverify import RestoreVerifier
-from oomguard.integrity import find_sums, read_sums
 from oomguard.lazyrestore import LAZY_STATUS
-from oomguard.store import IMAGES, STATE_CHECKPOINTED, Store
+from oomguard.store.checkpoints import IMAGES, STATE_CHECKPOINTED, Store
+from oomguard.store.integrity import find_sums, read_sums
+from oomguard.store.verify import RestoreVerifier
 
 GIVE_UP_AFTER = 7 * 86400.0  # a job that never touches its last pages: the daemon waits, we too
 

@@ -22,10 +22,10 @@ from oomguard.fileids import FILES_RECORD
 from oomguard.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
-from oomguard.imageverify import RestoreVerifier
 from oomguard.lazyrestore import LazySession, lazy_unavailable
 from oomguard.procfs import ProcReader
-from oomguard.store import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.store.verify import RestoreVerifier
 from oomguard.ttyclient import HolderError
 from oomguard.ttyext import TTYS
 from oomguard.ttyrestore import TtyLease, criu_tty_hint, gid_of, lease_ttys

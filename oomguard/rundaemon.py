@@ -25,7 +25,7 @@ from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.startup import gpu_summary
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,

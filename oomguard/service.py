@@ -36,7 +36,7 @@ from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.restorefit import GuardLookup, check_fits
 from oomguard.rights import foreign_task, untouchable_task
 from oomguard.selfguard import own_family
-from oomguard.store import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
+from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
 
 ROOT = 0
 

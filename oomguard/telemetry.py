@@ -19,7 +19,7 @@ from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.hooks import HookRunner
 from oomguard.scheduler import SlurmStep
 from oomguard.slurm import SlurmError, SlurmNotifier
-from oomguard.store import CheckpointMeta
+from oomguard.store.checkpoints import CheckpointMeta
 
 if TYPE_CHECKING:  # prometheus_client is imported only where metrics are wanted
     from oomguard.metrics import Metrics

@@ -24,7 +24,7 @@ from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer
 from oomguard.sense.procevents import Subscriber
 from oomguard.service import Service
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 
 CRIU_CGROUP_NAME = "oomguard-criu"
 

@@ -19,7 +19,7 @@ from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.errors import CgroupGone
 from oomguard.guards import CgroupGuard
-from oomguard.ledger import SavedLimits
+from oomguard.store.ledger import SavedLimits
 
 ARM_WORKERS = 64  # concurrent registrations: past this the kernel's grace periods dominate
 

@@ -28,10 +28,10 @@ from oomguard.guards import (
     claimed_keys,
     put_back_leftovers,
 )
-from oomguard.ledger import SavedLimits
 from oomguard.parkwatch import ParkWatchdog
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
 from oomguard.startup import guard_line
+from oomguard.store.ledger import SavedLimits
 
 SWEEP_SLICES = 10  # with inotify, each safety rescan stats this share of the guards
 ARM_ROUNDS = 3  # a limit written while arming: armed again, at most this many times in all

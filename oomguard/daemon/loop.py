@@ -42,7 +42,6 @@ from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
 from oomguard.lazyrestore import running_keepers, wait_for_keepers
-from oomguard.ledger import SavedLimits
 from oomguard.parkwatch import ParkWatchdog, park_reason
 from oomguard.priority import ThreadPriority
 from oomguard.procfs import ProcessInfo, ProcReader
@@ -52,7 +51,8 @@ from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.ranking import ProcessRanking
 from oomguard.startup import guard_line
-from oomguard.store import CheckpointMeta
+from oomguard.store.checkpoints import CheckpointMeta
+from oomguard.store.ledger import SavedLimits
 
 SAVED_HIGH = ".memory-high.json"
 LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pages (a unit's

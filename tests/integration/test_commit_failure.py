@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.criu import find_criu
-from oomguard.store import PARTIAL_PREFIX, Store
+from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
 from tests.helpers import (
     CgroupFactory,
     hog_argv,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.integrity import image_files
 from oomguard.procfs import ProcReader
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
+from oomguard.store.integrity import image_files
 from tests.helpers import (
     CgroupFactory,
     hog_argv,

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.execwrap import EXIT_CHECKPOINTED, EXIT_DETACHED
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from oomguard.ttyclient import request
 from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, oomguard_argv, wait_until
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     CgroupFactory,
     MiB,

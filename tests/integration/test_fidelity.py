@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.procfs import ProcReader
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,
     CgroupFactory,

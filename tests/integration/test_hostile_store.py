@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
-from oomguard.store import META
+from oomguard.store.checkpoints import META
 from tests.helpers import (
     REPO,
     CgroupFactory,

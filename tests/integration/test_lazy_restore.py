@@ -19,7 +19,7 @@ import pytest
 from oomguard.criu import find_criu
 from oomguard.errors import StoreError
 from oomguard.procfs import ProcReader
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,
     CgroupFactory,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.ledger import FrozenLedger
+from oomguard.store.ledger import FrozenLedger
 
 
 @pytest.fixture

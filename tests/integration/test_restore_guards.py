@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.control.client import ControlClient, ControlError
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,
     CgroupFactory,

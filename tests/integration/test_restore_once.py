@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from oomguard.procfs import ProcReader
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     HOG,
     REPO,

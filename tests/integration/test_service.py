@@ -22,7 +22,7 @@ from oomguard.control.client import ControlClient
 from oomguard.criu import find_criu
 from oomguard.procfs import ProcReader
 from oomguard.psi import has_cap_sys_resource
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     HOG,
     CgroupFactory,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     CgroupFactory,
     hog_argv,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,
     CgroupFactory,

@@ -13,7 +13,7 @@ import pytest
 from oomguard.cgroup.mounts import read_layout
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.checkpoint import FROZEN_LEDGER
-from oomguard.ledger import FrozenLedger
+from oomguard.store.ledger import FrozenLedger
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,

@@ -17,7 +17,7 @@ from oomguard.cgroup.watch import OOM_KILL_KEY, threshold_marks
 from oomguard.config import GuardConfig
 from oomguard.daemon.arming import Armer
 from oomguard.guards import CgroupGuard
-from oomguard.ledger import SavedLimits
+from oomguard.store.ledger import SavedLimits
 from tests.unit._support import MiB
 
 LIMIT = 256 * MiB

@@ -12,9 +12,9 @@ import zstandard
 
 from oomguard.compression import SAMPLE, Packer, PageCompressor, compressed_pages, expand
 from oomguard.errors import StoreError
-from oomguard.imagedigest import Digests, ImageDigester, with_packed
-from oomguard.integrity import XXH3, digest_file, find_sums, read_sums
-from oomguard.store import COMPRESSED, IMAGES, Store
+from oomguard.store.checkpoints import COMPRESSED, IMAGES, Store
+from oomguard.store.digest import Digests, ImageDigester, with_packed
+from oomguard.store.integrity import XXH3, digest_file, find_sums, read_sums
 from tests.unit.test_store import make_meta
 
 TEXTLIKE = b"".join(bytes([i % 251]) * 4096 for i in range(1024))  # 4 MiB, like a hog's pages

@@ -34,7 +34,7 @@ from oomguard.control.protocol import (
 from oomguard.control.server import ControlServer, dispatch
 from oomguard.procfs import ProcReader
 from oomguard.service import Service
-from oomguard.store import CheckpointMeta, Store
+from oomguard.store.checkpoints import CheckpointMeta, Store
 from tests.unit._support import FakeProc, fake_proc_tree
 
 NO_CGROUPS = CgroupLayout(memory_v1=None, unified=None, unified_controllers=())

@@ -26,7 +26,7 @@ from oomguard.procfs import ProcReader
 from oomguard.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.sense.cnproc import ProcessEvent, ProcessExit, ProcessFork
 from oomguard.sense.procevents import EventBatch
-from oomguard.store import CheckpointMeta, Store
+from oomguard.store.checkpoints import CheckpointMeta, Store
 from tests.helpers import wait_until
 from tests.unit._support import FakeProc, fake_proc_tree
 

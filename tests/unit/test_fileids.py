@@ -13,7 +13,7 @@ import pytest
 from oomguard import fileids
 from oomguard.errors import RestoreFailed
 from oomguard.restore import Restorer
-from oomguard.store import Store
+from oomguard.store.checkpoints import Store
 from tests.unit.test_store import checkpoint, make_meta
 
 

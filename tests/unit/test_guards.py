@@ -112,7 +112,7 @@ def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Pa
     from oomguard.cgroup.v2 import V2MemoryCgroup
     from oomguard.cgroup.watch import OOM_KILL_KEY
     from oomguard.guards import claimed_keys, put_back_leftovers
-    from oomguard.ledger import SavedLimits
+    from oomguard.store.ledger import SavedLimits
 
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     for name in ("kept", "dropped", "gone"):

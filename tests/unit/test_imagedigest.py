@@ -1,4 +1,4 @@
-"""Checksums taken while CRIU writes (oomguard.imagedigest), the gate to CRIU's action script
+"""Checksums taken while CRIU writes (oomguard.store.digest), the gate to CRIU's action script
 (oomguard.hookgate + criu_hook.ask/answer) and the commit that uses them, on real files."""
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from oomguard import criu_hook, integrity
+from oomguard import criu_hook
 from oomguard.criu_hook import REPLY_OK, answer, ask
 from oomguard.errors import StoreError
 from oomguard.hookgate import Gate, remove_gates
-from oomguard.imagedigest import GATE_NAME, Digests, FileDigest, ImageDigester
-from oomguard.integrity import SHA256, XXH3, digest_file, find_sums, read_sums
-from oomguard.store import IMAGES, PARTIAL_PREFIX, Store
+from oomguard.store import integrity
+from oomguard.store.checkpoints import IMAGES, PARTIAL_PREFIX, Store
+from oomguard.store.digest import GATE_NAME, Digests, FileDigest, ImageDigester
+from oomguard.store.integrity import SHA256, XXH3, digest_file, find_sums, read_sums
 from tests.unit.test_store import make_meta
 
 ALGORITHMS = [SHA256, XXH3]
@@ -201,7 +202,7 @@ def test_commit_takes_the_digests_and_reads_only_what_they_do_not_cover(
     read: list[str] = []
     synced: list[str] = []
     real_digest, real_sync = digest_file, os.fdatasync
-    monkeypatch.setattr("oomguard.commitimages.digest_file",
+    monkeypatch.setattr("oomguard.store.commit.digest_file",
                         lambda path, *a, **k: read.append(path.name) or real_digest(path, *a, **k))
     monkeypatch.setattr(os, "fdatasync",
                         lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or

@@ -1,4 +1,4 @@
-"""oomguard.imageverify: the checks of a restore, on real files (the page cache included)."""
+"""oomguard.store.verify: the checks of a restore, on real files (the page cache included)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from oomguard.criu_hook import REPLY_OK, VERIFY_GATE_ENV, answer, ask
 from oomguard.errors import StoreError
-from oomguard.imageverify import GATE_NAME, RestoreVerifier
-from oomguard.integrity import SHA256, XXH3, compute
+from oomguard.store.integrity import SHA256, XXH3, compute
+from oomguard.store.verify import GATE_NAME, RestoreVerifier
 
 PAGES = bytes(range(256)) * 4096 * 3  # 3 MiB
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ACTING = ("oomguard.checkpoint", "oomguard.restore", "oomguard.criu", "oomguard.store",
+ACTING = ("oomguard.checkpoint", "oomguard.restore", "oomguard.criu", "oomguard.store.checkpoints",
           "oomguard.daemon", "oomguard.service", "oomguard.freezer", "oomguard.chain")
 
 

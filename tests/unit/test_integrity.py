@@ -1,4 +1,4 @@
-"""oomguard.integrity: SHA256SUMS of a checkpoint's images, written and verified on real files."""
+"""oomguard.store.integrity: SHA256SUMS of a checkpoint's images, written and verified on real files."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.errors import StoreError
-from oomguard.integrity import (
+from oomguard.store.integrity import (
     CHECKSUMS,
     SHA256,
     SUMS_FILES,

@@ -11,8 +11,8 @@ from typing import Any
 
 from oomguard.config import DaemonConfig
 from oomguard.keeper import PRUNE_INTERVAL, StoreKeeper
-from oomguard.ledger import FrozenLedger
-from oomguard.store import CheckpointMeta, Store
+from oomguard.store.checkpoints import CheckpointMeta, Store
+from oomguard.store.ledger import FrozenLedger
 
 
 class RecordingLog:

@@ -1,4 +1,4 @@
-"""oomguard.ledger: the frozen-task ledger (PID + start time, cgroup freezes) and SavedLimits."""
+"""oomguard.store.ledger: the frozen-task ledger (PID + start time, cgroup freezes) and SavedLimits."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-import oomguard.ledger as ledger_module
-from oomguard.ledger import FrozenEntry, FrozenLedger, SavedLimits
+import oomguard.store.ledger as ledger_module
 from oomguard.procfs import ProcReader
+from oomguard.store.ledger import FrozenEntry, FrozenLedger, SavedLimits
 from tests.unit._support import FakeProc, fake_proc_tree
 
 
@@ -28,7 +28,7 @@ def _entries(path: Path) -> list[dict[str, Any]]:
 
 
 class _KillRecorder(types.SimpleNamespace):
-    """Stands in for `os` inside oomguard.ledger: os.kill is recorded, never sent."""
+    """Stands in for `os` inside oomguard.store.ledger: os.kill is recorded, never sent."""
 
     def __init__(self, missing: frozenset[int] = frozenset()) -> None:
         super().__init__(kills=[])

@@ -1,4 +1,4 @@
-"""oomguard.ledger.FrozenLedger: who may settle an entry (owner alive or dead), traced tasks, zombies.
+"""oomguard.store.ledger.FrozenLedger: who may settle an entry (owner alive or dead), traced tasks, zombies.
 
 Most cases run on a fake /proc with os.kill recorded, not sent; the owner-liveness cases that
 need the real /proc use `sleep` children, killed in finally.
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-import oomguard.ledger as ledger_module
-from oomguard.ledger import FrozenLedger
+import oomguard.store.ledger as ledger_module
 from oomguard.procfs import ProcReader
+from oomguard.store.ledger import FrozenLedger
 from tests.unit._support import FakeProc, fake_proc_tree
 
 LIVE_OWNER, LIVE_OWNER_START = 50, 777  # an oomguard process that is still running
@@ -33,7 +33,7 @@ TRACER = 4321
 
 
 class _KillRecorder(types.SimpleNamespace):
-    """Stands in for `os` inside oomguard.ledger: os.kill is recorded, never sent."""
+    """Stands in for `os` inside oomguard.store.ledger: os.kill is recorded, never sent."""
 
     def __init__(self) -> None:
         super().__init__(kills=[])

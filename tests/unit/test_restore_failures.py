@@ -20,7 +20,7 @@ from oomguard.guards import CgroupGuard
 from oomguard.keeper import RESTORE_BACKOFF, StoreKeeper
 from oomguard.restore import failure_fields
 from oomguard.service import PermissionDenied, Service
-from oomguard.store import CheckpointMeta, Store
+from oomguard.store.checkpoints import CheckpointMeta, Store
 
 MiB = 1 << 20
 NO_CGROUPS = CgroupLayout(memory_v1=None, unified=None, unified_controllers=())

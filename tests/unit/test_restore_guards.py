@@ -25,7 +25,7 @@ from oomguard.policy import free_under_threshold, restore_fits
 from oomguard.restorefit import RestoreGuard, check_fits, daemon_lookup, guard_for
 from oomguard.restorewait import restore_when_it_fits
 from oomguard.service import Service
-from oomguard.store import CheckpointMeta, Store
+from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.telemetry import EventTap
 
 MiB = 1 << 20

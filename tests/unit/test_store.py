@@ -1,4 +1,4 @@
-"""oomguard.store: the checkpoint store in a temporary directory."""
+"""oomguard.store.checkpoints: the checkpoint store in a temporary directory."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.errors import StoreError
-from oomguard.store import (
+from oomguard.store.checkpoints import (
     IMAGES,
     META,
     PARTIAL_PREFIX,

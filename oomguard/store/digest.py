@@ -30,7 +30,7 @@ from pathlib import Path
 from oomguard.compression import SUFFIX
 from oomguard.criu_hook import DIGEST_GATE_ENV
 from oomguard.hookgate import Gate
-from oomguard.integrity import READ_BLOCK, Hasher, digest_file, hasher_factory, image_files
+from oomguard.store.integrity import READ_BLOCK, Hasher, digest_file, hasher_factory, image_files
 
 # Files hashed as they grow: CRIU appends to them and never goes back (criu/page-xfer.c).
 GROWING = re.compile(r"^pages-\d+\.img$")

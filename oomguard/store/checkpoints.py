@@ -1,7 +1,7 @@
 """The checkpoint store: one root-only directory per checkpoint, CRIU images plus meta.json.
 
 A checkpoint is built in `.partial-<id>` and renamed to `<id>` only once its images are durable,
-checksummed (XXH128SUMS, or SHA256SUMS: oomguard/integrity.py) and its meta.json written, so a crash
+checksummed (XXH128SUMS, or SHA256SUMS: oomguard/store/integrity.py) and its meta.json written, so a crash
 never leaves a half checkpoint that looks whole.
 """
 
@@ -27,11 +27,11 @@ from oomguard.checkpointmeta import (  # re-exported: what the store holds
     new_id,
     validate_id,
 )
-from oomguard.commitimages import fsync_dir, image_checksums, swap_compressed
 from oomguard.errors import StoreError
 from oomguard.hookgate import remove_gates
-from oomguard.imagedigest import Digests
-from oomguard.integrity import (
+from oomguard.store.commit import fsync_dir, image_checksums, swap_compressed
+from oomguard.store.digest import Digests
+from oomguard.store.integrity import (
     SUMS_FILES,
     find_sums,
     format_sums,
@@ -134,7 +134,7 @@ class Store:
 
     def commit(self, meta: CheckpointMeta, digests: Digests | None = None) -> Path:
         """Images durable, checksummed, meta.json final, then the rename that makes it whole.
-        `digests`: checksums taken during the dump (oomguard/imagedigest.py); a file they do
+        `digests`: checksums taken during the dump (oomguard/store/digest.py); a file they do
         not cover as it is now is hashed here, read back (a crash recovery: all of them)."""
         partial = self.root / (PARTIAL_PREFIX + validate_id(meta.id))
         images = partial / IMAGES

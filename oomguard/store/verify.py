@@ -31,7 +31,7 @@ from pathlib import Path
 from oomguard.criu_hook import REPLY_OK, VERIFY_GATE_ENV
 from oomguard.errors import StoreError
 from oomguard.hookgate import Gate
-from oomguard.integrity import (
+from oomguard.store.integrity import (
     READ_BLOCK,
     Hasher,
     damaged,

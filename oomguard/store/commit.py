@@ -1,5 +1,5 @@
 """The images' part of a commit (Store.commit): every image checksummed and durable, with as
-little read back and synced as the dump's digests allow (oomguard/imagedigest.py), and
+little read back and synced as the dump's digests allow (oomguard/store/digest.py), and
 compressed pages swapped in for the plain ones (oomguard/compression.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from oomguard.compression import SUFFIX, compressed_pages, raw_name
-from oomguard.imagedigest import Digests
-from oomguard.integrity import digest_file, image_files
+from oomguard.store.digest import Digests
+from oomguard.store.integrity import digest_file, image_files
 
 
 def _sync_and_drop(path: Path) -> None:
