@@ -16,8 +16,8 @@ from oomguard.actions import CHECKPOINT, KILL, Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner, ChainSettings
-from oomguard.config import GuardConfig
-from oomguard.configtypes import ON_FAILURE_KILL
+from oomguard.config.loading import GuardConfig
+from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.dbusnotify import restore_command
 from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from oomguard.cgroup.mounts import read_layout
-from oomguard.config import DaemonConfig
+from oomguard.config.loading import DaemonConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.errors import OomguardError
 from oomguard.procfs import ProcReader

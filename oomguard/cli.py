@@ -13,9 +13,9 @@ from typing import Any
 
 from oomguard.backend import Backend, open_backend
 from oomguard.cgroup.mounts import open_cgroup, read_layout
-from oomguard.cliconfig import CliConfig, choose_config, discover_cli_config
 from oomguard.cliparser import build_parser
-from oomguard.config import (
+from oomguard.config.discovery import CliConfig, choose_config, discover_cli_config
+from oomguard.config.loading import (
     EMBEDDED_CONFIG,
     DaemonConfig,
     load_config,
@@ -111,7 +111,7 @@ def _flag_name(key: str) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from oomguard.cgroup.mounts import read_layout
-    from oomguard.config import check_cgroup_paths
+    from oomguard.config.loading import check_cgroup_paths
     from oomguard.rundaemon import run_daemon
 
     config = _base_config(args)
@@ -354,7 +354,7 @@ def cmd_install_units(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from oomguard.config import check_config
+    from oomguard.config.loading import check_config
 
     if args.file is None:  # the config every other subcommand reads
         args.file = choose_config(args.global_config, os.environ).path

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from oomguard import __version__
-from oomguard.configtypes import ON_FAILURE_KILL, ON_FAILURE_THAW
+from oomguard.config.schema import ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.units import bounded_duration, parse_fraction
 
 

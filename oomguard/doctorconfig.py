@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup, read_layout
-from oomguard.cliconfig import CliConfig
-from oomguard.config import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIG, DaemonConfig, GuardConfig
+from oomguard.config.discovery import CliConfig
+from oomguard.config.loading import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIG, DaemonConfig, GuardConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.doctor import Check, run_checks
 from oomguard.errors import OomguardError

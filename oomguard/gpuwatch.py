@@ -12,7 +12,7 @@ from typing import Any
 
 from oomguard.acting import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
-from oomguard.config import GuardConfig
+from oomguard.config.loading import GuardConfig
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.gpu.nvml import GpuDevice, GpuSnapshot, devices_over
 from oomguard.gpu.runtime import GpuSupport

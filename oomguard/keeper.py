@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from oomguard.cgroup.base import MemorySnapshot
-from oomguard.config import DaemonConfig
+from oomguard.config.loading import DaemonConfig
 from oomguard.errors import OomguardError, StoreError
 from oomguard.guards import CgroupGuard
 from oomguard.policy import restore_fits

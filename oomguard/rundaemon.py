@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard import __version__
 from oomguard.cgroup.mounts import read_layout
-from oomguard.config import DaemonConfig, SlurmConfig
+from oomguard.config.loading import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon

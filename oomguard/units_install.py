@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from oomguard.config import DEFAULT_CONFIG_PATH, DaemonConfig, embedded_config_text, load_config
+from oomguard.config.loading import DEFAULT_CONFIG_PATH, DaemonConfig, embedded_config_text, load_config
 
 SHIPPED_EXEC = "/usr/local/bin/oomguard"  # scripts/setup links it to the checkout's .venv
 SERVICE = "oomguard.service"

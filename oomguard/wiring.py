@@ -14,7 +14,7 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
+from oomguard.config.loading import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
 from oomguard.criu import Criu, CriuOptions, find_criu
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.freezer import SigstopFreezer

@@ -19,7 +19,7 @@ from typing import Protocol
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
-from oomguard.configtypes import GuardConfig
+from oomguard.config.schema import GuardConfig
 from oomguard.errors import CgroupGone
 from oomguard.psi import parse_pressure
 

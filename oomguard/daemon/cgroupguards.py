@@ -19,7 +19,7 @@ from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig, GuardConfig
+from oomguard.config.loading import DaemonConfig, GuardConfig
 from oomguard.daemon.arming import Armer, Prepared
 from oomguard.errors import CgroupGone
 from oomguard.guards import (

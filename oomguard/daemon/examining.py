@@ -15,7 +15,7 @@ from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.watch import freezable
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig
+from oomguard.config.loading import DaemonConfig
 from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.guards import CgroupGuard, Guard, SystemGuard

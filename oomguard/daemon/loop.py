@@ -29,7 +29,7 @@ from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import consume
 from oomguard.chain import ChainRunner
 from oomguard.checkpoint import Checkpointer
-from oomguard.config import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
+from oomguard.config.loading import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
 from oomguard.daemon.arming import Armer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin

@@ -12,7 +12,7 @@ import pytest
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import read_layout
-from oomguard.config import load_config
+from oomguard.config.loading import load_config
 from oomguard.daemon.loop import Daemon
 from oomguard.guards import CgroupGuard
 from oomguard.procfs import ProcReader

@@ -14,7 +14,7 @@ import pytest
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.watch import OOM_KILL_KEY, threshold_marks
-from oomguard.config import GuardConfig
+from oomguard.config.loading import GuardConfig
 from oomguard.daemon.arming import Armer
 from oomguard.guards import CgroupGuard
 from oomguard.store.ledger import SavedLimits

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.cliconfig import (
+from oomguard.config.discovery import (
     NAMED_BY_DEFAULT,
     NAMED_BY_ENV,
     NAMED_BY_FLAG,
@@ -18,7 +18,7 @@ from oomguard.cliconfig import (
     load_cli_config,
     merge_config_flags,
 )
-from oomguard.config import EMBEDDED_CONFIG
+from oomguard.config.loading import EMBEDDED_CONFIG
 from oomguard.errors import ConfigError
 
 CUSTOM = '[daemon]\nsocket = "/tmp/og-unit/control.sock"\nstore = "/tmp/og-unit/store"\n'

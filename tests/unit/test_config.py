@@ -1,4 +1,4 @@
-"""oomguard.config: TOML -> validated dataclasses, every problem reported with file and key."""
+"""oomguard.config.loading: TOML -> validated dataclasses, every problem reported with file and key."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.actions import Step
-from oomguard.config import (
+from oomguard.config.loading import (
     EMBEDDED_CONFIG,
     CriuConfig,
     DaemonConfig,
@@ -98,7 +98,7 @@ def test_empty_config_is_all_defaults() -> None:
 
 
 def test_input_dict_not_mutated() -> None:
-    from oomguard.config import parse_config
+    from oomguard.config.loading import parse_config
 
     data = {"daemon": {"dry_run": True}, "guard": [{"cgroup": "/a"}]}
     parse_config(data, "x")

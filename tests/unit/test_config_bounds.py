@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.config import load_config_text
+from oomguard.config.loading import load_config_text
 from oomguard.errors import ConfigError
 
 GUARD = '[[guard]]\ncgroup = "/a"\n'

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.config import KubernetesConfig, SlurmConfig, parse_config
+from oomguard.config.loading import KubernetesConfig, SlurmConfig, parse_config
 from oomguard.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """check-config helps: a bare number gets the unit it lacked, an unknown key the nearest known
 one, a misspelt choice the nearest choice; a size of a few bytes and a cgroup that is not there
-are warnings, not errors (oomguard.configvalues, oomguard.configcheck)."""
+are warnings, not errors (oomguard.config.values, oomguard.config.checks)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.config import check_config, config_warnings, load_config_text
+from oomguard.config.loading import check_config, config_warnings, load_config_text
 from oomguard.errors import ConfigError, ConfigIssue
 
 GUARD = '[[guard]]\ncgroup = "/a"\n'

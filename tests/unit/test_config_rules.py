@@ -1,4 +1,4 @@
-"""oomguard.config, the rule keys (actions, preferences, timing, store, system rules, daemon
+"""oomguard.config.loading, the rule keys (actions, preferences, timing, store, system rules, daemon
 socket and store keeping): each parses to its internal unit, each bad value is reported with the
 file and the dotted key. And oomguard.acting.rule_parts: a rule's compiled pieces."""
 
@@ -14,7 +14,7 @@ import pytest
 from oomguard.acting import RuleParts, rule_parts
 from oomguard.actions import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
 from oomguard.chain import ChainSettings
-from oomguard.config import DaemonConfig, GuardConfig, load_config, load_config_text
+from oomguard.config.loading import DaemonConfig, GuardConfig, load_config, load_config_text
 from oomguard.errors import ConfigError
 from oomguard.preferences import Preferences
 

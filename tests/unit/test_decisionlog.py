@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from oomguard.acting import Actor, Request, rule_parts
-from oomguard.config import GuardConfig
+from oomguard.config.loading import GuardConfig
 from oomguard.decisionlog import REPEAT_EVERY, DecisionLog
 from oomguard.policy import ProcessTree
 from tests.unit._support import proc_info

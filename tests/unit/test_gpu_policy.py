@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from oomguard.actions import VRAM, parse_chain
-from oomguard.config import GpuConfig, parse_config
+from oomguard.config.loading import GpuConfig, parse_config
 from oomguard.errors import ConfigError
 from oomguard.gpu.nvml import NvmlSensor
 from oomguard.gpu.runtime import (
@@ -250,7 +250,7 @@ class Log:
 
 
 def test_watch_polls_on_its_interval_and_starts_the_rule_on_pressure() -> None:
-    from oomguard.config import GuardConfig
+    from oomguard.config.loading import GuardConfig
 
     busy = FakeDevice("u0", "H200", 100 * GiB, 95 * GiB, processes=[(10, 60 * GiB), (20, 35 * GiB)])
     calm = FakeDevice("u1", "H200", 100 * GiB, 5 * GiB, processes=[(30, 5 * GiB)])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.cgroup.watch import PSI, threshold_marks
-from oomguard.config import GuardConfig
+from oomguard.config.loading import GuardConfig
 from oomguard.guards import CgroupGuard, SystemGuard, arm_system, psi_trigger_for
 from tests.unit._support import MiB
 

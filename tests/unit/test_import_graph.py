@@ -19,7 +19,7 @@ def loaded_by(module: str) -> set[str]:
     return {name for name in out.split() if name.startswith("oomguard")}
 
 
-@pytest.mark.parametrize("module", ["oomguard.config", "oomguard.policy",
+@pytest.mark.parametrize("module", ["oomguard.config.loading", "oomguard.policy",
                                     "oomguard.sense.cgroupfiles", "oomguard.sense.ranking",
                                     "oomguard.sense.procevents", "oomguard.sense.cnproc"])
 def test_lower_layers_load_nothing_that_acts(module: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from oomguard.config import load_config_text
+from oomguard.config.loading import load_config_text
 from oomguard.scheduler import kube_container
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "oomguard.yaml"

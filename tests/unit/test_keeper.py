@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from oomguard.config import DaemonConfig
+from oomguard.config.loading import DaemonConfig
 from oomguard.keeper import PRUNE_INTERVAL, StoreKeeper
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.config import DaemonConfig, GuardConfig
+from oomguard.config.loading import DaemonConfig, GuardConfig
 from oomguard.control.server import dispatch
 from oomguard.errors import CgroupGone, CriuError, RestoreFailed
 from oomguard.guards import CgroupGuard

@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from oomguard.actions import parse_chain
-from oomguard.config import GuardConfig
+from oomguard.config.loading import GuardConfig
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.guards import CgroupGuard, SystemGuard
 from oomguard.startup import gpu_summary, guard_line, size_text

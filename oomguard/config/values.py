@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from oomguard.actions import parse_chain
-from oomguard.configtypes import GPU_PREFERENCES, ON_FAILURE_KILL, ON_FAILURE_THAW
+from oomguard.config.schema import GPU_PREFERENCES, ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.errors import ConfigIssue
 from oomguard.preferences import compile_patterns
 from oomguard.units import (

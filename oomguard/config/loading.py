@@ -2,8 +2,8 @@
 
 Every problem is collected (file, key, reason) and raised at once as ConfigError; what parses
 but looks like a mistake is kept in DaemonConfig.warnings. The dataclasses live in
-oomguard.configtypes, the value kinds in oomguard.configvalues, the checks against the machine
-(cgroups that exist) in oomguard.configcheck; their public names are importable from here too.
+oomguard.config.schema, the value kinds in oomguard.config.values, the checks against the machine
+(cgroups that exist) in oomguard.config.checks; their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from oomguard.configcheck import check_cgroup_paths, check_config, config_warnings
-from oomguard.configtypes import (
+from oomguard.config.checks import check_cgroup_paths, check_config, config_warnings
+from oomguard.config.schema import (
     CHECKSUMS,
     COMPRESSIONS,
     GPU_ENGINES,
@@ -26,7 +26,7 @@ from oomguard.configtypes import (
     KubernetesConfig,
     SlurmConfig,
 )
-from oomguard.configvalues import (
+from oomguard.config.values import (
     DURATION_OR_NONE,
     GUARD_KEYS,
     POSITIVE_DURATION,

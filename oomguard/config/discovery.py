@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.config import (
+from oomguard.config.loading import (
     DEFAULT_CONFIG_PATH,
     DaemonConfig,
     load_config_text,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.configtypes import DaemonConfig
+from oomguard.config.schema import DaemonConfig
 from oomguard.errors import ConfigError, ConfigIssue
 
 

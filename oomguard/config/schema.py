@@ -1,4 +1,4 @@
-"""The validated configuration: what oomguard.config makes of a TOML file or flags."""
+"""The validated configuration: what oomguard.config.loading makes of a TOML file or flags."""
 
 from __future__ import annotations
 
