@@ -18,10 +18,10 @@ from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.chain import ChainRunner, ChainSettings
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
-from oomguard.dbusnotify import restore_command
-from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone
 from oomguard.freezer import Frozen
+from oomguard.observe.dbus import restore_command
+from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy import ProcessTree
 from oomguard.preferences import Preferences, apply_preferences, compile_patterns
 from oomguard.priority import ThreadPriority

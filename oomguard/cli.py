@@ -35,7 +35,7 @@ from oomguard.errors import (
     RestoreFailed,
     StoreError,
 )
-from oomguard.logsetup import configure_logging, get_logger
+from oomguard.observe.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
 from oomguard.rendering import event_fields, restore_command, restored_line, show_text
 from oomguard.restorewait import restore_when_it_fits
@@ -326,7 +326,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_notify_agent(args: argparse.Namespace) -> int:
-    from oomguard.notifyagent import NotificationAgent, NotificationError
+    from oomguard.observe.notifyagent import NotificationAgent, NotificationError
 
     log = get_logger()
     while True:

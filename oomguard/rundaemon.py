@@ -14,19 +14,19 @@ from oomguard.config.loading import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
-from oomguard.dbusnotify import SignalEmitter
 from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
-from oomguard.hooks import HookRunner
-from oomguard.logsetup import RecordingLogger
+from oomguard.observe.dbus import SignalEmitter
+from oomguard.observe.hooks import HookRunner
+from oomguard.observe.logsetup import RecordingLogger
+from oomguard.observe.sdnotify import Notifier
+from oomguard.observe.telemetry import EventTap, publish_gauges
 from oomguard.procfs import ProcReader
 from oomguard.restorefit import daemon_lookup
-from oomguard.sdnotify import Notifier
 from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.slurm import SlurmNotifier, find_scontrol
 from oomguard.startup import gpu_summary
 from oomguard.store.checkpoints import Store
-from oomguard.telemetry import EventTap, publish_gauges
 from oomguard.wiring import (
     build_checkpointer,
     build_containers,
@@ -38,7 +38,7 @@ from oomguard.wiring import (
 )
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
-    from oomguard.metrics import Metrics, TextfileWriter
+    from oomguard.observe.metrics import Metrics, TextfileWriter
 
 
 class Heartbeat:
@@ -129,7 +129,7 @@ def wanted_metrics(config: DaemonConfig) -> Metrics | None:
     none are kept, and prometheus_client is not imported."""
     if not (config.metrics_port or config.metrics_textfile_dir):
         return None
-    from oomguard.metrics import Metrics
+    from oomguard.observe.metrics import Metrics
 
     return Metrics()
 
@@ -161,7 +161,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     textfile = None
     metrics_server = None
     if metrics is not None:
-        from oomguard.metrics import TextfileWriter
+        from oomguard.observe.metrics import TextfileWriter
 
         if config.metrics_textfile_dir:
             textfile = TextfileWriter(config.metrics_textfile_dir)

@@ -18,7 +18,6 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
-from oomguard.dbusnotify import restore_command
 from oomguard.errors import (
     AmbiguousId,
     CgroupGone,
@@ -30,6 +29,7 @@ from oomguard.errors import (
     UnknownCheckpoint,
 )
 from oomguard.ids import resolve_id
+from oomguard.observe.dbus import restore_command
 from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
 from oomguard.restore import Restorer, failure_fields, memory_pages_bytes

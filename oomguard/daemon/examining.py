@@ -16,10 +16,10 @@ from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.watch import freezable
 from oomguard.checkpoint import Checkpointer
 from oomguard.config.loading import DaemonConfig
-from oomguard.decisionlog import DecisionLog
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.keeper import StoreKeeper
+from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy import (
     ProcessTree,
     Verdict,

@@ -34,7 +34,6 @@ from oomguard.daemon.arming import Armer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin
 from oomguard.daemon.settling import SettlingMixin
-from oomguard.decisionlog import DecisionLog
 from oomguard.errors import ConfigError, ConfigIssue
 from oomguard.gpuwatch import GpuWatch
 from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
@@ -42,6 +41,7 @@ from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
 from oomguard.kubelet import ContainerCheckpointer
 from oomguard.lazyrestore import running_keepers, wait_for_keepers
+from oomguard.observe.decisionlog import DecisionLog
 from oomguard.parkwatch import ParkWatchdog, park_reason
 from oomguard.priority import ThreadPriority
 from oomguard.procfs import ProcessInfo, ProcReader

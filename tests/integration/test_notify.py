@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.notifyagent import NotificationAgent
+from oomguard.observe.notifyagent import NotificationAgent
 from tests.helpers import CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup
 from tests.unit.test_dbusnotify import (  # noqa: F401 - fixtures
     Buses,

@@ -1,4 +1,4 @@
-"""oomguard.dbusnotify against real buses: two private dbus-daemons stand in for the system and
+"""oomguard.observe.dbus against real buses: two private dbus-daemons stand in for the system and
 the session bus, and a small org.freedesktop.Notifications service (jeepney, in a thread) on
 the "session" one records what the agent asks it to show."""
 
@@ -29,9 +29,9 @@ from jeepney import (  # type: ignore[import-untyped]
 )
 from jeepney.io.blocking import open_dbus_connection  # type: ignore[import-untyped]
 
-from oomguard import dbusnotify
-from oomguard.dbusnotify import SignalEmitter, checkpointed_message, restored_message
-from oomguard.notifyagent import NotificationAgent, NotificationError
+from oomguard.observe import dbus as dbusnotify
+from oomguard.observe.dbus import SignalEmitter, checkpointed_message, restored_message
+from oomguard.observe.notifyagent import NotificationAgent, NotificationError
 
 DBUS_DAEMON = shutil.which("dbus-daemon")
 pytestmark = pytest.mark.skipif(DBUS_DAEMON is None, reason="dbus-daemon not installed")

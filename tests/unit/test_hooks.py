@@ -1,4 +1,4 @@
-"""oomguard.hooks: real /bin/sh hooks (environment, non-blocking fire, timeout kill) and the
+"""oomguard.observe.hooks: real /bin/sh hooks (environment, non-blocking fire, timeout kill) and the
 sanitising of field names and values."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import IO
 
 import pytest
 
-from oomguard.hooks import HookProcess, HookRunner, env_key, env_value, hook_environment
+from oomguard.observe.hooks import HookProcess, HookRunner, env_key, env_value, hook_environment
 
 FIELDS: dict[str, object] = {"id": "ckpt-20240101-0001", "pid": 4321, "rss_bytes": 1 << 30}
 

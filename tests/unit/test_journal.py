@@ -1,4 +1,4 @@
-"""oomguard.journal: the "<N>"-prefixed JSON renderer and the $JOURNAL_STREAM check."""
+"""oomguard.observe.journal: the "<N>"-prefixed JSON renderer and the $JOURNAL_STREAM check."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
-from oomguard.journal import priority_for, syslog_prefix_renderer, under_journald
+from oomguard.observe.journal import priority_for, syslog_prefix_renderer, under_journald
 
 
 def _split(line: str) -> tuple[int, dict[str, Any]]:

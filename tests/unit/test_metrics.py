@@ -1,4 +1,4 @@
-"""oomguard.metrics: sample values in the exposition, the textfile writer, the HTTP server."""
+"""oomguard.observe.metrics: sample values in the exposition, the textfile writer, the HTTP server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from oomguard.metrics import Metrics, MetricsServer, TextfileWriter
+from oomguard.observe.metrics import Metrics, MetricsServer, TextfileWriter
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

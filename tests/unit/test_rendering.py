@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import structlog
 
-from oomguard.logsetup import configure_logging, get_logger
+from oomguard.observe.logsetup import configure_logging, get_logger
 from oomguard.progress import BAR_WIDTH, progress, progress_line
 from oomguard.rendering import (
     event_fields,

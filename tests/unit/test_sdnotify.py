@@ -1,4 +1,4 @@
-"""oomguard.sdnotify: datagrams to a real AF_UNIX socket, abstract addresses, the watchdog
+"""oomguard.observe.sdnotify: datagrams to a real AF_UNIX socket, abstract addresses, the watchdog
 interval, and the no-op and error paths."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import oomguard.sdnotify as sdnotify
-from oomguard.sdnotify import Notifier, socket_address
+import oomguard.observe.sdnotify as sdnotify
+from oomguard.observe.sdnotify import Notifier, socket_address
 
 SUN_PATH_MAX = 107  # sizeof(sun_path) - 1 for the terminating NUL
 

@@ -124,7 +124,7 @@ class _Recorder:
     "/sys/fs/cgroup/memory/slurm/uid_1000/job_42",  # a cgroup rule's
 ])
 def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> None:
-    from oomguard.telemetry import EventTap
+    from oomguard.observe.telemetry import EventTap
     recorder = _Recorder()
     tap = EventTap(slurm=recorder)  # type: ignore[arg-type]
     tap("warning", "checkpoint.done", {"cgroup": guard_name, "id": "20261201-1-ab",
@@ -135,7 +135,7 @@ def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> Non
 
 
 def test_no_owner_fields_no_slurm_call() -> None:
-    from oomguard.telemetry import EventTap, slurm_owner
+    from oomguard.observe.telemetry import EventTap, slurm_owner
     recorder = _Recorder()
     EventTap(slurm=recorder)("warning", "checkpoint.done",  # type: ignore[arg-type]
                              {"cgroup": "/sys/fs/cgroup/memory/slurm/uid_1/job_7", "id": "x"})

@@ -7,7 +7,7 @@ Two halves, joined by a broadcast signal on the system bus:
   ``usss``: (uid of the process owner, checkpoint id, command line, one-line message).
   Emitting never raises for bus trouble: an unreachable bus makes it return False, keeps the
   error in `last_error`, and is retried at most once per `retry_interval` seconds.
-* `NotificationAgent` (oomguard/notifyagent.py: one per desktop user, as a systemd user
+* `NotificationAgent` (oomguard/observe/notifyagent.py: one per desktop user, as a systemd user
   service) subscribes to those signals on the system bus, keeps the ones for its own uid that
   come from a trusted sender (uid 0 by default: anyone may send a signal on the system bus),
   and turns each into an ``org.freedesktop.Notifications.Notify`` call on the user's session

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from oomguard.journal import syslog_prefix_renderer, under_journald
+from oomguard.observe.journal import syslog_prefix_renderer, under_journald
 from oomguard.rendering import LOCAL_TIME_FORMAT, humanize_event
 
 

@@ -1,6 +1,6 @@
 """The desktop half of oomguard's D-Bus notifications: `NotificationAgent`, one per desktop
 user (a systemd user service), turns the daemon's Checkpointed/Restored signals for its uid,
-sent by a trusted sender, into desktop notifications (see oomguard/dbusnotify.py)."""
+sent by a trusted sender, into desktop notifications (see oomguard/observe/dbus.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from jeepney import (  # type: ignore[import-untyped]
     new_method_call,
 )
 
-from oomguard.dbusnotify import (
+from oomguard.errors import OomguardError
+from oomguard.observe.dbus import (
     APP_NAME,
     DEFAULT_IO_TIMEOUT,
     DEFAULT_POLL_INTERVAL,
@@ -40,7 +41,6 @@ from oomguard.dbusnotify import (
     close_quietly,
     open_connection,
 )
-from oomguard.errors import OomguardError
 
 
 class NotificationError(OomguardError):

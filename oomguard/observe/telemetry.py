@@ -13,16 +13,16 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from oomguard.cgroup.watch import pressure_avg10
-from oomguard.dbusnotify import SignalEmitter
 from oomguard.errors import CgroupGone
 from oomguard.guards import CgroupGuard, SystemGuard
-from oomguard.hooks import HookRunner
+from oomguard.observe.dbus import SignalEmitter
+from oomguard.observe.hooks import HookRunner
 from oomguard.scheduler import SlurmStep
 from oomguard.slurm import SlurmError, SlurmNotifier
 from oomguard.store.checkpoints import CheckpointMeta
 
 if TYPE_CHECKING:  # prometheus_client is imported only where metrics are wanted
-    from oomguard.metrics import Metrics
+    from oomguard.observe.metrics import Metrics
 
 
 def slurm_owner(fields: dict[str, Any]) -> SlurmStep | None:
