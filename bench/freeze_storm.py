@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from oomguard.freezer import SigstopFreezer
+from oomguard.act.freezer import SigstopFreezer
 from oomguard.sense.cnproc import FORKS
 from oomguard.sense.procevents import EventSource, Subscriber
 from tests.helpers import REPO

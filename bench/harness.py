@@ -267,7 +267,7 @@ def _run(argv: list[str]) -> str:
 
 def machine(work: Path) -> dict[str, Any]:
     """What the figures were measured on."""
-    from oomguard.criu import find_criu, format_version
+    from oomguard.act.criu import find_criu, format_version
 
     try:
         criu = "{} ({})".format(*reversed([format_version(v) if isinstance(v, tuple) else v

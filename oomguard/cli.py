@@ -35,10 +35,10 @@ from oomguard.errors import (
     RestoreFailed,
     StoreError,
 )
+from oomguard.lifecycle.restorewait import restore_when_it_fits
 from oomguard.observe.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
 from oomguard.rendering import event_fields, restore_command, restored_line, show_text
-from oomguard.restorewait import restore_when_it_fits
 from oomguard.units import format_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -241,7 +241,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
         print(result["pid"], flush=True)
         print(restored_line(result), file=sys.stderr, flush=True)
     if not args.detach and os.isatty(0) and os.isatty(1):
-        from oomguard.ttycommands import attach_to, holder_of_checkpoint
+        from oomguard.terminal.commands import attach_to, holder_of_checkpoint
 
         with contextlib.suppress(OomguardError):
             path = holder_of_checkpoint(_call(args, "Show", id=result["id"])["checkpoint"])
@@ -251,7 +251,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
-    from oomguard.ttycommands import attach
+    from oomguard.terminal.commands import attach
 
     return attach(args.target, lambda method, **p: _call(args, method, **p))
 
@@ -269,7 +269,7 @@ def cmd_gpu_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_resume_job(args: argparse.Namespace) -> int:
-    from oomguard.jobresume import resume_job
+    from oomguard.lifecycle.jobresume import resume_job
     from oomguard.procfs import ProcReader
 
     job = args.job if args.job is not None else int(os.environ.get("SLURM_JOB_ID") or 0)
@@ -304,7 +304,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
-    from oomguard.ttycommands import run_exec
+    from oomguard.terminal.commands import run_exec
 
     command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not command:

@@ -13,9 +13,9 @@ from oomguard.cgroup.base import MemorySnapshot
 from oomguard.config.loading import DaemonConfig
 from oomguard.errors import OomguardError, StoreError
 from oomguard.guards import CgroupGuard
+from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.policy import restore_fits
 from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
-from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.retention import Stored, choose_prunes
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger

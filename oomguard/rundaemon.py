@@ -15,13 +15,13 @@ from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon import Daemon
 from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
+from oomguard.lifecycle.restorefit import daemon_lookup
 from oomguard.observe.dbus import SignalEmitter
 from oomguard.observe.hooks import HookRunner
 from oomguard.observe.logsetup import RecordingLogger
 from oomguard.observe.sdnotify import Notifier
 from oomguard.observe.telemetry import EventTap, publish_gauges
 from oomguard.procfs import ProcReader
-from oomguard.restorefit import daemon_lookup
 from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.slurm import SlurmNotifier, find_scontrol

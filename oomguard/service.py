@@ -17,7 +17,6 @@ from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
 from oomguard.errors import (
     AmbiguousId,
     CgroupGone,
@@ -29,11 +28,12 @@ from oomguard.errors import (
     UnknownCheckpoint,
 )
 from oomguard.ids import resolve_id
+from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
+from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
+from oomguard.lifecycle.restorefit import GuardLookup, check_fits
 from oomguard.observe.dbus import restore_command
 from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader
-from oomguard.restore import Restorer, failure_fields, memory_pages_bytes
-from oomguard.restorefit import GuardLookup, check_fits
 from oomguard.rights import foreign_task, untouchable_task
 from oomguard.selfguard import own_family
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id

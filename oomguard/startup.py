@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from oomguard.acting import RuleParts, rule_parts
+from oomguard.act.acting import RuleParts, rule_parts
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.guards import CgroupGuard, Guard
 

@@ -11,17 +11,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from oomguard.act.criu import Criu, CriuOptions, find_criu
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.kubelet import ContainerCheckpointer, KubeletClient
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.checkpoint import Checkpointer
 from oomguard.config.loading import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
-from oomguard.criu import Criu, CriuOptions, find_criu
 from oomguard.errors import CgroupGone, ProcessGone
-from oomguard.freezer import SigstopFreezer
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
-from oomguard.kubelet import ContainerCheckpointer, KubeletClient
+from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.lifecycle.restore import Restorer
 from oomguard.procfs import ProcReader
-from oomguard.restore import Restorer
 from oomguard.sense.procevents import Subscriber
 from oomguard.service import Service
 from oomguard.store.checkpoints import Store

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.criu import find_criu
+from oomguard.act.criu import find_criu
 from oomguard.errors import CriuError
 from tests.helpers import CgroupFactory, own_memory_cgroup
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.actions import Step
+from oomguard.act.steps import Step
 from oomguard.errors import ConfigIssue
 
 ON_FAILURE_THAW = "thaw"  # a failed checkpoint: the tree is thawed and runs on

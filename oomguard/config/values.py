@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from oomguard.actions import parse_chain
+from oomguard.act.steps import parse_chain
 from oomguard.config.schema import GPU_PREFERENCES, ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.errors import ConfigIssue
 from oomguard.preferences import compile_patterns

@@ -14,11 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.acting import rule_parts
+from oomguard.act.acting import rule_parts
 from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.checkpoint import Checkpointer
 from oomguard.config.loading import DaemonConfig, GuardConfig
 from oomguard.daemon.arming import Armer, Prepared
 from oomguard.errors import CgroupGone
@@ -28,6 +27,7 @@ from oomguard.guards import (
     claimed_keys,
     put_back_leftovers,
 )
+from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.parkwatch import ParkWatchdog
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
 from oomguard.startup import guard_line

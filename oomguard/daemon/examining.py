@@ -10,15 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.acting import Actor, Request
+from oomguard.act.acting import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.watch import freezable
-from oomguard.checkpoint import Checkpointer
 from oomguard.config.loading import DaemonConfig
 from oomguard.errors import CgroupGone, ProcessGone
 from oomguard.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.keeper import StoreKeeper
+from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy import (
     ProcessTree,

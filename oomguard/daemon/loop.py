@@ -23,12 +23,13 @@ from typing import Any
 
 import psutil
 
-from oomguard.acting import Actor, rule_parts
+from oomguard.act.acting import Actor, rule_parts
+from oomguard.act.chain import ChainRunner
+from oomguard.act.kubelet import ContainerCheckpointer
+from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import consume
-from oomguard.chain import ChainRunner
-from oomguard.checkpoint import Checkpointer
 from oomguard.config.loading import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
 from oomguard.daemon.arming import Armer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
@@ -39,13 +40,12 @@ from oomguard.gpuwatch import GpuWatch
 from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
 from oomguard.guardstatus import guard_entries, summary_line
 from oomguard.keeper import StoreKeeper
-from oomguard.kubelet import ContainerCheckpointer
-from oomguard.lazyrestore import running_keepers, wait_for_keepers
+from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
+from oomguard.lifecycle.restore import Restorer
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.parkwatch import ParkWatchdog, park_reason
-from oomguard.priority import ThreadPriority
 from oomguard.procfs import ProcessInfo, ProcReader
-from oomguard.restore import Restorer
 from oomguard.selfguard import ancestors_of, own_family
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomguard.act.hookgate import remove_gates
 from oomguard.checkpointmeta import (  # re-exported: what the store holds
     ID_RE,
     STATE_CHECKPOINTED,
@@ -28,7 +29,6 @@ from oomguard.checkpointmeta import (  # re-exported: what the store holds
     validate_id,
 )
 from oomguard.errors import StoreError
-from oomguard.hookgate import remove_gates
 from oomguard.store.commit import fsync_dir, image_checksums, swap_compressed
 from oomguard.store.digest import Digests
 from oomguard.store.integrity import (

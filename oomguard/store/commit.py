@@ -1,13 +1,13 @@
 """The images' part of a commit (Store.commit): every image checksummed and durable, with as
 little read back and synced as the dump's digests allow (oomguard/store/digest.py), and
-compressed pages swapped in for the plain ones (oomguard/compression.py)."""
+compressed pages swapped in for the plain ones (oomguard/store/compression.py)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from oomguard.compression import SUFFIX, compressed_pages, raw_name
+from oomguard.store.compression import SUFFIX, compressed_pages, raw_name
 from oomguard.store.digest import Digests
 from oomguard.store.integrity import digest_file, image_files
 

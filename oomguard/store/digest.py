@@ -6,7 +6,7 @@ follows the images directory during the dump and hashes each pages-*.img as it g
 writes those front to back, once: its page transfer splices pages onto the end of the file).
 Each stretch hashed is handed to writeback at once (POSIX_FADV_DONTNEED: writes dirty pages,
 drops clean ones). When CRIU reaches its post-dump action, the action script
-(oomguard/criu_hook.py) asks, through a gate (oomguard/hookgate.py), for the rest: the digester
+(oomguard/act/criu_hook.py) asks, through a gate (oomguard/act/hookgate.py), for the rest: the digester
 hashes what remains of every image while it is still in the page cache, and the script drops
 the cache only after the answer (it fdatasyncs meanwhile). Should the script not reach us, or
 not wait, the digester finishes after CRIU from wherever the data then is: slower, never wrong.
@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from oomguard.compression import SUFFIX
-from oomguard.criu_hook import DIGEST_GATE_ENV
-from oomguard.hookgate import Gate
+from oomguard.act.criu_hook import DIGEST_GATE_ENV
+from oomguard.act.hookgate import Gate
+from oomguard.store.compression import SUFFIX
 from oomguard.store.integrity import READ_BLOCK, Hasher, digest_file, hasher_factory, image_files
 
 # Files hashed as they grow: CRIU appends to them and never goes back (criu/page-xfer.c).
@@ -60,7 +60,7 @@ class Digests:
     finish_s: float  # how long the finish took (what the post-dump action waited for)
     followed_bytes: int  # hashed while CRIU was still writing
     # pages files also written compressed beside them (NAME.zst, complete, in `files` too):
-    # name -> raw bytes (oomguard/compression.py)
+    # name -> raw bytes (oomguard/store/compression.py)
     compressed: dict[str, int] = field(default_factory=dict)
 
 
@@ -242,7 +242,7 @@ class ImageDigester:
 
 def with_packed(digests: Digests | None, packed: dict[str, Path],
                 raw_bytes: dict[str, int]) -> Digests | None:
-    """`digests` plus the compressed pages files made beside them (oomguard/compression.py:
+    """`digests` plus the compressed pages files made beside them (oomguard/store/compression.py:
     name -> the finished NAME.zst), each hashed now (just written: from the page cache)."""
     if digests is None or not packed:
         return digests

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.criu import find_criu
+from oomguard.act.criu import find_criu
 from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
 from tests.helpers import (
     CgroupFactory,

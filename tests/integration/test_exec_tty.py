@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.execwrap import EXIT_CHECKPOINTED, EXIT_DETACHED
 from oomguard.store.checkpoints import Store
-from oomguard.ttyclient import request
+from oomguard.terminal.client import request
+from oomguard.terminal.execwrap import EXIT_CHECKPOINTED, EXIT_DETACHED
 from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, oomguard_argv, wait_until
 
 pytestmark = pytest.mark.integration
@@ -287,7 +287,7 @@ def test_closing_the_terminal_leaves_the_job_running_and_attachable_by_pid(
 
 
 def _is_init_of(pid: str, log: Path) -> bool:
-    """The namespace's init (oomguard/nsinit.py) of the job writing `log`."""
+    """The namespace's init (oomguard/terminal/nsinit.py) of the job writing `log`."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -331,7 +331,7 @@ def test_failed_restore_leaves_checkpoint_and_terminal_restorable(
 def test_holder_keeps_a_vacated_terminal_only_when_pinned(runtime_env: dict[str, str]) -> None:
     """A holder whose terminal every process closed ends after its grace unless a checkpoint
     pinned it; pinned, it waits for the restore and hands out the same terminal."""
-    from oomguard.ttyclient import listen_at, new_socket_path, request_slave, spawn_holder
+    from oomguard.terminal.client import listen_at, new_socket_path, request_slave, spawn_holder
 
     directory = Path(runtime_env["XDG_RUNTIME_DIR"]) / "oomguard"
     paths = []

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.criu import find_criu
+from oomguard.act.criu import find_criu
 from tests.helpers import (
     REPO,
     CgroupFactory,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.criu import find_criu
+from oomguard.act.criu import find_criu
 from oomguard.errors import StoreError
 from oomguard.procfs import ProcReader
 from oomguard.store.checkpoints import Store

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.act.lifts import LIFTS_LEDGER
 from oomguard.control.client import ControlClient
-from oomguard.lifts import LIFTS_LEDGER
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
@@ -113,7 +113,7 @@ RECORD_DEAD_LIFT = r"""
 import sys
 from pathlib import Path
 from oomguard.cgroup.mounts import open_cgroup, read_layout
-from oomguard.lifts import LimitLifts
+from oomguard.act.lifts import LimitLifts
 cgroup = open_cgroup(sys.argv[2], read_layout())
 LimitLifts(Path(sys.argv[1])).lift(cgroup, int(sys.argv[3]), cap=int(sys.argv[4]))
 """  # lifts, then exits without putting back: what a daemon killed mid-dump leaves

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.priority import ThreadPriority
+from oomguard.act.priority import ThreadPriority
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.act.criu import find_criu
 from oomguard.control.client import ControlClient
-from oomguard.criu import find_criu
 from oomguard.procfs import ProcReader
 from oomguard.psi import has_cap_sys_resource
 from oomguard.store.checkpoints import Store

@@ -12,7 +12,7 @@ import pytest
 
 from oomguard.cgroup.mounts import read_layout
 from oomguard.cgroup.v2 import V2MemoryCgroup
-from oomguard.checkpoint import FROZEN_LEDGER
+from oomguard.lifecycle.checkpoint import FROZEN_LEDGER
 from oomguard.store.ledger import FrozenLedger
 from tests.helpers import (
     CgroupFactory,

@@ -1,4 +1,4 @@
-"""oomguard.actions: parsing one action step and a whole action chain."""
+"""oomguard.act.steps: parsing one action step and a whole action chain."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from oomguard.actions import (
+from oomguard.act.steps import (
     CHECKPOINT,
     DEFAULT_CHAIN,
     FREEZE,

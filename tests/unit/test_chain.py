@@ -1,4 +1,4 @@
-"""oomguard.chain: ChainRunner.run against injected fakes and an injected clock.
+"""oomguard.act.chain: ChainRunner.run against injected fakes and an injected clock.
 
 No real CRIU and no real freezing. Steps that call os.kill on the victim (signal, kill) run
 against a real child process started here (`sleep 60`), and their real effect is asserted.
@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from oomguard.actions import CHECKPOINT, KILL, Step, parse_step
-from oomguard.chain import ChainOutcome, ChainRunner, ChainSettings
+from oomguard.act.chain import ChainOutcome, ChainRunner, ChainSettings
+from oomguard.act.freezer import Frozen
+from oomguard.act.steps import CHECKPOINT, KILL, Step, parse_step
 from oomguard.errors import CheckpointFailed, ProcessGone
-from oomguard.freezer import Frozen
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcReader
 from tests.unit._support import MiB, proc_info
@@ -868,7 +868,7 @@ class FakeContainers:
         self.error = error
 
     def checkpoint(self, pod_uid: str, container_id: str | None) -> tuple[Any, list[str]]:
-        from oomguard.kubelet import ContainerRef
+        from oomguard.act.kubelet import ContainerRef
         self.calls.append((pod_uid, container_id))
         if self.error is not None:
             raise self.error
@@ -902,7 +902,7 @@ def test_container_without_kubelet_access_is_refused_untouched(tmp_path: Path) -
 
 
 def test_kubelet_refusal_falls_through_to_the_next_action(tmp_path: Path) -> None:
-    from oomguard.kubelet import KubeletError
+    from oomguard.act.kubelet import KubeletError
     rig = kube_rig(tmp_path, FakeContainers(KubeletError("kubelet POST /checkpoint: HTTP 403")))
     outcome = run(rig, (Step(CHECKPOINT), Step(KILL)), make_tree())
     assert outcome.result == "killed" and outcome.step == "kill"

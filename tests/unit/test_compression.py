@@ -1,4 +1,4 @@
-"""oomguard.compression, with the digester and the commit that use it, on real files."""
+"""oomguard.store.compression, with the digester and the commit that use it, on real files."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from oomguard.compression import SAMPLE, Packer, PageCompressor, compressed_pages, expand
 from oomguard.errors import StoreError
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, Store
+from oomguard.store.compression import SAMPLE, Packer, PageCompressor, compressed_pages, expand
 from oomguard.store.digest import Digests, ImageDigester, with_packed
 from oomguard.store.integrity import XXH3, digest_file, find_sums, read_sums
 from tests.unit.test_store import make_meta

@@ -1,6 +1,6 @@
 """oomguard.config.loading, the rule keys (actions, preferences, timing, store, system rules, daemon
 socket and store keeping): each parses to its internal unit, each bad value is reported with the
-file and the dotted key. And oomguard.acting.rule_parts: a rule's compiled pieces."""
+file and the dotted key. And oomguard.act.acting.rule_parts: a rule's compiled pieces."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.acting import RuleParts, rule_parts
-from oomguard.actions import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
-from oomguard.chain import ChainSettings
+from oomguard.act.acting import RuleParts, rule_parts
+from oomguard.act.chain import ChainSettings
+from oomguard.act.steps import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config, load_config_text
 from oomguard.errors import ConfigError
 from oomguard.preferences import Preferences

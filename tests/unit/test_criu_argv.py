@@ -1,4 +1,4 @@
-"""oomguard.criu: version parsing, argv building, binary discovery with a fake runner, log tails."""
+"""oomguard.act.criu: version parsing, argv building, binary discovery with a fake runner, log tails."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard import criu as criu_mod
-from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.cgroup.v2 import V2MemoryCgroup
-from oomguard.criu import (
+from oomguard.act import criu as criu_mod
+from oomguard.act.criu import (
     DUMP_LOG,
     RESTORE_LOG,
     Criu,
@@ -27,9 +25,11 @@ from oomguard.criu import (
     probe_version,
     restore_argv,
 )
+from oomguard.act.runner import CommandResult
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.errors import CriuError
-from oomguard.restore import cgroup_root_arg
-from oomguard.runner import CommandResult
+from oomguard.lifecycle.restore import cgroup_root_arg
 from tests.unit._support import FIXTURES, make_executable
 
 # -- parse_version -------------------------------------------------------------------------------
@@ -434,7 +434,7 @@ def test_cgroup_root_arg(cgroup: V1MemoryCgroup | V2MemoryCgroup, expected: str)
 
 def test_runner_returns_as_soon_as_the_command_ends() -> None:
     """Popen.wait(timeout) polls with sleeps of up to 50 ms; the runner does not."""
-    from oomguard.runner import SubprocessRunner
+    from oomguard.act.runner import SubprocessRunner
 
     start = time.monotonic()
     result = SubprocessRunner().run(["sh", "-c", "sleep 0.12; echo hi"], timeout=30)
@@ -443,7 +443,7 @@ def test_runner_returns_as_soon_as_the_command_ends() -> None:
 
 
 def test_runner_kills_the_whole_group_at_the_timeout() -> None:
-    from oomguard.runner import SubprocessRunner
+    from oomguard.act.runner import SubprocessRunner
 
     start = time.monotonic()
     result = SubprocessRunner().run(["sh", "-c", "sleep 30 & sleep 30"], timeout=0.3)

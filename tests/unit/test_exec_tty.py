@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from oomguard import nsinit
-from oomguard.criu import Criu
-from oomguard.execwrap import NSINIT, exit_status, nsinit_argv
-from oomguard.runner import CommandResult
-from oomguard.ttyclient import SYSTEM_DIR, runtime_dir
-from oomguard.ttycommands import holder_of_checkpoint
-from oomguard.ttyext import (
+from oomguard.act.criu import Criu
+from oomguard.act.runner import CommandResult
+from oomguard.terminal import nsinit
+from oomguard.terminal.client import SYSTEM_DIR, runtime_dir
+from oomguard.terminal.commands import holder_of_checkpoint
+from oomguard.terminal.execwrap import NSINIT, exit_status, nsinit_argv
+from oomguard.terminal.external import (
     SOCKET_ENV,
     ExternalTty,
     FdEntry,
@@ -180,7 +180,7 @@ def test_only_a_holders_socket_of_the_user_is_trusted(tmp_path: Path) -> None:
     when it is a socket with a holder's name, owned by the job's user."""
     import socket as socketlib
 
-    from oomguard.ttyclient import HolderError, listen_at, trusted_socket
+    from oomguard.terminal.client import HolderError, listen_at, trusted_socket
 
     good = tmp_path / "tty-0123abcd.sock"
     with listen_at(good, os.getuid(), os.getgid()):
@@ -203,7 +203,7 @@ def test_only_a_holders_socket_of_the_user_is_trusted(tmp_path: Path) -> None:
 
 
 def test_a_new_holder_listens_where_the_old_one_did_only_in_safe_places(tmp_path: Path) -> None:
-    from oomguard.ttyrestore import _replacement_path
+    from oomguard.terminal.restore import _replacement_path
 
     me = os.geteuid()
     old = tmp_path / "tty-0123abcd.sock"

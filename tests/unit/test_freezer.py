@@ -1,4 +1,4 @@
-"""oomguard.freezer and the restore hook's continue: a task the user had stopped is noted
+"""oomguard.act.freezer and the restore hook's continue: a task the user had stopped is noted
 before oomguard's SIGSTOP and never continued by it (real child processes of this test)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
-from oomguard.freezer import Frozen, SigstopFreezer
+from oomguard.act.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
+from oomguard.act.freezer import Frozen, SigstopFreezer
 from oomguard.procfs import ProcReader
 from tests.helpers import REPO
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.actions import VRAM, parse_chain
+from oomguard.act.steps import VRAM, parse_chain
 from oomguard.config.loading import GpuConfig, parse_config
 from oomguard.errors import ConfigError
 from oomguard.gpu.nvml import NvmlSensor

@@ -12,8 +12,8 @@ from oomguard.errors import AmbiguousId, StoreError
 from oomguard.ids import CANDIDATES_SHOWN, resolve_id
 from oomguard.service import Service
 from oomguard.store.checkpoints import CheckpointMeta, Store
-from oomguard.ttyclient import HolderError
-from oomguard.ttycommands import attach, names_a_pid
+from oomguard.terminal.client import HolderError
+from oomguard.terminal.commands import attach, names_a_pid
 from tests.unit.test_control_dispatch import (
     ALICE,
     BOB,

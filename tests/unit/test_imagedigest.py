@@ -1,5 +1,5 @@
 """Checksums taken while CRIU writes (oomguard.store.digest), the gate to CRIU's action script
-(oomguard.hookgate + criu_hook.ask/answer) and the commit that uses them, on real files."""
+(oomguard.act.hookgate + criu_hook.ask/answer) and the commit that uses them, on real files."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from oomguard import criu_hook
-from oomguard.criu_hook import REPLY_OK, answer, ask
+from oomguard.act import criu_hook
+from oomguard.act.criu_hook import REPLY_OK, answer, ask
+from oomguard.act.hookgate import Gate, remove_gates
 from oomguard.errors import StoreError
-from oomguard.hookgate import Gate, remove_gates
 from oomguard.store import integrity
 from oomguard.store.checkpoints import IMAGES, PARTIAL_PREFIX, Store
 from oomguard.store.digest import GATE_NAME, Digests, FileDigest, ImageDigester

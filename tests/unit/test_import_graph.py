@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-ACTING = ("oomguard.checkpoint", "oomguard.restore", "oomguard.criu", "oomguard.store.checkpoints",
-          "oomguard.daemon", "oomguard.service", "oomguard.freezer", "oomguard.chain")
+# oomguard.act.steps is the steps' grammar (the config parses chains with it): not acting.
+ACTING = ("oomguard.lifecycle", "oomguard.act.criu", "oomguard.act.freezer", "oomguard.act.chain",
+          "oomguard.act.acting", "oomguard.act.runner", "oomguard.store.checkpoints",
+          "oomguard.daemon", "oomguard.service", "oomguard.terminal")
 
 
 def loaded_by(module: str) -> set[str]:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from oomguard.kubelet import ContainerRef, KubeletClient, KubeletError, find_container
+from oomguard.act.kubelet import ContainerRef, KubeletClient, KubeletError, find_container
 
 UID = "6b1a4c2e-9f3d-4e8a-b7c6-0d1e2f3a4b5c"
 CID = "3f1c9a0e" * 8

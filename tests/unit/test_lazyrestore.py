@@ -1,4 +1,4 @@
-"""oomguard.lazyrestore: what it runs and what it waits for (the real thing:
+"""oomguard.lifecycle.lazyrestore: what it runs and what it waits for (the real thing:
 tests/integration/test_lazy_restore.py)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from oomguard import lazyrestore
-from oomguard.criu import Criu
-from oomguard.lazyrestore import lazy_pages_argv, running_keepers, wait_for_keepers
+from oomguard.act.criu import Criu
+from oomguard.lifecycle import lazyrestore
+from oomguard.lifecycle.lazyrestore import lazy_pages_argv, running_keepers, wait_for_keepers
 
 
 def test_lazy_pages_daemon_argv(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.act.lifts import LimitLifts
 from oomguard.cgroup.base import LimitBusy
-from oomguard.lifts import LimitLifts
 
 MiB = 1 << 20
 

@@ -1,11 +1,11 @@
-"""oomguard.oomshield: -1000 while a v2 victim is being stopped, originals put back (by the
+"""oomguard.act.oomshield: -1000 while a v2 victim is being stopped, originals put back (by the
 writer, or at the next start when the writer died), reused PIDs never touched. Fake /proc."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from oomguard.oomshield import OomShield
+from oomguard.act.oomshield import OomShield
 from oomguard.procfs import ProcReader
 from tests.unit._support import FakeProc, fake_proc_tree
 

@@ -18,7 +18,7 @@ from oomguard.control.server import dispatch
 from oomguard.errors import CgroupGone, CriuError, RestoreFailed
 from oomguard.guards import CgroupGuard
 from oomguard.keeper import RESTORE_BACKOFF, StoreKeeper
-from oomguard.restore import failure_fields
+from oomguard.lifecycle.restore import failure_fields
 from oomguard.service import PermissionDenied, Service
 from oomguard.store.checkpoints import CheckpointMeta, Store
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from oomguard.actions import parse_chain
+from oomguard.act.steps import parse_chain
 from oomguard.config.loading import GuardConfig
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.guards import CgroupGuard, SystemGuard

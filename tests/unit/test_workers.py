@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from oomguard.acting import Workers
+from oomguard.act.acting import Workers
 
 
 def _thread_of(workers: Workers) -> tuple[threading.Event, list[int]]:

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomguard.actions import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
+from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen
+from oomguard.act.kubelet import ContainerCheckpointer, KubeletError
+from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.errors import CheckpointFailed, ProcessGone
-from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.gpu.cudackpt import CudaCheckpointError
-from oomguard.kubelet import ContainerCheckpointer, KubeletError
+from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import KubeContainer, kube_container

@@ -11,24 +11,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard import fileids
+from oomguard.act.criu import Criu
+from oomguard.act.criu_hook import drop_cache
+from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.compression import compressed_pages, expand, raw_name
-from oomguard.criu import Criu
-from oomguard.criu_hook import drop_cache
 from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.exitwatch import ExitWatch
-from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
-from oomguard.lazyrestore import LazySession, lazy_unavailable
+from oomguard.lifecycle import fileids
+from oomguard.lifecycle.fileids import FILES_RECORD
+from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
 from oomguard.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
+from oomguard.store.compression import compressed_pages, expand, raw_name
 from oomguard.store.verify import RestoreVerifier
-from oomguard.ttyclient import HolderError
-from oomguard.ttyext import TTYS
-from oomguard.ttyrestore import TtyLease, criu_tty_hint, gid_of, lease_ttys
+from oomguard.terminal.client import HolderError
+from oomguard.terminal.external import TTYS
+from oomguard.terminal.restore import TtyLease, criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 
@@ -42,7 +42,7 @@ class RestoreResult:
     # while CRIU reads them (so it overlaps `seconds`)
     verify_s: float = 0.0
     total_s: float = 0.0  # from the first check to the tree running
-    lazy: bool = False  # its memory streams in after it runs (oomguard/lazyrestore.py)
+    lazy: bool = False  # its memory streams in after it runs (oomguard/lifecycle/lazyrestore.py)
     lazy_fallback: str | None = None  # asked to be lazy, restored eagerly: why
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
@@ -165,7 +165,7 @@ class Restorer:
         """Restore into `target` (or the original cgroup, `original` being it when it exists).
         One restore of a checkpoint at a time, whatever the path (Store.restore_lock); its
         state is read again under the lock. `lazy`: the job runs before its memory is in
-        (oomguard/lazyrestore.py); eager, saying why, where that cannot be done."""
+        (oomguard/lifecycle/lazyrestore.py); eager, saying why, where that cannot be done."""
         try:
             if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
                 self.store.complete(checkpoint_id)  # its commit failed earlier: finish it

@@ -18,26 +18,26 @@ from pathlib import Path
 
 import psutil
 
-from oomguard import fileids
+from oomguard.act.criu import Criu, format_version
+from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen
+from oomguard.act.lifts import LIFTS_LEDGER, LimitLifts
+from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import shields_needed
-from oomguard.compression import Packer
-from oomguard.criu import Criu, format_version
 from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
-from oomguard.fileids import FILES_RECORD
-from oomguard.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
-from oomguard.lifts import LIFTS_LEDGER, LimitLifts
-from oomguard.oomshield import OomShield
+from oomguard.lifecycle import fileids
+from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
 from oomguard.scheduler import owner_fields
 from oomguard.selfguard import refuse_own_tree
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
+from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed
 from oomguard.store.ledger import FrozenLedger
-from oomguard.ttyext import TTYS, dump_args, external_ttys, pin_holders
+from oomguard.terminal.external import TTYS, dump_args, external_ttys, pin_holders
 
 FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"

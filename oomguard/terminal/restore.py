@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.ttyclient import (
+from oomguard.terminal.client import (
     SOCKET_NAME,
     SYSTEM_DIR,
     HolderError,
@@ -21,7 +21,7 @@ from oomguard.ttyclient import (
     spawn_holder,
     trusted_socket,
 )
-from oomguard.ttyext import TTYS, inherit_args, parse_key
+from oomguard.terminal.external import TTYS, inherit_args, parse_key
 
 
 @dataclass

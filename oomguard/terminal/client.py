@@ -1,4 +1,4 @@
-"""Talking to pty holders (oomguard/ttyholder.py): where their sockets live, starting one,
+"""Talking to pty holders (oomguard/terminal/holder.py): where their sockets live, starting one,
 and its one-line JSON requests (info, pin, unpin, done, slave: a slave fd by SCM_RIGHTS)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from oomguard.errors import OomguardError
 
-HOLDER_SCRIPT = Path(__file__).with_name("ttyholder.py")
+HOLDER_SCRIPT = Path(__file__).with_name("holder.py")
 SYSTEM_DIR = Path("/run/oomguard/tty")
 SOCKET_NAME = re.compile(r"tty-[0-9a-f]{8}\.sock")
 DEFAULT_GRACE = 30.0  # seconds a vacated terminal waits for a checkpoint to claim it

@@ -1,7 +1,7 @@
-"""`oomguard exec -- CMD`: start a workload under a minimal init (oomguard/nsinit.py) as PID 1
+"""`oomguard exec -- CMD`: start a workload under a minimal init (oomguard/terminal/nsinit.py) as PID 1
 of its own PID namespace, in a session of its own, so its checkpoint always restores (CRIU
 restores PIDs; inside a fresh namespace they are always free). A job started on a terminal
-gets a pty owned by a holder outside its tree (oomguard/ttyholder.py) instead, so it can be
+gets a pty owned by a holder outside its tree (oomguard/terminal/holder.py) instead, so it can be
 restored and attached to from anywhere. This process stays outside the namespace, writes
 nothing on the job's streams, and exits with the job's status, or EXIT_CHECKPOINTED."""
 
@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
-from oomguard.ttyclient import (
+from oomguard.terminal.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
+from oomguard.terminal.client import (
     connect_attach,
     listen_at,
     new_socket_path,
@@ -30,7 +30,7 @@ from oomguard.ttyclient import (
     runtime_dir,
     spawn_holder,
 )
-from oomguard.ttyext import SOCKET_ENV
+from oomguard.terminal.external import SOCKET_ENV
 
 NSINIT = Path(__file__).with_name("nsinit.py")
 CLONE_NEWPID = 0x20000000

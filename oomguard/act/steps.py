@@ -5,7 +5,7 @@
     actions = ["signal:SIGUSR1:30s", "checkpoint"] # cooperative: let the trainer save itself
     actions = ["vram", "checkpoint"]              # GPU pressure: free the GPU, keep it running
 
-Parsing is pure; the executor lives in oomguard/chain.py.
+Parsing is pure; the executor lives in oomguard/act/chain.py.
 """
 
 from __future__ import annotations

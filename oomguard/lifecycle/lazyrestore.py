@@ -4,7 +4,7 @@ its memory follows.
 CRIU restores the tree with `--lazy-pages`: private anonymous memory (nearly all of a job's) is
 not read in but registered with userfaultfd, and a `criu lazy-pages` daemon started first
 serves each page the job touches from the images, then streams in the rest behind it; it ends
-once every page is in. A keeper process (oomguard/lazykeeper.py), started beside it and outliving
+once every page is in. A keeper process (oomguard/lifecycle/lazykeeper.py), started beside it and outliving
 the CLI like the daemon, holds the checkpoint's restore lock meanwhile (no second restore, no
 forget, no pruning of images still being read), verifies the pages, and finally drops their
 page cache and writes `lazy.json` (when every page was in, what verification found).
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from oomguard.criu import Criu
+from oomguard.act.criu import Criu
 from oomguard.errors import CriuError
 
 LAZY_SOCKET = "lazy-pages.socket"  # CRIU's name, in the work dir
@@ -131,7 +131,7 @@ class LazySession:
         try:
             # Its own session: it outlives the CLI (and a daemon restart) like the job does.
             keeper = subprocess.Popen(
-                criu.confined([sys.executable, "-m", "oomguard.lazykeeper", str(work_dir),
+                criu.confined([sys.executable, "-m", "oomguard.lifecycle.lazykeeper", str(work_dir),
                                str(lock_fd)]),
                 stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(lock_fd,),
                 start_new_session=True, close_fds=True)

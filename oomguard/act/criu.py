@@ -1,7 +1,7 @@
 """CRIU as an actuator: locating a binary that works here, building argv, running dump/restore.
 
 CRIU never fsyncs its images and kills the tree right after a successful dump. Its post-dump
-action script is the commit point: oomguard's hook (oomguard/criu_hook.py) makes the images
+action script is the commit point: oomguard's hook (oomguard/act/criu_hook.py) makes the images
 durable and drops their page cache there; if it fails, CRIU resumes the tree instead of killing it.
 """
 
@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.criu_hook import VERIFY_GATE_ENV
+from oomguard.act.criu_hook import VERIFY_GATE_ENV
+from oomguard.act.runner import CommandRunner, SubprocessRunner, executable_candidates
 from oomguard.errors import CriuError
-from oomguard.runner import CommandRunner, SubprocessRunner, executable_candidates
 
 CRIU_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/bin/criu")
 # CRIU <= 4.1 cannot dump TCP/UDP sockets on kernels >= 6.16, and 3.x fails on 6.18's vDSO.

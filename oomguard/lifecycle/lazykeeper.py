@@ -1,5 +1,5 @@
-"""The keeper of a lazy restore: `python -m oomguard.lazykeeper CHECKPOINT_DIR LOCK_FD`, started by
-oomguard/lazyrestore.py in a session of its own, so it outlives the CLI (or the daemon) as the
+"""The keeper of a lazy restore: `python -m oomguard.lifecycle.lazykeeper CHECKPOINT_DIR LOCK_FD`, started by
+oomguard/lifecycle/lazyrestore.py in a session of its own, so it outlives the CLI (or the daemon) as the
 restored job and the lazy-pages daemon do.
 
 It holds LOCK_FD (the checkpoint's restore lock, an flock inherited from the restore) for as
@@ -24,9 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from oomguard.criu_hook import drop_cache, tree_pids
+from oomguard.act.criu_hook import drop_cache, tree_pids
 from oomguard.errors import StoreError
-from oomguard.lazyrestore import LAZY_STATUS
+from oomguard.lifecycle.lazyrestore import LAZY_STATUS
 from oomguard.store.checkpoints import IMAGES, STATE_CHECKPOINTED, Store
 from oomguard.store.integrity import find_sums, read_sums
 from oomguard.store.verify import RestoreVerifier
@@ -132,7 +132,7 @@ def keep(work_dir: Path) -> dict[str, object]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or not argv[1].isdigit():
-        print("usage: python -m oomguard.lazykeeper CHECKPOINT_DIR LOCK_FD", file=sys.stderr)
+        print("usage: python -m oomguard.lifecycle.lazykeeper CHECKPOINT_DIR LOCK_FD", file=sys.stderr)
         return 2
     work_dir = Path(argv[0])
     lock_fd = int(argv[1])  # held, not used: it closes when we end

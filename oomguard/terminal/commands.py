@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
 from oomguard.errors import OomguardError
-from oomguard.execwrap import ExecJob
-from oomguard.ttyclient import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
-from oomguard.ttyext import SOCKET_ENV, TTYS, environ_value
+from oomguard.terminal.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
+from oomguard.terminal.client import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
+from oomguard.terminal.execwrap import ExecJob
+from oomguard.terminal.external import SOCKET_ENV, TTYS, environ_value
 
 Call = Callable[..., dict[str, Any]]
 CHECKPOINT_WAIT = 15.0  # CRIU kills the tree, then the checkpoint is committed

@@ -2,9 +2,9 @@
 job's process tree, keeps a scrollback, serves `oomguard attach` clients on a UNIX socket, and
 hands a slave fd to a restorer (SCM_RIGHTS) so CRIU can give the restored job its terminal back.
 
-Run as a script (`python -I ttyholder.py --master-fd N --listen-fd N ...`): stdlib only. It
+Run as a script (`python -I holder.py --master-fd N --listen-fd N ...`): stdlib only. It
 leaves its session at once (setsid, SIGHUP ignored), so closing the terminal that started the
-job does not end it. Requests are one JSON line; see oomguard/ttyclient.py for the client side.
+job does not end it. Requests are one JSON line; see oomguard/terminal/client.py for the client side.
 After an `attach` request the client sends frames (1 byte kind, 4 bytes length, payload): `d`
 input for the job, `w` a window size (rows, cols as two u16); the holder sends raw output.
 

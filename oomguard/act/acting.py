@@ -12,19 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.actions import CHECKPOINT, KILL, Step
+from oomguard.act.chain import ChainRunner, ChainSettings
+from oomguard.act.freezer import Frozen
+from oomguard.act.priority import ThreadPriority
+from oomguard.act.steps import CHECKPOINT, KILL, Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
-from oomguard.chain import ChainRunner, ChainSettings
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.errors import CgroupGone
-from oomguard.freezer import Frozen
 from oomguard.observe.dbus import restore_command
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy import ProcessTree
 from oomguard.preferences import Preferences, apply_preferences, compile_patterns
-from oomguard.priority import ThreadPriority
 from oomguard.units import format_size
 
 MiB = 1 << 20
