@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from oomguard.backend import Backend, open_backend
 from oomguard.cgroup.mounts import open_cgroup, read_layout
 from oomguard.cliparser import build_parser
 from oomguard.config.discovery import CliConfig, choose_config, discover_cli_config
@@ -22,9 +21,11 @@ from oomguard.config.loading import (
     load_embedded_config,
     parse_config,
 )
+from oomguard.control.backend import Backend, open_backend
 from oomguard.control.client import ControlError
 from oomguard.control.protocol import ERROR_AMBIGUOUS
-from oomguard.errors import (
+from oomguard.lifecycle.restorewait import restore_when_it_fits
+from oomguard.model.errors import (
     AmbiguousId,
     CheckpointFailed,
     ConfigError,
@@ -35,11 +36,10 @@ from oomguard.errors import (
     RestoreFailed,
     StoreError,
 )
-from oomguard.lifecycle.restorewait import restore_when_it_fits
+from oomguard.model.units import format_size
 from oomguard.observe.logsetup import configure_logging, get_logger
 from oomguard.progress import dump_bytes, progress, resident_bytes
 from oomguard.rendering import event_fields, restore_command, restored_line, show_text
-from oomguard.units import format_size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Subcommands that read no config, or (check-config) name their own file.
@@ -112,7 +112,7 @@ def _flag_name(key: str) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     from oomguard.cgroup.mounts import read_layout
     from oomguard.config.loading import check_cgroup_paths
-    from oomguard.rundaemon import run_daemon
+    from oomguard.daemon.app import run_daemon
 
     config = _base_config(args)
     if args.cgroup:

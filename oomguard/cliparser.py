@@ -7,7 +7,7 @@ from pathlib import Path
 
 from oomguard import __version__
 from oomguard.config.schema import ON_FAILURE_KILL, ON_FAILURE_THAW
-from oomguard.units import bounded_duration, parse_fraction
+from oomguard.model.units import bounded_duration, parse_fraction
 
 
 def _fraction_arg(text: str) -> float:

@@ -14,13 +14,13 @@ import psutil
 
 from oomguard.act.criu import Criu, find_criu, format_version
 from oomguard.cgroup.mounts import parse_mountinfo, read_layout
-from oomguard.errors import CriuError
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lifecycle.lazyrestore import lazy_unavailable
+from oomguard.model.errors import CriuError
+from oomguard.model.units import format_size
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.procevents import EventSource, ProcEvents, Subscriber, process_events_words
 from oomguard.store.checkpoints import Store
-from oomguard.units import format_size
 
 PREKILL_SYSTEMD = 260  # systemd-oomd's io.systemd.oom.Prekill hook
 

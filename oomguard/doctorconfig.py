@@ -13,10 +13,10 @@ from oomguard.config.discovery import CliConfig
 from oomguard.config.loading import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIG, DaemonConfig, GuardConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.doctor import Check, run_checks
-from oomguard.errors import OomguardError
 from oomguard.gpu.runtime import detect_gpu
+from oomguard.model.errors import OomguardError
+from oomguard.model.units import format_size
 from oomguard.sense.procevents import EventSource, ProcEvents
-from oomguard.units import format_size
 
 DAEMON_TIMEOUT = 10.0  # the Status verb answers at once; a wedged daemon is reported, not waited on
 START_HINT = "oomguard install-units, then systemctl enable --now oomguard"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from oomguard.errors import AmbiguousId, UnknownCheckpoint
+from oomguard.model.errors import AmbiguousId, UnknownCheckpoint
 from oomguard.store.checkpoints import CheckpointMeta
 
 LAST = "last"

@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from oomguard.cgroup.base import MemorySnapshot
+from oomguard.model.units import format_size
 from oomguard.procfs import ProcessInfo
-from oomguard.units import format_size
 
 
 class Verdict(enum.Enum):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from oomguard.units import format_size
+from oomguard.model.units import format_size
 
 DEFAULT_THROUGHPUT = 200e6  # bytes/s: conservative until this machine has shown better
 SAFETY_SECONDS = 0.5  # freeze, CRIU start, the parasite: what a dump costs before its first byte

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.errors import ProcessGone
+from oomguard.model.errors import ProcessGone
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h
 # SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU as bits of SigPnd/ShdPnd (bit n-1 is signal n). A stop

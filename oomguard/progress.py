@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
-from oomguard.units import format_size
+from oomguard.model.units import format_size
 
 INTERVAL = 0.1
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-from oomguard.units import format_size
+from oomguard.model.units import format_size
 
 # Log and event fields that hold bytes (besides any field named *_bytes).
 BYTE_FIELDS = frozenset({"usage", "limit", "anon", "resident", "vram", "rss", "available",

@@ -3,7 +3,7 @@ earlyoom. The pieces that are pure functions of the numbers."""
 
 from __future__ import annotations
 
-from oomguard.units import format_size
+from oomguard.model.units import format_size
 
 # Poll MemAvailable the way earlyoom does: the closer to the floor, the more often; it assumes
 # memory can be eaten at up to 6 GB/s (earlyoom's figure).

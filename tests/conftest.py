@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.act.criu import find_criu
-from oomguard.errors import CriuError
+from oomguard.model.errors import CriuError
 from tests.helpers import CgroupFactory, own_memory_cgroup
 
 

@@ -20,12 +20,12 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
+from oomguard.model.units import format_size
 from oomguard.observe.dbus import restore_command
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy import ProcessTree
 from oomguard.preferences import Preferences, apply_preferences, compile_patterns
-from oomguard.units import format_size
 
 MiB = 1 << 20
 MAX_VICTIM_ATTEMPTS = 3

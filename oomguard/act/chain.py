@@ -22,12 +22,12 @@ from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.act.kubelet import ContainerCheckpointer, KubeletError
 from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.errors import CheckpointFailed, ProcessGone
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
+from oomguard.model.errors import CheckpointFailed, ProcessGone
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcReader
-from oomguard.scheduler import KubeContainer, kube_container
+from oomguard.sense.owners import KubeContainer, kube_container
 
 
 @dataclass(frozen=True)

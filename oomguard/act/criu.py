@@ -17,7 +17,7 @@ from pathlib import Path
 
 from oomguard.act.criu_hook import VERIFY_GATE_ENV
 from oomguard.act.runner import CommandRunner, SubprocessRunner, executable_candidates
-from oomguard.errors import CriuError
+from oomguard.model.errors import CriuError
 
 CRIU_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/bin/criu")
 # CRIU <= 4.1 cannot dump TCP/UDP sockets on kernels >= 6.16, and 3.x fails on 6.18's vDSO.

@@ -28,7 +28,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from oomguard.errors import ProcessGone
+from oomguard.model.errors import ProcessGone
 from oomguard.procfs import ProcReader
 from oomguard.sense.cnproc import FORKS, ProcessFork
 from oomguard.sense.procevents import EventSource, Subscriber

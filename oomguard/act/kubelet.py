@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 TOKEN_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 CA_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.cgroup.base import LimitBusy, MemoryCgroup
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 from oomguard.procfs import ProcReader
 
 LIFTS_LEDGER = ".lifted.json"

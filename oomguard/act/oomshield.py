@@ -19,7 +19,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from oomguard.errors import ProcessGone
+from oomguard.model.errors import ProcessGone
 from oomguard.procfs import ProcReader
 
 SHIELD = -1000  # OOM_SCORE_ADJ_MIN: the OOM killer never picks such a task

@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from oomguard.units import MAX_WAIT, parse_duration
+from oomguard.model.units import MAX_WAIT, parse_duration
 
 FREEZE, CHECKPOINT, SIGNAL, KILL = "freeze", "checkpoint", "signal", "kill"
 VRAM = "vram"  # cuda-checkpoint alone: CUDA state into host memory, the process stays alive

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 
 
 @dataclass(frozen=True)

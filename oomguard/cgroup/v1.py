@@ -23,7 +23,7 @@ from oomguard.cgroup.base import (
     parse_procs,
     removed,
 )
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 
 # The kernel reports "no limit" as PAGE_COUNTER_MAX rounded to pages: anything this big is unlimited.
 V1_UNLIMITED_FLOOR = 1 << 62

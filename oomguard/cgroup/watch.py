@@ -20,7 +20,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
 from oomguard.config.schema import GuardConfig
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 from oomguard.psi import parse_pressure
 
 EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"

@@ -11,7 +11,7 @@ import glob
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.schema import DaemonConfig
-from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.model.errors import ConfigError, ConfigIssue
 
 
 def check_cgroup_paths(config: DaemonConfig, layout: CgroupLayout,

@@ -19,7 +19,7 @@ from oomguard.config.loading import (
     load_config_text,
     load_embedded_config,
 )
-from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.model.errors import ConfigError, ConfigIssue
 
 CONFIG_ENV = "OOMGUARD_CONFIG"
 NAMED_BY_FLAG = "--config"

@@ -47,8 +47,8 @@ from oomguard.config.values import (
     wait,
     zstd_level,
 )
-from oomguard.errors import ConfigError, ConfigIssue
-from oomguard.units import HOUR
+from oomguard.model.errors import ConfigError, ConfigIssue
+from oomguard.model.units import HOUR
 
 __all__ = [
     "DEFAULT_CONFIG_PATH", "EMBEDDED_CONFIG", "GPU_ENGINES", "GPU_PREFERENCES", "GUARD_KEYS",

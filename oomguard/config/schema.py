@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.act.steps import Step
-from oomguard.errors import ConfigIssue
+from oomguard.model.errors import ConfigIssue
 
 ON_FAILURE_THAW = "thaw"  # a failed checkpoint: the tree is thawed and runs on
 ON_FAILURE_KILL = "kill"  # ...or killed (the chain checkpoint, kill)

@@ -16,15 +16,15 @@ from typing import Any, TypeVar
 
 from oomguard.act.steps import parse_chain
 from oomguard.config.schema import GPU_PREFERENCES, ON_FAILURE_KILL, ON_FAILURE_THAW
-from oomguard.errors import ConfigIssue
-from oomguard.preferences import compile_patterns
-from oomguard.units import (
+from oomguard.model.errors import ConfigIssue
+from oomguard.model.units import (
     HOUR,
     MAX_AGE,
     bounded_duration,
     bounded_size,
     parse_fraction,
 )
+from oomguard.preferences import compile_patterns
 
 T = TypeVar("T")
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.control.protocol import INTERFACE, FrameBuffer, encode
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 CALL_TIMEOUT = 900.0  # a restore or checkpoint of many GiB takes a while
 

@@ -20,8 +20,8 @@ from oomguard.control.protocol import (
     param,
     reply,
 )
-from oomguard.errors import OomguardError
-from oomguard.service import Service
+from oomguard.control.service import Service
+from oomguard.model.errors import OomguardError
 
 INTERFACE = "io.systemd.oom.Prekill"
 METHOD = f"{INTERFACE}.Notify"

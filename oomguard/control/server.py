@@ -41,9 +41,9 @@ from oomguard.control.protocol import (
     param,
     reply,
 )
-from oomguard.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
-from oomguard.quietserve import QuietServing
-from oomguard.service import PermissionDenied, Service
+from oomguard.control.quietserve import QuietServing
+from oomguard.control.service import PermissionDenied, Service
+from oomguard.model.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

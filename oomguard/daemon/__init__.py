@@ -1,6 +1,3 @@
-"""The daemon: the guard loop (loop.py), how guards are armed (arming.py), what the cgroup
-filesystem says changed (sense/cgroupfiles.py) and when each kind of work is due."""
-
-from oomguard.daemon.loop import Daemon
-
-__all__ = ["Daemon"]
+"""The daemon: the guard loop (loop.py) and what it keeps (guards, arming, examining, settling,
+the store's keeper, the GPU and park watches, exit watching), what it says at start-up and in
+`status`, and the composition root that puts the real parts together (app.py, wiring.py)."""

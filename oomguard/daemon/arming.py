@@ -17,8 +17,8 @@ from typing import TypeVar
 
 from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.errors import CgroupGone
-from oomguard.guards import CgroupGuard
+from oomguard.daemon.guards import CgroupGuard
+from oomguard.model.errors import CgroupGone
 from oomguard.store.ledger import SavedLimits
 
 ARM_WORKERS = 64  # concurrent registrations: past this the kernel's grace periods dominate

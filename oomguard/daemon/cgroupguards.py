@@ -20,17 +20,17 @@ from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.loading import DaemonConfig, GuardConfig
 from oomguard.daemon.arming import Armer, Prepared
-from oomguard.errors import CgroupGone
-from oomguard.guards import (
+from oomguard.daemon.guards import (
     CgroupGuard,
     Guard,
     claimed_keys,
     put_back_leftovers,
 )
+from oomguard.daemon.parkwatch import ParkWatchdog
+from oomguard.daemon.startup import guard_line
 from oomguard.lifecycle.checkpoint import Checkpointer
-from oomguard.parkwatch import ParkWatchdog
+from oomguard.model.errors import CgroupGone
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
-from oomguard.startup import guard_line
 from oomguard.store.ledger import SavedLimits
 
 SWEEP_SLICES = 10  # with inotify, each safety rescan stats this share of the guards

@@ -15,10 +15,10 @@ from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
-from oomguard.errors import CgroupGone, ProcessGone
-from oomguard.guards import CgroupGuard, Guard, SystemGuard
-from oomguard.keeper import StoreKeeper
+from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
+from oomguard.daemon.keeper import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy import (
     ProcessTree,

@@ -34,23 +34,23 @@ from oomguard.config.loading import DaemonConfig, GuardConfig, check_config, con
 from oomguard.daemon.arming import Armer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin
+from oomguard.daemon.gpuwatch import GpuWatch
+from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
+from oomguard.daemon.keeper import StoreKeeper
+from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.settling import SettlingMixin
-from oomguard.errors import ConfigError, ConfigIssue
-from oomguard.gpuwatch import GpuWatch
-from oomguard.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
-from oomguard.guardstatus import guard_entries, summary_line
-from oomguard.keeper import StoreKeeper
+from oomguard.daemon.startup import guard_line
+from oomguard.daemon.status import guard_entries, summary_line
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
+from oomguard.model.errors import ConfigError, ConfigIssue
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.parkwatch import ParkWatchdog, park_reason
 from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.selfguard import ancestors_of, own_family
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.ranking import ProcessRanking
-from oomguard.startup import guard_line
 from oomguard.store.checkpoints import CheckpointMeta
 from oomguard.store.ledger import SavedLimits
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.guards import CgroupGuard
-from oomguard.keeper import StoreKeeper
+from oomguard.daemon.guards import CgroupGuard
+from oomguard.daemon.keeper import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
 
 SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oomguard.units import format_size
+from oomguard.model.units import format_size
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oomguard.act.runner import CommandRunner, SubprocessRunner, executable_candidates
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 CUDA_CHECKPOINT_CANDIDATES = ("/usr/local/bin/cuda-checkpoint", "/usr/bin/cuda-checkpoint")
 STATES = ("running", "locked", "checkpointed", "failed")

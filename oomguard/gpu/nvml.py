@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 # NVML return codes (nvml.h `nvmlReturn_t`); pynvml exposes them as NVML_ERROR_* and NVMLError.value.
 NVML_ERROR_NOT_SUPPORTED = 3

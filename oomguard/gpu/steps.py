@@ -9,13 +9,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.errors import CgroupGone, OomguardError
 from oomguard.gpu.budget import host_budget
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.gpu.runtime import ENGINE_NONE, GpuSupport
+from oomguard.model.errors import CgroupGone, OomguardError
+from oomguard.model.units import format_size
 from oomguard.policy import ProcessTree
 from oomguard.procfs import ProcessInfo
-from oomguard.units import format_size
 
 
 class GpuRefused(OomguardError):

@@ -24,15 +24,15 @@ from oomguard.act.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import shields_needed
-from oomguard.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
+from oomguard.model.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.policy import ProcessTree, headroom_needed
 from oomguard.procfs import ProcReader
-from oomguard.scheduler import owner_fields
 from oomguard.selfguard import refuse_own_tree
+from oomguard.sense.owners import owner_fields
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from oomguard.errors import OomguardError, ProcessGone
+from oomguard.model.errors import OomguardError, ProcessGone
 from oomguard.procfs import ProcReader
 
 

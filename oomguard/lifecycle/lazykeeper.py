@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from oomguard.act.criu_hook import drop_cache, tree_pids
-from oomguard.errors import StoreError
 from oomguard.lifecycle.lazyrestore import LAZY_STATUS
+from oomguard.model.errors import StoreError
 from oomguard.store.checkpoints import IMAGES, STATE_CHECKPOINTED, Store
 from oomguard.store.integrity import find_sums, read_sums
 from oomguard.store.verify import RestoreVerifier

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from oomguard.act.criu import Criu
-from oomguard.errors import CriuError
+from oomguard.model.errors import CriuError
 
 LAZY_SOCKET = "lazy-pages.socket"  # CRIU's name, in the work dir
 LAZY_PID = "lazy-pages.pid"

@@ -15,13 +15,13 @@ from oomguard.act.criu import Criu
 from oomguard.act.criu_hook import drop_cache
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
-from oomguard.exitwatch import ExitWatch
+from oomguard.daemon.exitwatch import ExitWatch
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
+from oomguard.model.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
 from oomguard.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name

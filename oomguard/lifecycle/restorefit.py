@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.errors import NoRoom
-from oomguard.guards import CgroupGuard, SystemGuard
+from oomguard.daemon.guards import CgroupGuard, SystemGuard
+from oomguard.model.errors import NoRoom
 from oomguard.policy import free_under_threshold, restore_fits
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from oomguard.control.client import ControlError
 from oomguard.control.protocol import ERROR_NO_ROOM
-from oomguard.errors import NoRoom, RestoreFailed
+from oomguard.model.errors import NoRoom, RestoreFailed
 
 RETRY_INTERVAL = 2.0  # seconds between two asks while it does not fit
 

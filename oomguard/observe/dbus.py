@@ -37,7 +37,7 @@ from jeepney.bus import get_bus  # type: ignore[import-untyped]
 from jeepney.io.blocking import DBusConnection, prep_socket  # type: ignore[import-untyped]
 
 from oomguard import rendering
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 OBJECT_PATH = "/io/oomguard/Guard"
 INTERFACE = "io.oomguard.Guard1"

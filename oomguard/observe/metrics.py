@@ -26,7 +26,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from oomguard.quietserve import QuietServing
+from oomguard.control.quietserve import QuietServing
 
 OUTCOME_DONE = "done"
 OUTCOME_FAILED = "failed"

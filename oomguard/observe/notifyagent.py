@@ -20,7 +20,7 @@ from jeepney import (  # type: ignore[import-untyped]
     new_method_call,
 )
 
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 from oomguard.observe.dbus import (
     APP_NAME,
     DEFAULT_IO_TIMEOUT,

@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from oomguard.cgroup.watch import pressure_avg10
-from oomguard.errors import CgroupGone
-from oomguard.guards import CgroupGuard, SystemGuard
+from oomguard.daemon.guards import CgroupGuard, SystemGuard
+from oomguard.model.errors import CgroupGone
 from oomguard.observe.dbus import SignalEmitter
 from oomguard.observe.hooks import HookRunner
-from oomguard.scheduler import SlurmStep
-from oomguard.slurm import SlurmError, SlurmNotifier
+from oomguard.observe.slurm import SlurmError, SlurmNotifier
+from oomguard.sense.owners import SlurmStep
 from oomguard.store.checkpoints import CheckpointMeta
 
 if TYPE_CHECKING:  # prometheus_client is imported only where metrics are wanted

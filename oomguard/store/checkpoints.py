@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.act.hookgate import remove_gates
-from oomguard.checkpointmeta import (  # re-exported: what the store holds
+from oomguard.model.checkpointmeta import (  # re-exported: what the store holds
     ID_RE,
     STATE_CHECKPOINTED,
     STATE_DUMPING,
@@ -28,7 +28,7 @@ from oomguard.checkpointmeta import (  # re-exported: what the store holds
     new_id,
     validate_id,
 )
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.commit import fsync_dir, image_checksums, swap_compressed
 from oomguard.store.digest import Digests
 from oomguard.store.integrity import (

@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.integrity import READ_BLOCK, hasher_factory
 
 SUFFIX = ".zst"

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 
 CHECKSUMS = "SHA256SUMS"  # the older checkpoints' file (and sha256's)
 XXH3 = "xxh3"

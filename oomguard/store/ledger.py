@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.errors import ProcessGone
+from oomguard.model.errors import ProcessGone
 from oomguard.procfs import ProcReader
 
 

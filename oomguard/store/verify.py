@@ -30,7 +30,7 @@ from pathlib import Path
 
 from oomguard.act.criu_hook import REPLY_OK, VERIFY_GATE_ENV
 from oomguard.act.hookgate import Gate
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.integrity import (
     READ_BLOCK,
     Hasher,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 HOLDER_SCRIPT = Path(__file__).with_name("holder.py")
 SYSTEM_DIR = Path("/run/oomguard/tty")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 from oomguard.terminal.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
 from oomguard.terminal.client import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
 from oomguard.terminal.execwrap import ExecJob

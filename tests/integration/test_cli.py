@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 from tests.helpers import (
     REPO,
     CgroupFactory,

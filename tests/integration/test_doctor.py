@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.doctor import nvidia_driver_loaded
+from oomguard.model.units import format_size
 from oomguard.sense.procevents import Subscriber
-from oomguard.units import format_size
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,

@@ -13,10 +13,10 @@ import pytest
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import load_config
+from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
-from oomguard.guards import CgroupGuard
+from oomguard.daemon.wiring import build_checkpointer, build_criu
 from oomguard.procfs import ProcReader
-from oomguard.wiring import build_checkpointer, build_criu
 from tests.helpers import EMULATION_FACTOR, CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup, wait_until
 
 pytestmark = pytest.mark.integration

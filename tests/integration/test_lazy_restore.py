@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from oomguard.act.criu import find_criu
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (

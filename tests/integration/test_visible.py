@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.config.loading import GpuConfig
 from oomguard.control.client import ControlClient
+from oomguard.daemon.wiring import build_gpu
 from oomguard.store.checkpoints import Store
-from oomguard.wiring import build_gpu
 from tests.helpers import (
     REPO,
     CgroupFactory,

@@ -16,7 +16,7 @@ from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.watch import OOM_KILL_KEY, threshold_marks
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.arming import Armer
-from oomguard.guards import CgroupGuard
+from oomguard.daemon.guards import CgroupGuard
 from oomguard.store.ledger import SavedLimits
 from tests.unit._support import MiB
 

@@ -18,7 +18,7 @@ from oomguard.cgroup.mounts import (
 )
 from oomguard.cgroup.v1 import V1_UNLIMITED_FLOOR, V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, parse_max
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 from tests.unit._support import FIXTURES, fixture_text
 
 V1_UNLIMITED = 9223372036854771712  # PAGE_COUNTER_MAX * 4096, what v1 prints for "no limit"

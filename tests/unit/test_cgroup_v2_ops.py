@@ -10,7 +10,7 @@ import pytest
 
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 from tests.unit._support import MiB
 
 MAX = "max"

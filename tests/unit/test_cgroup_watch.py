@@ -13,7 +13,7 @@ from oomguard.cgroup import watch
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.config.loading import GuardConfig
-from oomguard.guards import CgroupGuard
+from oomguard.daemon.guards import CgroupGuard
 from tests.helpers import REPO
 from tests.unit._support import MiB
 

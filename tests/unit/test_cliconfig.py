@@ -19,7 +19,7 @@ from oomguard.config.discovery import (
     merge_config_flags,
 )
 from oomguard.config.loading import EMBEDDED_CONFIG
-from oomguard.errors import ConfigError
+from oomguard.model.errors import ConfigError
 
 CUSTOM = '[daemon]\nsocket = "/tmp/og-unit/control.sock"\nstore = "/tmp/og-unit/store"\n'
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, Store
 from oomguard.store.compression import SAMPLE, Packer, PageCompressor, compressed_pages, expand
 from oomguard.store.digest import Digests, ImageDigester, with_packed

@@ -20,7 +20,7 @@ from oomguard.config.loading import (
     load_config_text,
     load_embedded_config,
 )
-from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.model.errors import ConfigError, ConfigIssue
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "config" / "oomguard.toml"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from oomguard.config.loading import load_config_text
-from oomguard.errors import ConfigError
+from oomguard.model.errors import ConfigError
 
 GUARD = '[[guard]]\ncgroup = "/a"\n'
 

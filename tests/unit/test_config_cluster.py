@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomguard.config.loading import KubernetesConfig, SlurmConfig, parse_config
-from oomguard.errors import ConfigError
+from oomguard.model.errors import ConfigError
 
 
 def test_defaults_and_values() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.config.loading import check_config, config_warnings, load_config_text
-from oomguard.errors import ConfigError, ConfigIssue
+from oomguard.model.errors import ConfigError, ConfigIssue
 
 GUARD = '[[guard]]\ncgroup = "/a"\n'
 SYSTEM = "[[guard]]\nsystem = true\n"

@@ -32,8 +32,8 @@ from oomguard.control.protocol import (
     encode,
 )
 from oomguard.control.server import ControlServer, dispatch
+from oomguard.control.service import Service
 from oomguard.procfs import ProcReader
-from oomguard.service import Service
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from tests.unit._support import FakeProc, fake_proc_tree
 

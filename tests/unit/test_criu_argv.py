@@ -28,8 +28,8 @@ from oomguard.act.criu import (
 from oomguard.act.runner import CommandResult
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
-from oomguard.errors import CriuError
 from oomguard.lifecycle.restore import cgroup_root_arg
+from oomguard.model.errors import CriuError
 from tests.unit._support import FIXTURES, make_executable
 
 # -- parse_version -------------------------------------------------------------------------------

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from oomguard.errors import CheckpointFailed
-from oomguard.exitwatch import (
+from oomguard.daemon.exitwatch import (
     ExitWatch,
     describe_exit,
     exit_fields,
     record_exit,
     rewatch_restored,
 )
+from oomguard.model.errors import CheckpointFailed
 from oomguard.procfs import ProcReader
 from oomguard.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.sense.cnproc import ProcessEvent, ProcessExit, ProcessFork

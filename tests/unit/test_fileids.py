@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.errors import RestoreFailed
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.restore import Restorer
+from oomguard.model.errors import RestoreFailed
 from oomguard.store.checkpoints import Store
 from tests.unit.test_store import checkpoint, make_meta
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.act.freezer import BY_EVENTS, BY_LISTING, ForkFollow, SigstopFreezer
-from oomguard.errors import ProcessGone
+from oomguard.model.errors import ProcessGone
 from oomguard.procfs import ProcReader
 from oomguard.sense.cnproc import ProcessEvent, ProcessExec, ProcessExit, ProcessFork
 from oomguard.sense.procevents import EventBatch, EventSource, Subscriber

@@ -11,7 +11,8 @@ import pytest
 
 from oomguard.act.steps import VRAM, parse_chain
 from oomguard.config.loading import GpuConfig, parse_config
-from oomguard.errors import ConfigError
+from oomguard.daemon.gpuwatch import GpuWatch, on_devices, pressure_reason
+from oomguard.daemon.guards import SystemGuard
 from oomguard.gpu.nvml import NvmlSensor
 from oomguard.gpu.runtime import (
     ENGINE_CRIU_PLUGIN,
@@ -21,8 +22,7 @@ from oomguard.gpu.runtime import (
     detect_gpu,
 )
 from oomguard.gpu.steps import GpuRefused, move_off_gpu, restored_host_pids
-from oomguard.gpuwatch import GpuWatch, on_devices, pressure_reason
-from oomguard.guards import SystemGuard
+from oomguard.model.errors import ConfigError
 from oomguard.policy import ProcessTree, rank_victims, with_vram
 from oomguard.preferences import Preferences, apply_preferences
 from oomguard.procfs import ProcessInfo

@@ -1,4 +1,4 @@
-"""oomguard.guards: threshold marks, the PSI trigger this process may use, system-guard arming."""
+"""oomguard.daemon.guards: threshold marks, the PSI trigger this process may use, system-guard arming."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from oomguard.cgroup.watch import PSI, threshold_marks
 from oomguard.config.loading import GuardConfig
-from oomguard.guards import CgroupGuard, SystemGuard, arm_system, psi_trigger_for
+from oomguard.daemon.guards import CgroupGuard, SystemGuard, arm_system, psi_trigger_for
 from tests.unit._support import MiB
 
 # -- threshold_marks -----------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Pa
     from oomguard.cgroup.v1 import V1MemoryCgroup
     from oomguard.cgroup.v2 import V2MemoryCgroup
     from oomguard.cgroup.watch import OOM_KILL_KEY
-    from oomguard.guards import claimed_keys, put_back_leftovers
+    from oomguard.daemon.guards import claimed_keys, put_back_leftovers
     from oomguard.store.ledger import SavedLimits
 
     v1, v2 = tmp_path / "v1", tmp_path / "v2"

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.errors import AmbiguousId, StoreError
+from oomguard.control.service import Service
 from oomguard.ids import CANDIDATES_SHOWN, resolve_id
-from oomguard.service import Service
+from oomguard.model.errors import AmbiguousId, StoreError
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.terminal.client import HolderError
 from oomguard.terminal.commands import attach, names_a_pid

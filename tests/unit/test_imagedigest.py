@@ -16,7 +16,7 @@ import pytest
 from oomguard.act import criu_hook
 from oomguard.act.criu_hook import REPLY_OK, answer, ask
 from oomguard.act.hookgate import Gate, remove_gates
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store import integrity
 from oomguard.store.checkpoints import IMAGES, PARTIAL_PREFIX, Store
 from oomguard.store.digest import GATE_NAME, Digests, FileDigest, ImageDigester

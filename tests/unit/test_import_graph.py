@@ -11,7 +11,7 @@ import pytest
 # oomguard.act.steps is the steps' grammar (the config parses chains with it): not acting.
 ACTING = ("oomguard.lifecycle", "oomguard.act.criu", "oomguard.act.freezer", "oomguard.act.chain",
           "oomguard.act.acting", "oomguard.act.runner", "oomguard.store.checkpoints",
-          "oomguard.daemon", "oomguard.service", "oomguard.terminal")
+          "oomguard.daemon", "oomguard.control.service", "oomguard.terminal")
 
 
 def loaded_by(module: str) -> set[str]:

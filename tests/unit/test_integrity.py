@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.integrity import (
     CHECKSUMS,
     SHA256,

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from oomguard.cgroup.base import subtree_procs
-from oomguard.errors import CgroupGone, OomguardError
 from oomguard.lifecycle.jobresume import job_checkpoint, resume_job, wait_for_exit
+from oomguard.model.errors import CgroupGone, OomguardError
 from oomguard.procfs import ProcReader
 from tests.unit._support import FakeProc, fake_proc_tree
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from oomguard.config.loading import load_config_text
-from oomguard.scheduler import kube_container
+from oomguard.sense.owners import kube_container
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "oomguard.yaml"
 

@@ -1,4 +1,4 @@
-"""oomguard.parkwatch: a task parked at a v1 limit is handed to the kernel's OOM killer after
+"""oomguard.daemon.parkwatch: a task parked at a v1 limit is handed to the kernel's OOM killer after
 park_deadline (fake clock, fake memory.oom_control), and parked again once none waits."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from oomguard.errors import CgroupGone
-from oomguard.parkwatch import ParkWatchdog, park_reason
+from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
+from oomguard.model.errors import CgroupGone
 
 
 class Log:

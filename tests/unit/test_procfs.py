@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.errors import ProcessGone
+from oomguard.model.errors import ProcessGone
 from oomguard.procfs import ProcReader, parse_cmdline, parse_memory_cgroup, parse_stat, parse_status
 from tests.unit._support import (
     KTHREAD_FLAGS,

@@ -15,11 +15,11 @@ import pytest
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.config.loading import DaemonConfig, GuardConfig
 from oomguard.control.server import dispatch
-from oomguard.errors import CgroupGone, CriuError, RestoreFailed
-from oomguard.guards import CgroupGuard
-from oomguard.keeper import RESTORE_BACKOFF, StoreKeeper
+from oomguard.control.service import PermissionDenied, Service
+from oomguard.daemon.guards import CgroupGuard
+from oomguard.daemon.keeper import RESTORE_BACKOFF, StoreKeeper
 from oomguard.lifecycle.restore import failure_fields
-from oomguard.service import PermissionDenied, Service
+from oomguard.model.errors import CgroupGone, CriuError, RestoreFailed
 from oomguard.store.checkpoints import CheckpointMeta, Store
 
 MiB = 1 << 20

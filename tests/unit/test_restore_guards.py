@@ -18,14 +18,14 @@ from oomguard.cli import main
 from oomguard.config.loading import GuardConfig
 from oomguard.control.client import ControlError
 from oomguard.control.server import dispatch
-from oomguard.errors import NoRoom, RestoreFailed
-from oomguard.guards import CgroupGuard, SystemGuard
+from oomguard.control.service import Service
+from oomguard.daemon.guards import CgroupGuard, SystemGuard
 from oomguard.lifecycle.restorefit import RestoreGuard, check_fits, daemon_lookup, guard_for
 from oomguard.lifecycle.restorewait import restore_when_it_fits
+from oomguard.model.errors import NoRoom, RestoreFailed
 from oomguard.observe.metrics import Metrics
 from oomguard.observe.telemetry import EventTap
 from oomguard.policy import free_under_threshold, restore_fits
-from oomguard.service import Service
 from oomguard.store.checkpoints import CheckpointMeta, Store
 
 MiB = 1 << 20

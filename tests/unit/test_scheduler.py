@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.scheduler import KubeContainer, SlurmStep, kube_container, owner_fields, slurm_step
+from oomguard.sense.owners import KubeContainer, SlurmStep, kube_container, owner_fields, slurm_step
 
 CID = "3f1c9a0e4b5d6c7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f6"
 UID = "6b1a4c2e-9f3d-4e8a-b7c6-0d1e2f3a4b5c"

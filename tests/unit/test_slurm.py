@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.slurm import SlurmError, SlurmNotifier, admin_comment, find_scontrol
+from oomguard.observe.slurm import SlurmError, SlurmNotifier, admin_comment, find_scontrol
 
 FAKE = """#!{python}
 import json, os, sys
@@ -100,7 +100,7 @@ def test_requeue_with_more_memory(tmp_path: Path) -> None:
     ("MinMemoryNode=2G", 2048), ("MinMemoryCPU=512000K", 500), ("MinMemoryNode=100", 100),
     ("no memory here", None)])
 def test_job_memory(text: str, mib: int | None) -> None:
-    from oomguard.slurm import job_memory_mib
+    from oomguard.observe.slurm import job_memory_mib
     assert job_memory_mib(text) == mib
 
 

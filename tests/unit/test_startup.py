@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 from oomguard.act.steps import parse_chain
 from oomguard.config.loading import GuardConfig
+from oomguard.daemon.guards import CgroupGuard, SystemGuard
+from oomguard.daemon.startup import gpu_summary, guard_line, size_text
 from oomguard.gpu.runtime import GpuSupport
-from oomguard.guards import CgroupGuard, SystemGuard
-from oomguard.startup import gpu_summary, guard_line, size_text
 
 MiB = 1 << 20
 GiB = 1 << 30

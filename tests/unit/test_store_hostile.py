@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.checkpoints import META, CheckpointMeta, Store
 from tests.unit.test_store import checkpoint, make_meta
 

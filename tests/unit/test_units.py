@@ -1,10 +1,10 @@
-"""oomguard.units: sizes, durations, fractions people write, and sizes shown to people."""
+"""oomguard.model.units: sizes, durations, fractions people write, and sizes shown to people."""
 
 from __future__ import annotations
 
 import pytest
 
-from oomguard.units import format_size, parse_duration, parse_fraction, parse_size
+from oomguard.model.units import format_size, parse_duration, parse_fraction, parse_size
 
 K, M, G, T, P = (1024 ** i for i in range(1, 6))
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from oomguard.act.runner import CommandRunner, SubprocessRunner
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 
 AFTER_CHECKPOINT = ("none", "requeue", "requeuehold")
 SCONTROL_CANDIDATES = ("/usr/bin/scontrol", "/usr/local/bin/scontrol")

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.sense.cnproc import EXITS, ProcessExit
 from oomguard.sense.procevents import EventSource, ProcEvents, unavailable
 from oomguard.store.checkpoints import Store

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 
 # How often the watchdog reads memory.oom_control of each parked-capable cgroup. A park ends
 # within park_deadline + this.

@@ -6,8 +6,8 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from oomguard.errors import CgroupGone
-from oomguard.guards import CgroupGuard, Guard, SystemGuard
+from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
+from oomguard.model.errors import CgroupGone
 from oomguard.store.checkpoints import CheckpointMeta
 
 

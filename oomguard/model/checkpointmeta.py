@@ -10,7 +10,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
-from oomguard.errors import StoreError
+from oomguard.model.errors import StoreError
 from oomguard.store.metaschema import check_value
 
 STATE_DUMPING = "dumping"

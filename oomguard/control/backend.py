@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import DaemonConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
-from oomguard.errors import OomguardError
+from oomguard.model.errors import OomguardError
 from oomguard.procfs import ProcReader
 
 if TYPE_CHECKING:  # loaded only where the store is acted on directly: the CLI talking to the
     # daemon starts in half the time without it (the checkpointer, CRIU, the store...)
-    from oomguard.service import Service
+    from oomguard.control.service import Service
 
 
 class Backend(Protocol):
@@ -47,7 +47,7 @@ class LocalBackend:
         self._criu_used = False
 
     def _get_service(self, needs_criu: bool) -> Service:
-        from oomguard.wiring import build_service
+        from oomguard.daemon.wiring import build_service
 
         if self._service is None or (needs_criu and not self._criu_used):
             self._service = build_service(self.config, self.layout, self.proc,
@@ -77,7 +77,7 @@ class LocalBackend:
 
     def close(self) -> None:
         if self._criu_used:
-            from oomguard.wiring import remove_criu_cgroup
+            from oomguard.daemon.wiring import remove_criu_cgroup
 
             remove_criu_cgroup(self.layout, self.proc)
 

@@ -13,13 +13,13 @@ from typing import Any
 from oomguard.act.acting import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.config.loading import GuardConfig
-from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.gpu.nvml import GpuDevice, GpuSnapshot, devices_over
 from oomguard.gpu.runtime import GpuSupport
-from oomguard.guards import CgroupGuard, Guard, SystemGuard
+from oomguard.model.errors import CgroupGone, ProcessGone
+from oomguard.model.units import format_size
 from oomguard.policy import ProcessTree, build_trees, with_vram
 from oomguard.procfs import ProcReader
-from oomguard.units import format_size
 
 GPU_SUFFIX = " (GPU)"
 

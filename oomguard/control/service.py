@@ -17,7 +17,11 @@ from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.errors import (
+from oomguard.ids import resolve_id
+from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
+from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
+from oomguard.lifecycle.restorefit import GuardLookup, check_fits
+from oomguard.model.errors import (
     AmbiguousId,
     CgroupGone,
     CheckpointFailed,
@@ -27,10 +31,6 @@ from oomguard.errors import (
     StoreError,
     UnknownCheckpoint,
 )
-from oomguard.ids import resolve_id
-from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
-from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
-from oomguard.lifecycle.restorefit import GuardLookup, check_fits
 from oomguard.observe.dbus import restore_command
 from oomguard.policy import build_trees, rank_victims
 from oomguard.procfs import ProcReader

@@ -13,21 +13,10 @@ from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
-from oomguard.daemon import Daemon
-from oomguard.exitwatch import ExitWatch, record_exit, rewatch_restored
-from oomguard.lifecycle.restorefit import daemon_lookup
-from oomguard.observe.dbus import SignalEmitter
-from oomguard.observe.hooks import HookRunner
-from oomguard.observe.logsetup import RecordingLogger
-from oomguard.observe.sdnotify import Notifier
-from oomguard.observe.telemetry import EventTap, publish_gauges
-from oomguard.procfs import ProcReader
-from oomguard.sense.cnproc import FORKS, ProcessExit
-from oomguard.sense.procevents import Subscriber, process_events_words
-from oomguard.slurm import SlurmNotifier, find_scontrol
-from oomguard.startup import gpu_summary
-from oomguard.store.checkpoints import Store
-from oomguard.wiring import (
+from oomguard.daemon.exitwatch import ExitWatch, record_exit, rewatch_restored
+from oomguard.daemon.loop import Daemon
+from oomguard.daemon.startup import gpu_summary
+from oomguard.daemon.wiring import (
     build_checkpointer,
     build_containers,
     build_criu,
@@ -36,6 +25,17 @@ from oomguard.wiring import (
     build_service,
     remove_criu_cgroup,
 )
+from oomguard.lifecycle.restorefit import daemon_lookup
+from oomguard.observe.dbus import SignalEmitter
+from oomguard.observe.hooks import HookRunner
+from oomguard.observe.logsetup import RecordingLogger
+from oomguard.observe.sdnotify import Notifier
+from oomguard.observe.slurm import SlurmNotifier, find_scontrol
+from oomguard.observe.telemetry import EventTap, publish_gauges
+from oomguard.procfs import ProcReader
+from oomguard.sense.cnproc import FORKS, ProcessExit
+from oomguard.sense.procevents import Subscriber, process_events_words
+from oomguard.store.checkpoints import Store
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
     from oomguard.observe.metrics import Metrics, TextfileWriter

@@ -11,9 +11,9 @@ from typing import Any
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.config.loading import DaemonConfig
-from oomguard.errors import OomguardError, StoreError
-from oomguard.guards import CgroupGuard
+from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
+from oomguard.model.errors import OomguardError, StoreError
 from oomguard.policy import restore_fits
 from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
 from oomguard.retention import Stored, choose_prunes

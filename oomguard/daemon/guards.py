@@ -14,7 +14,7 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, claimed_key, put_back_saved
 from oomguard.config.loading import GuardConfig
-from oomguard.errors import CgroupGone
+from oomguard.model.errors import CgroupGone
 from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.cgroupfiles import Stamp
 from oomguard.store.ledger import SavedLimits

@@ -17,13 +17,13 @@ from oomguard.act.kubelet import ContainerCheckpointer, KubeletClient
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.loading import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
-from oomguard.errors import CgroupGone, ProcessGone
+from oomguard.control.service import Service
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.restore import Restorer
+from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.procfs import ProcReader
 from oomguard.sense.procevents import Subscriber
-from oomguard.service import Service
 from oomguard.store.checkpoints import Store
 
 CRIU_CGROUP_NAME = "oomguard-criu"
