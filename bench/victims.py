@@ -24,7 +24,7 @@ import psutil
 
 from bench.harness import Daemon, guard_config, start_hog, summary
 from bench.latency import wait_for_armed
-from oomguard.policy import rank_victims, system_candidates
+from oomguard.policy.victims import rank_victims, system_candidates
 from oomguard.procfs import ProcReader
 from tests.helpers import CgroupFactory, MiB, wait_until
 

@@ -24,8 +24,8 @@ from oomguard.model.errors import CgroupGone
 from oomguard.model.units import format_size
 from oomguard.observe.dbus import restore_command
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.policy import ProcessTree
-from oomguard.preferences import Preferences, apply_preferences, compile_patterns
+from oomguard.policy.preferences import Preferences, apply_preferences, compile_patterns
+from oomguard.policy.victims import ProcessTree
 
 MiB = 1 << 20
 MAX_VICTIM_ATTEMPTS = 3

@@ -25,7 +25,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.model.errors import CheckpointFailed, ProcessGone
-from oomguard.policy import ProcessTree
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import ProcReader
 from oomguard.sense.owners import KubeContainer, kube_container
 

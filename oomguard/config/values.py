@@ -24,7 +24,7 @@ from oomguard.model.units import (
     bounded_size,
     parse_fraction,
 )
-from oomguard.preferences import compile_patterns
+from oomguard.policy.preferences import compile_patterns
 
 T = TypeVar("T")
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")

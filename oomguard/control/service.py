@@ -32,9 +32,9 @@ from oomguard.model.errors import (
     UnknownCheckpoint,
 )
 from oomguard.observe.dbus import restore_command
-from oomguard.policy import build_trees, rank_victims
+from oomguard.policy.rights import foreign_task, untouchable_task
+from oomguard.policy.victims import build_trees, rank_victims
 from oomguard.procfs import ProcReader
-from oomguard.rights import foreign_task, untouchable_task
 from oomguard.selfguard import own_family
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
 

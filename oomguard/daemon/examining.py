@@ -20,25 +20,22 @@ from oomguard.daemon.keeper import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.policy import (
+from oomguard.policy.forecast import forecast
+from oomguard.policy.pressure import Verdict, below_min_available, evaluate, next_watch_look
+from oomguard.policy.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
+from oomguard.policy.victims import (
     ProcessTree,
-    Verdict,
-    below_min_available,
     build_trees,
-    evaluate,
-    next_watch_look,
     rank_victims,
     system_candidates,
     system_heads,
     system_tree,
     with_vram,
 )
-from oomguard.prediction import forecast
 from oomguard.procfs import ProcessInfo, ProcReader
 from oomguard.psi import parse_pressure
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.ranking import ProcessRanking, stand_in
-from oomguard.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 
 PREDICT_SAMPLES = 20  # time-to-limit: the growth is measured over this many recent readings
 PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon

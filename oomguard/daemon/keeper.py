@@ -14,9 +14,9 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.model.errors import OomguardError, StoreError
-from oomguard.policy import restore_fits
-from oomguard.prediction import DEFAULT_THROUGHPUT, updated_throughput
-from oomguard.retention import Stored, choose_prunes
+from oomguard.policy.forecast import DEFAULT_THROUGHPUT, updated_throughput
+from oomguard.policy.pressure import restore_fits
+from oomguard.policy.retention import Stored, choose_prunes
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
 

@@ -14,7 +14,7 @@ from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.gpu.runtime import ENGINE_NONE, GpuSupport
 from oomguard.model.errors import CgroupGone, OomguardError
 from oomguard.model.units import format_size
-from oomguard.policy import ProcessTree
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import ProcessInfo
 
 

@@ -29,7 +29,8 @@ from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, p
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.model.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
-from oomguard.policy import ProcessTree, headroom_needed
+from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import ProcReader
 from oomguard.selfguard import refuse_own_tree
 from oomguard.sense.owners import owner_fields

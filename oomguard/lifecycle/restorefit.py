@@ -10,7 +10,7 @@ from pathlib import Path
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.daemon.guards import CgroupGuard, SystemGuard
 from oomguard.model.errors import NoRoom
-from oomguard.policy import free_under_threshold, restore_fits
+from oomguard.policy.pressure import free_under_threshold, restore_fits
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from oomguard.act.chain import ChainOutcome, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.act.steps import CHECKPOINT, KILL, Step, parse_step
 from oomguard.model.errors import CheckpointFailed, ProcessGone
-from oomguard.policy import ProcessTree
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import ProcReader
 from tests.unit._support import MiB, proc_info
 

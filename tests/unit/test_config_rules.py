@@ -16,7 +16,7 @@ from oomguard.act.chain import ChainSettings
 from oomguard.act.steps import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config, load_config_text
 from oomguard.model.errors import ConfigError
-from oomguard.preferences import Preferences
+from oomguard.policy.preferences import Preferences
 
 MiB = 1 << 20
 GiB = 1 << 30

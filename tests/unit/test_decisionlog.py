@@ -8,7 +8,7 @@ from typing import Any
 from oomguard.act.acting import Actor, Request, rule_parts
 from oomguard.config.loading import GuardConfig
 from oomguard.observe.decisionlog import REPEAT_EVERY, DecisionLog
-from oomguard.policy import ProcessTree
+from oomguard.policy.victims import ProcessTree
 from tests.unit._support import proc_info
 
 

@@ -21,10 +21,27 @@ def loaded_by(module: str) -> set[str]:
     return {name for name in out.split() if name.startswith("oomguard")}
 
 
-@pytest.mark.parametrize("module", ["oomguard.config.loading", "oomguard.policy",
+@pytest.mark.parametrize("module", ["oomguard.config.loading", "oomguard.policy.pressure",
+                                    "oomguard.policy.victims", "oomguard.policy.preferences",
+                                    "oomguard.policy.forecast", "oomguard.policy.retention",
+                                    "oomguard.policy.systemrule", "oomguard.policy.rights",
                                     "oomguard.sense.cgroupfiles", "oomguard.sense.ranking",
                                     "oomguard.sense.procevents", "oomguard.sense.cnproc"])
 def test_lower_layers_load_nothing_that_acts(module: str) -> None:
     loaded = loaded_by(module)
     assert not {name for name in loaded for acting in ACTING
                 if name == acting or name.startswith(acting + ".")}, loaded
+
+
+POLICY = ("pressure", "victims", "preferences", "forecast", "retention", "systemrule", "rights")
+# What a pure policy may load: the model, other policy modules, and the modules whose frozen
+# types it takes (MemorySnapshot: cgroup; ProcessInfo: procfs), never called from here.
+POLICY_MAY_LOAD = ("oomguard.model", "oomguard.policy", "oomguard.cgroup", "oomguard.procfs")
+
+
+@pytest.mark.parametrize("name", POLICY)
+def test_the_policy_loads_only_the_model_and_the_types_it_decides_on(name: str) -> None:
+    loaded = loaded_by(f"oomguard.policy.{name}") - {"oomguard"}
+    assert f"oomguard.policy.{name}" in loaded
+    assert not {n for n in loaded if not any(n == ok or n.startswith(ok + ".")
+                                              for ok in POLICY_MAY_LOAD)}, loaded

@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 
 from oomguard.cgroup.base import MemorySnapshot
-from oomguard.policy import (
-    ProcessTree,
-    Verdict,
-    build_trees,
-    evaluate,
-    headroom_needed,
-    is_protected,
-    rank_victims,
-)
+from oomguard.policy.pressure import Verdict, evaluate, headroom_needed
+from oomguard.policy.victims import ProcessTree, build_trees, is_protected, rank_victims
 from oomguard.procfs import ProcessInfo
 from tests.unit._support import MiB, proc_info
 
@@ -246,7 +239,7 @@ def test_headroom_needed(usage: int, limit: int | None, headroom: int, expected:
 def test_exiting_tasks_are_never_victims() -> None:
     from dataclasses import replace
 
-    from oomguard.policy import build_trees
+    from oomguard.policy.victims import build_trees
     from tests.unit._support import proc_info
 
     alive = proc_info(500, 1, rss_mib=50)
@@ -259,7 +252,7 @@ def test_exiting_tasks_are_never_victims() -> None:
 # -- next_watch_look: a cache-only crossing confirmed as resident memory catches up ------------
 
 def test_watch_look_reads_again_at_once_after_the_crossing() -> None:
-    from oomguard.policy import WATCH_FIRST_S, next_watch_look
+    from oomguard.policy.pressure import WATCH_FIRST_S, next_watch_look
     look = next_watch_look(10.0, 100 * MiB, 128 * MiB, None, 0.0, 0.1)
     assert look.delay == WATCH_FIRST_S and look.idle_interval == 0.0
 
@@ -267,7 +260,7 @@ def test_watch_look_reads_again_at_once_after_the_crossing() -> None:
 @pytest.mark.parametrize(("rate_mb_s", "gap_mib"), [(100, 4), (500, 4), (2000, 4), (100, 0.5)])
 def test_watch_look_is_half_the_way_to_the_mark_at_the_growth_seen(rate_mb_s: int,
                                                                     gap_mib: float) -> None:
-    from oomguard.policy import WATCH_MIN_S, next_watch_look
+    from oomguard.policy.pressure import WATCH_MIN_S, next_watch_look
     mark = 128 * MiB
     resident = int(mark - gap_mib * MiB)
     growth = rate_mb_s * 1e6
@@ -279,7 +272,7 @@ def test_watch_look_is_half_the_way_to_the_mark_at_the_growth_seen(rate_mb_s: in
 
 
 def test_watch_look_backs_off_while_nothing_grows_and_comes_back_when_it_does() -> None:
-    from oomguard.policy import WATCH_MAX_S, next_watch_look
+    from oomguard.policy.pressure import WATCH_MAX_S, next_watch_look
     mark, resident = 128 * MiB, 60 * MiB  # a cgroup full of page cache, resident flat
     interval, delays = 0.0, []
     for step in range(8):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oomguard.cgroup.base import MemorySnapshot
-from oomguard.policy import restore_fits
+from oomguard.policy.pressure import restore_fits
 
 MiB = 1 << 20
 GiB = 1 << 30

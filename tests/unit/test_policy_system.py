@@ -7,14 +7,8 @@ import dataclasses
 
 import pytest
 
-from oomguard.policy import (
-    ProcessTree,
-    below_min_available,
-    build_trees,
-    is_protected,
-    rank_victims,
-    system_candidates,
-)
+from oomguard.policy.pressure import below_min_available
+from oomguard.policy.victims import ProcessTree, build_trees, is_protected, rank_victims, system_candidates
 from oomguard.procfs import ProcessInfo
 from tests.unit._support import MiB, proc_info
 

@@ -1,4 +1,4 @@
-"""oomguard.prediction: growth rate, time-to-limit forecast and the dump throughput estimate."""
+"""oomguard.policy.forecast: growth rate, time-to-limit forecast and the dump throughput estimate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from oomguard.prediction import (
+from oomguard.policy.forecast import (
     DEFAULT_THROUGHPUT,
     MIN_SPAN,
     SAFETY_SECONDS,

@@ -1,4 +1,4 @@
-"""oomguard.preferences: protect / prefer / avoid regexes and session-leader protection."""
+"""oomguard.policy.preferences: protect / prefer / avoid regexes and session-leader protection."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from oomguard.policy import ProcessTree
-from oomguard.preferences import Preferences, apply_preferences, compile_patterns, is_excluded
+from oomguard.policy.preferences import Preferences, apply_preferences, compile_patterns, is_excluded
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import ProcessInfo
 from tests.unit._support import proc_info
 

@@ -25,7 +25,7 @@ from oomguard.lifecycle.restorewait import restore_when_it_fits
 from oomguard.model.errors import NoRoom, RestoreFailed
 from oomguard.observe.metrics import Metrics
 from oomguard.observe.telemetry import EventTap
-from oomguard.policy import free_under_threshold, restore_fits
+from oomguard.policy.pressure import free_under_threshold, restore_fits
 from oomguard.store.checkpoints import CheckpointMeta, Store
 
 MiB = 1 << 20

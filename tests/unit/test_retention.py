@@ -1,4 +1,4 @@
-"""oomguard.retention.choose_prunes: which checkpoints the store deletes, in which order, and why."""
+"""oomguard.policy.retention.choose_prunes: which checkpoints the store deletes, in which order, and why."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from oomguard.retention import Prune, Stored, choose_prunes
+from oomguard.policy.retention import Prune, Stored, choose_prunes
 
 NOW = 10_000.0
 

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from oomguard.policy import ProcessTree
+from oomguard.policy.rights import foreign_task, untouchable_task
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import parse_status
-from oomguard.rights import foreign_task, untouchable_task
 from tests.unit._support import proc_info
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.systemrule import (
+from oomguard.policy.systemrule import (
     SYSTEM_MAX_POLL,
     floor_bytes,
     floor_reason,

@@ -5,7 +5,7 @@ oomguard and CRIU). Pure: decided from the tree as read, before anything is stop
 
 from __future__ import annotations
 
-from oomguard.policy import OOM_SCORE_ADJ_MIN, ProcessTree
+from oomguard.policy.victims import OOM_SCORE_ADJ_MIN, ProcessTree
 
 ROOT = 0
 

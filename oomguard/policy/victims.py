@@ -1,83 +1,12 @@
-"""The policy: pure functions of a snapshot, the rule and the time. No I/O here."""
+"""Victims: the process trees of a cgroup (or of the machine), which are never candidates, and
+their order (resident memory, plus GPU memory where known). Pure functions; no I/O."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from oomguard.cgroup.base import MemorySnapshot
-from oomguard.model.units import format_size
 from oomguard.procfs import ProcessInfo
-
-
-class Verdict(enum.Enum):
-    IDLE = "idle"  # below the threshold: sleep until the kernel says otherwise
-    WATCH = "watch"  # usage above the threshold, but page cache, not resident memory: keep polling
-    ACT = "act"  # resident memory at the threshold (or the cgroup is in OOM): checkpoint now
-
-
-@dataclass(frozen=True)
-class Decision:
-    verdict: Verdict
-    reason: str
-
-
-def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
-    """Act when resident memory reaches `threshold` of the limit. The reason is for people
-    (sizes in MiB/GiB); the events that carry it carry the raw numbers beside it.
-
-    usage_in_bytes / memory.current include page cache, which the kernel reclaims before it
-    OOM-kills anything, so a crossing seen on usage is confirmed against usage less page cache
-    (anonymous memory plus the kernel memory charged with it, which no reclaim frees).
-    """
-    limit = snapshot.limit_bytes
-    if limit is None:
-        return Decision(Verdict.IDLE, "no memory limit")
-    if snapshot.under_oom:
-        return Decision(Verdict.ACT, "cgroup is under OOM")
-    mark = threshold * limit
-    resident = snapshot.unreclaimable_bytes
-    if resident >= mark:
-        return Decision(
-            Verdict.ACT,
-            f"resident {format_size(resident)} >= {threshold:.0%} of {format_size(limit)}",
-        )
-    if snapshot.usage_bytes >= mark:
-        return Decision(Verdict.WATCH, "usage above threshold, mostly page cache")
-    return Decision(Verdict.IDLE, "below threshold")
-
-
-# A cache-only watch (usage over the threshold, resident memory not yet): how soon to look again.
-WATCH_FIRST_S = 0.002  # right after the crossing: the second reading gives the growth
-WATCH_MIN_S = 0.001
-WATCH_MAX_S = 1.0  # while nothing grows (a cgroup full of page cache): backs off up to this
-
-
-@dataclass(frozen=True)
-class WatchLook:
-    delay: float  # seconds until the next reading
-    idle_interval: float  # the backed-off interval to carry while nothing grows (0: growing)
-
-
-def next_watch_look(now: float, resident: int, mark: float, previous: tuple[float, int] | None,
-                    idle_interval: float, poll_interval: float) -> WatchLook:
-    """Usage is over the threshold but resident memory is not (the rest is page cache): read
-    again when, at the growth seen since the `previous` (time, resident) reading, resident
-    memory would be half way to the mark, so that the crossing is confirmed within about a
-    millisecond whatever the rate; while it does not grow, back off from poll_interval to
-    WATCH_MAX_S (the kernel's marks beyond the threshold, and on v1 its OOM notification,
-    still wake the daemon at once)."""
-    if previous is None:
-        return WatchLook(min(WATCH_FIRST_S, poll_interval), 0.0)
-    then, before = previous
-    elapsed = now - then
-    growth = (resident - before) / elapsed if elapsed > 0 else 0.0
-    if growth <= 0:
-        backed_off = min(max(WATCH_MAX_S, poll_interval), max(poll_interval, idle_interval * 2))
-        return WatchLook(backed_off, backed_off)
-    eta = (mark - resident) / growth
-    return WatchLook(min(poll_interval, max(WATCH_MIN_S, eta / 2)), 0.0)
 
 
 @dataclass(frozen=True)
@@ -182,12 +111,6 @@ def system_candidates(processes: Iterable[ProcessInfo], protected_pids: frozense
     return [_grow(root, children) for root in system_heads(processes, protected_pids, limit)]
 
 
-def below_min_available(available: int, total: int, min_available: float | int) -> bool:
-    """System rules: MemAvailable at or under the floor (a fraction of MemTotal, or bytes)."""
-    floor = int(total * min_available) if isinstance(min_available, float) else min_available
-    return available <= floor
-
-
 def rank_victims(trees: Iterable[ProcessTree]) -> list[ProcessTree]:
     """Largest footprint (resident + GPU memory) first; ties go to the newer tree (the one
     that just started)."""
@@ -200,31 +123,3 @@ def with_vram(trees: Iterable[ProcessTree], vram_by_pid: dict[int, int]) -> list
         return list(trees)
     return [replace(t, vram_bytes=sum(vram_by_pid.get(pid, 0) for pid in t.pids))
             for t in trees]
-
-
-def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:
-    """The raised limit that gives the frozen tree `headroom` bytes to be seized and dumped
-    (a task stuck at the limit cannot be; the parasite charges memory to the victim), or None."""
-    if snapshot.limit_bytes is None:
-        return None
-    if snapshot.limit_bytes - snapshot.usage_bytes >= headroom:
-        return None
-    return snapshot.usage_bytes + headroom
-
-
-def free_under_threshold(snapshot: MemorySnapshot, threshold: float) -> int | None:
-    """Bytes between usage and the rule's threshold (negative when over it); None without a
-    limit (everything fits)."""
-    if snapshot.limit_bytes is None:
-        return None
-    return int(threshold * snapshot.limit_bytes) - snapshot.usage_bytes
-
-
-def restore_fits(snapshot: MemorySnapshot, image_bytes: int, margin: int,
-                 threshold: float) -> bool:
-    """A checkpoint goes back (auto-restore, or `oomguard restore` into a guarded cgroup) only
-    when it fits with room to spare: usage plus the image plus a margin stays under the
-    threshold, so a restore never lands straight back in the pressure that caused the
-    checkpoint (hysteresis)."""
-    free = free_under_threshold(snapshot, threshold)
-    return free is None or image_bytes + margin <= free

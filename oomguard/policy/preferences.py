@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from oomguard.policy import ProcessTree
+from oomguard.policy.victims import ProcessTree
 from oomguard.procfs import ProcessInfo
 
 
