@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import machine
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     HOG,

@@ -25,7 +25,7 @@ import psutil
 from bench.harness import Daemon, guard_config, start_hog, summary
 from bench.latency import wait_for_armed
 from oomguard.policy.victims import rank_victims, system_candidates
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.helpers import CgroupFactory, MiB, wait_until
 
 # $1 cgroup, $2 parents, $3 children each, $4 flag file: `parents` shells in sessions of their

@@ -270,7 +270,7 @@ def cmd_gpu_resume(args: argparse.Namespace) -> int:
 
 def cmd_resume_job(args: argparse.Namespace) -> int:
     from oomguard.lifecycle.jobresume import resume_job
-    from oomguard.procfs import ProcReader
+    from oomguard.sense.procfs import ProcReader
 
     job = args.job if args.job is not None else int(os.environ.get("SLURM_JOB_ID") or 0)
     if not job:

@@ -18,8 +18,8 @@ from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lifecycle.lazyrestore import lazy_unavailable
 from oomguard.model.errors import CriuError
 from oomguard.model.units import format_size
-from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.procevents import EventSource, ProcEvents, Subscriber, process_events_words
+from oomguard.sense.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store.checkpoints import Store
 
 PREKILL_SYSTEMD = 260  # systemd-oomd's io.systemd.oom.Prekill hook

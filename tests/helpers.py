@@ -19,7 +19,7 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import open_cgroup, read_layout
 from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.procfs import ProcReader, parse_memory_cgroup
+from oomguard.sense.procfs import ProcReader, parse_memory_cgroup
 
 REPO = Path(__file__).resolve().parents[1]
 HOG = REPO / "tests" / "workloads" / "hog.py"

@@ -26,8 +26,8 @@ from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
 from oomguard.model.errors import CheckpointFailed, ProcessGone
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import ProcReader
 from oomguard.sense.owners import KubeContainer, kube_container
+from oomguard.sense.procfs import ProcReader
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from oomguard.model.errors import ProcessGone
-from oomguard.procfs import ProcReader
 from oomguard.sense.cnproc import FORKS, ProcessFork
 from oomguard.sense.procevents import EventSource, Subscriber
+from oomguard.sense.procfs import ProcReader
 
 STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
 USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)

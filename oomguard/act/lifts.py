@@ -22,7 +22,7 @@ from typing import Any
 
 from oomguard.cgroup.base import LimitBusy, MemoryCgroup
 from oomguard.model.errors import CgroupGone
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 LIFTS_LEDGER = ".lifted.json"
 LIFT_CEILING = 2  # a lift never exceeds the own limit + this many times the headroom

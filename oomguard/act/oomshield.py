@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from oomguard.model.errors import ProcessGone
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 SHIELD = -1000  # OOM_SCORE_ADJ_MIN: the OOM killer never picks such a task
 

@@ -143,7 +143,7 @@ class V2MemoryCgroup:
         return fd
 
     def open_psi_trigger(self, trigger: str) -> int:
-        from oomguard.psi import open_trigger
+        from oomguard.sense.psi import open_trigger
 
         return open_trigger(self.path / "memory.pressure", trigger)
 

@@ -21,7 +21,7 @@ from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
 from oomguard.config.schema import GuardConfig
 from oomguard.model.errors import CgroupGone
-from oomguard.psi import parse_pressure
+from oomguard.sense.psi import parse_pressure
 
 EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
 EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI}

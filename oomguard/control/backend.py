@@ -11,7 +11,7 @@ from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import DaemonConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.model.errors import OomguardError
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 if TYPE_CHECKING:  # loaded only where the store is acted on directly: the CLI talking to the
     # daemon starts in half the time without it (the checkpointer, CRIU, the store...)

@@ -17,10 +17,10 @@ from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
-from oomguard.ids import resolve_id
 from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.lifecycle.restorefit import GuardLookup, check_fits
+from oomguard.lifecycle.selfguard import own_family
 from oomguard.model.errors import (
     AmbiguousId,
     CgroupGone,
@@ -34,9 +34,9 @@ from oomguard.model.errors import (
 from oomguard.observe.dbus import restore_command
 from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees, rank_victims
-from oomguard.procfs import ProcReader
-from oomguard.selfguard import own_family
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
+from oomguard.store.ids import resolve_id
 
 ROOT = 0
 

@@ -32,9 +32,9 @@ from oomguard.observe.logsetup import RecordingLogger
 from oomguard.observe.sdnotify import Notifier
 from oomguard.observe.slurm import SlurmNotifier, find_scontrol
 from oomguard.observe.telemetry import EventTap, publish_gauges
-from oomguard.procfs import ProcReader
 from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted

@@ -32,9 +32,9 @@ from oomguard.policy.victims import (
     system_tree,
     with_vram,
 )
-from oomguard.procfs import ProcessInfo, ProcReader
-from oomguard.psi import parse_pressure
 from oomguard.sense.newcomers import Newcomers
+from oomguard.sense.procfs import ProcessInfo, ProcReader
+from oomguard.sense.psi import parse_pressure
 from oomguard.sense.ranking import ProcessRanking, stand_in
 
 PREDICT_SAMPLES = 20  # time-to-limit: the growth is measured over this many recent readings

@@ -19,7 +19,7 @@ from oomguard.gpu.runtime import GpuSupport
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.model.units import format_size
 from oomguard.policy.victims import ProcessTree, build_trees, with_vram
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 GPU_SUFFIX = " (GPU)"
 

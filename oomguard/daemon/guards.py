@@ -15,8 +15,8 @@ from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, claimed_key, put_back_saved
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CgroupGone
-from oomguard.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.sense.cgroupfiles import Stamp
+from oomguard.sense.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store.ledger import SavedLimits
 
 PSI_STALL_SHARE = 10  # a trigger fires at 10% of the window stalled ("some")

@@ -44,12 +44,12 @@ from oomguard.daemon.status import guard_entries, summary_line
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
+from oomguard.lifecycle.selfguard import ancestors_of, own_family
 from oomguard.model.errors import ConfigError, ConfigIssue
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.procfs import ProcessInfo, ProcReader
-from oomguard.selfguard import ancestors_of, own_family
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
+from oomguard.sense.procfs import ProcessInfo, ProcReader
 from oomguard.sense.ranking import ProcessRanking
 from oomguard.store.checkpoints import CheckpointMeta
 from oomguard.store.ledger import SavedLimits

@@ -22,8 +22,8 @@ from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.restore import Restorer
 from oomguard.model.errors import CgroupGone, ProcessGone
-from oomguard.procfs import ProcReader
 from oomguard.sense.procevents import Subscriber
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 
 CRIU_CGROUP_NAME = "oomguard-criu"

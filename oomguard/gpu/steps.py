@@ -15,7 +15,7 @@ from oomguard.gpu.runtime import ENGINE_NONE, GpuSupport
 from oomguard.model.errors import CgroupGone, OomguardError
 from oomguard.model.units import format_size
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 
 
 class GpuRefused(OomguardError):

@@ -28,12 +28,12 @@ from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
+from oomguard.lifecycle.selfguard import refuse_own_tree
 from oomguard.model.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
 from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import ProcReader
-from oomguard.selfguard import refuse_own_tree
 from oomguard.sense.owners import owner_fields
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed

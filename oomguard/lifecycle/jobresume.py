@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from oomguard.model.errors import OomguardError, ProcessGone
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 
 def job_checkpoint(checkpoints: list[dict[str, Any]], job_id: int) -> dict[str, Any] | None:

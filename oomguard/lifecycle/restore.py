@@ -22,7 +22,7 @@ from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
 from oomguard.model.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name
 from oomguard.store.verify import RestoreVerifier

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 
 
 @dataclass(frozen=True)

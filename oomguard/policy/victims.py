@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.procfs import PF_KTHREAD, ProcessInfo, parse_stat
+from oomguard.sense.procfs import PF_KTHREAD, ProcessInfo, parse_stat
 
 TOP = 16  # processes re-read in full at the crossing (system rules choose among the top 5)
 REFRESH_EVERY = 5.0  # while memory is low, at most this often (~0.1 s of CPU per 10,000)

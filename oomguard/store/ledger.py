@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.model.errors import ProcessGone
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 
 @dataclass(frozen=True)

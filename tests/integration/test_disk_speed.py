@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from oomguard.store.integrity import image_files
 from tests.helpers import (

@@ -16,7 +16,7 @@ from oomguard.config.loading import load_config
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
 from oomguard.daemon.wiring import build_checkpointer, build_criu
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.helpers import EMULATION_FACTOR, CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup, wait_until
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,

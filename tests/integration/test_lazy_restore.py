@@ -18,7 +18,7 @@ import pytest
 
 from oomguard.act.criu import find_criu
 from oomguard.model.errors import StoreError
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,

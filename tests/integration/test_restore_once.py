@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     HOG,

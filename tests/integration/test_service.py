@@ -20,8 +20,8 @@ import pytest
 
 from oomguard.act.criu import find_criu
 from oomguard.control.client import ControlClient
-from oomguard.procfs import ProcReader
-from oomguard.psi import has_cap_sys_resource
+from oomguard.sense.procfs import ProcReader
+from oomguard.sense.psi import has_cap_sys_resource
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     HOG,

@@ -66,7 +66,7 @@ def test_restore_refuses_a_file_swapped_for_a_symlink(cgroups: CgroupFactory, st
 
 
 def _cap_sys_resource() -> bool:
-    from oomguard.psi import has_cap_sys_resource
+    from oomguard.sense.psi import has_cap_sys_resource
 
     return has_cap_sys_resource(Path("/proc/self/status").read_text())
 

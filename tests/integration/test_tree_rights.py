@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.helpers import (
     CgroupFactory,
     daemon,

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.procfs import PF_KTHREAD, ProcessInfo
+from oomguard.sense.procfs import PF_KTHREAD, ProcessInfo
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from oomguard.act.freezer import Frozen
 from oomguard.act.steps import CHECKPOINT, KILL, Step, parse_step
 from oomguard.model.errors import CheckpointFailed, ProcessGone
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.unit._support import MiB, proc_info
 
 PID_MAX_LIMIT = 1 << 22  # the largest pid_max Linux allows

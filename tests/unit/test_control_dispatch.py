@@ -33,7 +33,7 @@ from oomguard.control.protocol import (
 )
 from oomguard.control.server import ControlServer, dispatch
 from oomguard.control.service import Service
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from tests.unit._support import FakeProc, fake_proc_tree
 

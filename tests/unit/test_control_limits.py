@@ -13,7 +13,7 @@ import pytest
 
 from oomguard.control.limits import ConnectionLimiter, LogThrottle
 from oomguard.control.protocol import ProtocolError, decode_call
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 
 
 def test_limiter_bounds_each_uid_and_the_total() -> None:

@@ -21,11 +21,11 @@ from oomguard.daemon.exitwatch import (
     record_exit,
     rewatch_restored,
 )
+from oomguard.lifecycle.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.model.errors import CheckpointFailed
-from oomguard.procfs import ProcReader
-from oomguard.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.sense.cnproc import ProcessEvent, ProcessExit, ProcessFork
 from oomguard.sense.procevents import EventBatch
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from tests.helpers import wait_until
 from tests.unit._support import FakeProc, fake_proc_tree

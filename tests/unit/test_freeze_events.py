@@ -14,9 +14,9 @@ import pytest
 
 from oomguard.act.freezer import BY_EVENTS, BY_LISTING, ForkFollow, SigstopFreezer
 from oomguard.model.errors import ProcessGone
-from oomguard.procfs import ProcReader
 from oomguard.sense.cnproc import ProcessEvent, ProcessExec, ProcessExit, ProcessFork
 from oomguard.sense.procevents import EventBatch, EventSource, Subscriber
+from oomguard.sense.procfs import ProcReader
 from tests.unit._support import stat_line
 
 ROOT, KID, GRANDKID, GREAT = 4_000_100, 4_000_101, 4_000_102, 4_000_103  # above any real pid

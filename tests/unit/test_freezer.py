@@ -16,7 +16,7 @@ import pytest
 
 from oomguard.act.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
 from oomguard.act.freezer import Frozen, SigstopFreezer
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.helpers import REPO
 
 FORKSTORM = REPO / "tests" / "workloads" / "forkstorm.py"

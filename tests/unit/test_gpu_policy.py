@@ -25,7 +25,7 @@ from oomguard.gpu.steps import GpuRefused, move_off_gpu, restored_host_pids
 from oomguard.model.errors import ConfigError
 from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.victims import ProcessTree, rank_victims, with_vram
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 from tests.unit._support import MiB
 from tests.unit.fake_pynvml import FakeDevice, FakePynvml, NVMLError_LibraryNotFound
 

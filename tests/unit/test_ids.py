@@ -1,4 +1,4 @@
-"""Checkpoint ids as people type them (oomguard.ids), and the service resolving them for each
+"""Checkpoint ids as people type them (oomguard.store.ids), and the service resolving them for each
 caller over the control socket's dispatch: whole ids, unique prefixes, `last`, ownership."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from oomguard.control.service import Service
-from oomguard.ids import CANDIDATES_SHOWN, resolve_id
 from oomguard.model.errors import AmbiguousId, StoreError
 from oomguard.store.checkpoints import CheckpointMeta, Store
+from oomguard.store.ids import CANDIDATES_SHOWN, resolve_id
 from oomguard.terminal.client import HolderError
 from oomguard.terminal.commands import attach, names_a_pid
 from tests.unit.test_control_dispatch import (

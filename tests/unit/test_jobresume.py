@@ -13,7 +13,7 @@ import pytest
 from oomguard.cgroup.base import subtree_procs
 from oomguard.lifecycle.jobresume import job_checkpoint, resume_job, wait_for_exit
 from oomguard.model.errors import CgroupGone, OomguardError
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.unit._support import FakeProc, fake_proc_tree
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import oomguard.store.ledger as ledger_module
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from oomguard.store.ledger import FrozenLedger
 from tests.unit._support import FakeProc, fake_proc_tree
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from oomguard.act.oomshield import OomShield
-from oomguard.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader
 from tests.unit._support import FakeProc, fake_proc_tree
 
 OWNER = 50

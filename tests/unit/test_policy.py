@@ -7,7 +7,7 @@ import pytest
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.policy.pressure import Verdict, evaluate, headroom_needed
 from oomguard.policy.victims import ProcessTree, build_trees, is_protected, rank_victims
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 from tests.unit._support import MiB, proc_info
 
 NONE: frozenset[int] = frozenset()

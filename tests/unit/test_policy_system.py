@@ -9,7 +9,7 @@ import pytest
 
 from oomguard.policy.pressure import below_min_available
 from oomguard.policy.victims import ProcessTree, build_trees, is_protected, rank_victims, system_candidates
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 from tests.unit._support import MiB, proc_info
 
 NONE: frozenset[int] = frozenset()

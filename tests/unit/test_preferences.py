@@ -9,7 +9,7 @@ import pytest
 
 from oomguard.policy.preferences import Preferences, apply_preferences, compile_patterns, is_excluded
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import ProcessInfo
+from oomguard.sense.procfs import ProcessInfo
 from tests.unit._support import proc_info
 
 

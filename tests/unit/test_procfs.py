@@ -1,4 +1,4 @@
-"""oomguard.procfs: /proc parsers on real kernel lines, and ProcReader on a fake /proc tree."""
+"""oomguard.sense.procfs: /proc parsers on real kernel lines, and ProcReader on a fake /proc tree."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.model.errors import ProcessGone
-from oomguard.procfs import ProcReader, parse_cmdline, parse_memory_cgroup, parse_stat, parse_status
+from oomguard.sense.procfs import ProcReader, parse_cmdline, parse_memory_cgroup, parse_stat, parse_status
 from tests.unit._support import (
     KTHREAD_FLAGS,
     FakeProc,

@@ -1,4 +1,4 @@
-"""oomguard.psi: pressure files, the CAP_SYS_RESOURCE check, trigger strings and registration."""
+"""oomguard.sense.psi: pressure files, the CAP_SYS_RESOURCE check, trigger strings and registration."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-import oomguard.psi as psi
-from oomguard.psi import (
+import oomguard.sense.psi as psi
+from oomguard.sense.psi import (
     Pressure,
     PressureLine,
     has_cap_sys_resource,
@@ -194,7 +194,7 @@ def test_open_trigger_missing_file(tmp_path: Path) -> None:
 
 
 class _OsWithFailingWrite(types.SimpleNamespace):
-    """Stands in for `os` inside oomguard.psi: the write fails like the kernel's, closes recorded."""
+    """Stands in for `os` inside oomguard.sense.psi: the write fails like the kernel's, closes recorded."""
 
     def __init__(self, err: int) -> None:
         super().__init__(closed=[], opened=[])

@@ -9,7 +9,7 @@ import pytest
 
 from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import ProcessTree
-from oomguard.procfs import parse_status
+from oomguard.sense.procfs import parse_status
 from tests.unit._support import proc_info
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from oomguard.model.errors import CheckpointFailed
-from oomguard.procfs import ProcReader, parse_stat
+from oomguard.sense.procfs import ProcReader, parse_stat
 
 OUTCOME_UNTOUCHED = "untouched"  # as checkpoint.OUTCOME_UNTOUCHED: refused before stopping
 
