@@ -1,7 +1,7 @@
-"""`python -m oomguard`: the command line (oomguard.cli)."""
+"""`python -m oomguard`: the command line (oomguard.cli.main)."""
 
 import sys
 
-from oomguard.cli import main
+from oomguard.cli.main import main
 
 sys.exit(main())

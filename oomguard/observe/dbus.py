@@ -36,7 +36,7 @@ from jeepney import (  # type: ignore[import-untyped]
 from jeepney.bus import get_bus  # type: ignore[import-untyped]
 from jeepney.io.blocking import DBusConnection, prep_socket  # type: ignore[import-untyped]
 
-from oomguard import rendering
+from oomguard.cli import rendering
 from oomguard.model.errors import OomguardError
 
 OBJECT_PATH = "/io/oomguard/Guard"

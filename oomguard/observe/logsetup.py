@@ -12,8 +12,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from oomguard.cli.rendering import LOCAL_TIME_FORMAT, humanize_event
 from oomguard.observe.journal import syslog_prefix_renderer, under_journald
-from oomguard.rendering import LOCAL_TIME_FORMAT, humanize_event
 
 
 def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.doctor import nvidia_driver_loaded
+from oomguard.cli.doctor import nvidia_driver_loaded
 from oomguard.model.units import format_size
 from oomguard.sense.procevents import Subscriber
 from tests.helpers import (

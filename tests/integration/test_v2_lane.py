@@ -33,7 +33,7 @@ def test_v2_lane(capsys: pytest.CaptureFixture[str]) -> None:
     # The guest's /tmp is RAM (and small): test files and checkpoint stores go to the lane's
     # scratch directory, which is the host's disk shared into the guest.
     # The first import of the package reads it cold over 9p: once, before any test times it.
-    inner = (".venv/bin/python -c 'import oomguard.daemon.app, oomguard.cli' && "
+    inner = (".venv/bin/python -c 'import oomguard.daemon.app, oomguard.cli.main' && "
              ".venv/bin/python -m pytest -p no:cacheprovider -q -s -rfEs -o timeout=900 "
              '--basetemp "$OOMGUARD_VM_SCRATCH/pytest" ' + " ".join(LANE_TESTS)
              + f" -k '{LANE_SELECT}'")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.doctor import gpu_checks, nvidia_driver_loaded, process_events_check
+from oomguard.cli.doctor import gpu_checks, nvidia_driver_loaded, process_events_check
 from oomguard.gpu.nvml import NvmlSensor
 from oomguard.gpu.runtime import detect_gpu
 from oomguard.sense.procevents import EventBatch, EventSource

@@ -1,4 +1,4 @@
-"""Output for people (oomguard.rendering, the console log, the progress bar) and for machines
+"""Output for people (oomguard.cli.rendering, the console log, the progress bar) and for machines
 (JSON log lines unchanged)."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 import structlog
 
-from oomguard.observe.logsetup import configure_logging, get_logger
-from oomguard.progress import BAR_WIDTH, progress, progress_line
-from oomguard.rendering import (
+from oomguard.cli.progress import BAR_WIDTH, progress, progress_line
+from oomguard.cli.rendering import (
     event_fields,
     human_value,
     humanize_event,
@@ -23,6 +22,7 @@ from oomguard.rendering import (
     restored_line,
     show_text,
 )
+from oomguard.observe.logsetup import configure_logging, get_logger
 
 MiB = 1 << 20
 CHECKPOINT_ID = "20250301-120000-4242-abcd"

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.cli import main
+from oomguard.cli.main import main
 from oomguard.config.loading import GuardConfig
 from oomguard.control.client import ControlError
 from oomguard.control.server import dispatch

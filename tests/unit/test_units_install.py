@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.units_install import Installed, report, this_executable, unit_text
+from oomguard.cli.install_units import Installed, report, this_executable, unit_text
 
 OWN = Path(sys.executable).parent / "oomguard"
 needs_own = pytest.mark.skipif(not OWN.is_file(), reason="no oomguard script beside python")

@@ -12,7 +12,9 @@ from dataclasses import replace
 from typing import Any
 
 from oomguard.cgroup.mounts import open_cgroup, read_layout
-from oomguard.cliparser import build_parser
+from oomguard.cli.parser import build_parser
+from oomguard.cli.progress import dump_bytes, progress, resident_bytes
+from oomguard.cli.rendering import event_fields, restore_command, restored_line, show_text
 from oomguard.config.discovery import CliConfig, choose_config, discover_cli_config
 from oomguard.config.loading import (
     EMBEDDED_CONFIG,
@@ -38,8 +40,6 @@ from oomguard.model.errors import (
 )
 from oomguard.model.units import format_size
 from oomguard.observe.logsetup import configure_logging, get_logger
-from oomguard.progress import dump_bytes, progress, resident_bytes
-from oomguard.rendering import event_fields, restore_command, restored_line, show_text
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Subcommands that read no config, or (check-config) name their own file.
@@ -317,7 +317,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from oomguard.doctorconfig import doctor_checks
+    from oomguard.cli.doctorconfig import doctor_checks
 
     checks = doctor_checks(_base_config(args), args.cli_config, args.socket)
     for check in checks:
@@ -340,7 +340,7 @@ def cmd_notify_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_install_units(args: argparse.Namespace) -> int:
-    from oomguard.units_install import existing_config, install_units, report
+    from oomguard.cli.install_units import existing_config, install_units, report
 
     before = existing_config(args.config_dir)  # a bad one: exit 2 before anything is written
     try:

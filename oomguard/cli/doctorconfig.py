@@ -1,6 +1,6 @@
 """`oomguard doctor`, the parts that depend on the config: which config the CLI read, whether
 each configured guard's cgroup exists and has a limit, and whether the daemon answers on the
-configured socket. The machine's own checks are in oomguard.doctor."""
+configured socket. The machine's own checks are in oomguard.cli.doctor."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup, read_layout
+from oomguard.cli.doctor import Check, run_checks
 from oomguard.config.discovery import CliConfig
 from oomguard.config.loading import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIG, DaemonConfig, GuardConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
-from oomguard.doctor import Check, run_checks
 from oomguard.gpu.runtime import detect_gpu
 from oomguard.model.errors import OomguardError
 from oomguard.model.units import format_size

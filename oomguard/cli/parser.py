@@ -1,4 +1,4 @@
-"""The `oomguard` command line's arguments: every subcommand and option (oomguard.cli runs them)."""
+"""The `oomguard` command line's arguments: every subcommand and option (oomguard.cli.main runs them)."""
 
 from __future__ import annotations
 
