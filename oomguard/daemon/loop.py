@@ -69,7 +69,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                  wall_clock: Callable[[], float] = time.time,
                  containers: ContainerCheckpointer | None = None,
                  files: CgroupFiles | None = None,
-                 ranking: ProcessRanking | None = None) -> None:
+                 ranking: ProcessRanking | None = None,
+                 poller: Callable[[], Any] = select.epoll) -> None:
         self.config = config
         self.checkpointer = checkpointer
         self.layout = layout
@@ -82,7 +83,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock,
                                                  newcomers=self.newcomers.since)
         self.guards: list[Guard] = []
-        self.epoll = select.epoll()
+        self.epoll = poller()  # select.epoll's register/unregister/poll/close (a test's fake)
         self._fd_owner: dict[int, tuple[Guard, str]] = {}
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)

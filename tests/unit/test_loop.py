@@ -1,0 +1,183 @@
+"""oomguard.daemon.loop's event loop on a fake clock and a fake epoll (issue 17): how long it
+sleeps (until the first piece of work is due: the safety rescan, systemd's watchdog, a system
+rule's next look), that each piece runs when due and is scheduled again, that every turn
+beats the heart, and that stop() from another thread ends run(). No cgroup is guarded; the
+store is a scratch directory; no CRIU runs (nothing is ever dumped here)."""
+
+from __future__ import annotations
+
+import select
+import threading
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oomguard.act.criu import Criu
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.cgroup.mounts import CgroupLayout
+from oomguard.config.loading import load_config_text
+from oomguard.daemon.loop import Daemon
+from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.store.checkpoints import Store
+
+NO_CGROUPS = CgroupLayout(memory_v1=None, unified=None, unified_controllers=())
+GiB = 1 << 30
+Memory = namedtuple("Memory", "total available")
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeEpoll:
+    """select.epoll's surface. poll() records the timeout it was given and "sleeps" it on the
+    fake clock (or returns what a test queued, at once); with nothing queued and `stop_after`
+    polls done, it stops the daemon the way another thread would."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.registered: dict[int, int] = {}
+        self.timeouts: list[float] = []
+        self.queued: list[list[tuple[int, int]]] = []
+        self.on_poll: Any = None
+        self.closed = False
+
+    def register(self, fd: int, mask: int = select.EPOLLIN) -> None:
+        self.registered[fd] = mask
+
+    def unregister(self, fd: int) -> None:
+        self.registered.pop(fd, None)
+
+    def poll(self, timeout: float = -1) -> list[tuple[int, int]]:
+        self.timeouts.append(timeout)
+        if self.on_poll is not None:
+            self.on_poll(len(self.timeouts))
+        if self.queued:
+            return self.queued.pop(0)
+        self.clock.now += max(0.0, timeout)
+        return []
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Log:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **fields: self.events.append((event, fields))
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.events if name == event]
+
+
+def make_daemon(tmp_path: Path, rules: str = "", *, available: int = 12 * GiB,
+                rescan: str = "30s") -> tuple[Daemon, Clock, FakeEpoll, Log, dict[str, int]]:
+    clock = Clock()
+    polls: dict[str, FakeEpoll] = {}
+    memory = {"available": available}
+    text = f'[daemon]\nstore = "{tmp_path / "store"}"\nrescan_interval = "{rescan}"\nnice = 0\n' \
+        + rules
+    config = load_config_text(text, str(tmp_path / "oomguard.toml"))
+    checkpointer = Checkpointer(Criu(binary="/nonexistent/criu", version=(4, 2)),
+                                Store(config.store), SigstopFreezer(), clock=clock)
+    log = Log()
+
+    def poller() -> FakeEpoll:
+        polls["epoll"] = FakeEpoll(clock)
+        return polls["epoll"]
+
+    daemon = Daemon(config, checkpointer, NO_CGROUPS, log, clock=clock, poller=poller,
+                    meminfo=lambda: Memory(16 * GiB, memory["available"]))
+    return daemon, clock, polls["epoll"], log, memory
+
+
+@pytest.fixture
+def closing() -> Any:
+    made: list[Daemon] = []
+    yield made.append
+    for daemon in made:
+        daemon.close()
+
+
+def test_it_sleeps_until_the_rescan_and_rescans_every_interval(tmp_path: Path,
+                                                                closing: Any) -> None:
+    daemon, clock, epoll, _log, _memory = make_daemon(tmp_path, rescan="30s")
+    closing(daemon)
+    daemon.arm()
+    armed_at = clock.now
+    for _ in range(3):
+        daemon.tick()
+    assert epoll.timeouts == pytest.approx([30.0, 30.0, 30.0])
+    assert clock.now == pytest.approx(armed_at + 90.0)
+    assert daemon._next_rescan == pytest.approx(clock.now + 30.0)  # scheduled again each time
+
+
+def test_the_watchdog_interval_caps_the_sleep_and_each_turn_beats(tmp_path: Path,
+                                                                   closing: Any) -> None:
+    daemon, _clock, epoll, _log, _memory = make_daemon(tmp_path, rescan="1h")
+    closing(daemon)
+    beats: list[float] = []
+    daemon.max_sleep = 5.0  # systemd's WatchdogSec/2
+    daemon.heartbeat = lambda: beats.append(1)
+    daemon.heartbeat_due = lambda now: 2.0  # the next STATUS=/metrics write, sooner still
+    daemon.arm()
+    for _ in range(4):
+        daemon.tick()
+    assert epoll.timeouts == pytest.approx([2.0] * 4)
+    assert len(beats) == 4
+
+
+def test_a_system_rule_is_looked_at_sooner_the_nearer_the_floor(tmp_path: Path,
+                                                                 closing: Any) -> None:
+    """earlyoom's schedule: at 6 GB/s of growth, half the distance to the floor in time;
+    never longer than a second. The loop sleeps exactly until that look."""
+    rule = '[[guard]]\nsystem = true\nmin_available = "256M"\n'
+    daemon, _clock, epoll, log, memory = make_daemon(tmp_path, rule, rescan="1h",
+                                                    available=(256 << 20) + 10 * 10**9)
+    closing(daemon)
+    daemon.arm()
+    daemon.tick()  # far from the floor: looked at once a second
+    memory["available"] = (256 << 20) + 3 * 10**9  # 3 GB above it: 0.5 s
+    daemon.tick()
+    daemon.tick()
+    assert epoll.timeouts[1:] == pytest.approx([1.0, 0.5]), epoll.timeouts
+    assert not log.named("threshold.crossed")
+
+
+def test_stop_from_another_thread_ends_run(tmp_path: Path, closing: Any) -> None:
+    daemon, _clock, epoll, log, _memory = make_daemon(tmp_path, rescan="1h")
+    closing(daemon)
+    daemon.arm()
+
+    def on_poll(count: int) -> None:
+        if count == 3:  # the third wait: a signal handler (or the control socket) says stop
+            stopper = threading.Thread(target=daemon.stop)
+            stopper.start()
+            stopper.join()
+            epoll.queued.append([(daemon._wake_r, select.EPOLLIN)])
+
+    epoll.on_poll = on_poll
+    daemon.run()  # returns: the wake-up was read and the loop saw _stopping
+    assert len(epoll.timeouts) == 3
+    assert not [e for e, _f in log.events if e.endswith("failed") or e.endswith("error")]
+
+
+def test_a_reload_asked_for_is_done_by_the_loop_not_the_signal_handler(
+        tmp_path: Path, closing: Any) -> None:
+    daemon, _clock, epoll, log, _memory = make_daemon(tmp_path, rescan="1h")
+    closing(daemon)
+    daemon.arm()
+    daemon.request_reload()  # what SIGHUP's handler does: a flag and a wake-up, nothing else
+    assert not log.named("config.reload_ignored") and not log.named("config.reloaded")
+    epoll.queued.append([(daemon._wake_r, select.EPOLLIN)])
+    daemon.tick()
+    # The config came from a file that is not there (load_config_text): the loop says so.
+    assert log.named("config.reload_ignored")
