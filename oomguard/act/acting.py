@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.act.chain import ChainRunner, ChainSettings
+from oomguard.act.chain import ChainResult, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.act.steps import CHECKPOINT, KILL, Step
@@ -231,13 +231,13 @@ class Actor:
                     **owner_of_meta(meta.extra), **fields)
                 if self.on_checkpoint is not None:
                     self.on_checkpoint(meta.image_bytes, t.dump_s)
-            elif outcome.result == "gone":
+            elif outcome.result is ChainResult.GONE:
                 self.log.info("victim.gone", **fields)
                 continue
-            elif outcome.result == "stood-down":
+            elif outcome.result is ChainResult.STOOD_DOWN:
                 self.log.info("action.stood_down", step=outcome.step, detail=outcome.detail,
                               **fields)
-            elif outcome.result == "signalled":
+            elif outcome.result is ChainResult.SIGNALLED:
                 self.log.warning("action.signalled", step=outcome.step, detail=outcome.detail,
                                  **fields)
             elif not outcome.settled:

@@ -9,6 +9,7 @@ the pressure is re-read: if it has passed, the chain stands down and thaws.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import shutil
 import signal
@@ -38,10 +39,30 @@ class ChainSettings:
     headroom: int = 64 << 20
 
 
+class ChainResult(enum.StrEnum):
+    """How a chain ended for one victim (the values are what events and metrics say)."""
+
+    CHECKPOINTED = "checkpointed"
+    SIGNALLED = "signalled"
+    VRAM_FREED = "vram-freed"
+    KILLED = "killed"
+    THAWED = "thawed"  # a step failed and the tree runs on
+    STOOD_DOWN = "stood-down"  # the pressure passed before a step: thawed, nothing done
+    GONE = "gone"  # the victim exited meanwhile
+    INCOMPLETE = "incomplete"  # dumped, the commit failed: the memory is free, the images kept
+    REFUSED = "refused"  # a step may not run here (no room on disk, a container, ...)
+
+
+SETTLED = frozenset({ChainResult.CHECKPOINTED, ChainResult.SIGNALLED, ChainResult.VRAM_FREED,
+                     ChainResult.KILLED, ChainResult.STOOD_DOWN, ChainResult.INCOMPLETE})
+# The tree is no longer there to act on (dumped and gone, exited, killed).
+TREE_ENDED = frozenset({ChainResult.CHECKPOINTED, ChainResult.GONE, ChainResult.KILLED,
+                        ChainResult.INCOMPLETE})
+
+
 @dataclass(frozen=True)
 class ChainOutcome:
-    result: str  # checkpointed | signalled | vram-freed | killed | thawed | stood-down | gone
-    # | incomplete (dumped, the commit failed: the memory is free, the images kept)
+    result: ChainResult
     step: str
     detail: str
     checkpoint: CheckpointResult | None = None
@@ -49,8 +70,7 @@ class ChainOutcome:
     @property
     def settled(self) -> bool:
         """The pressure was dealt with (no need to try another victim)."""
-        return self.result in ("checkpointed", "signalled", "vram-freed", "killed",
-                               "stood-down", "incomplete")
+        return self.result in SETTLED
 
 
 def free_space(path: Path) -> int:
@@ -87,9 +107,9 @@ class ChainRunner:
         try:
             for index, step in enumerate(chain):
                 if index and not still_pressing():
-                    return ChainOutcome("stood-down", str(step), "the pressure passed")
+                    return ChainOutcome(ChainResult.STOOD_DOWN, str(step), "the pressure passed")
                 if frozen and self.clock() - frozen_at > settings.freeze_deadline:
-                    return ChainOutcome("thawed", str(step),
+                    return ChainOutcome(ChainResult.THAWED, str(step),
                                         f"freeze deadline ({settings.freeze_deadline:g}s) passed")
                 if step.kind == FREEZE:
                     ledger.record([p.pid for p in tree.members
@@ -134,20 +154,20 @@ class ChainRunner:
                     outcome = self._checkpoint(step, tree, cgroup, reason, settings, fields,
                                                on_frozen, after_signal, frozen)
                     after_signal = None
-                    if outcome.result in ("checkpointed", "gone", "killed", "incomplete"):
+                    if outcome.result in TREE_ENDED:
                         frozen = []
                         return outcome
-                    if outcome.result == "thawed":  # the checkpoint failed and thawed it
+                    if outcome.result is ChainResult.THAWED:  # the checkpoint failed and thawed it
                         frozen = []
                 elif step.kind == KILL:
                     # Everything stopped goes too: the freeze may have caught a child that is
                     # not in the tree (forked after the scan, or in another cgroup).
                     self._kill(sorted(set(tree.pids) | set(frozen)), settings, reason, fields)
                     frozen = []
-                    return ChainOutcome("killed", KILL, reason)
-            return ChainOutcome("thawed", str(chain[-1]), "no action settled it")
+                    return ChainOutcome(ChainResult.KILLED, KILL, reason)
+            return ChainOutcome(ChainResult.THAWED, str(chain[-1]), "no action settled it")
         except ProcessGone:
-            return ChainOutcome("gone", "", "the victim exited")
+            return ChainOutcome(ChainResult.GONE, "", "the victim exited")
         finally:
             if frozen:
                 self.freezer.thaw(frozen)
@@ -163,15 +183,15 @@ class ChainRunner:
         try:
             os.kill(tree.root.pid, step.signal)
         except ProcessLookupError:
-            return ChainOutcome("gone", str(step), "the victim exited")
+            return ChainOutcome(ChainResult.GONE, str(step), "the victim exited")
         self.log.warning("victim.signalled", signal=signal.Signals(step.signal).name,
                          grace_s=step.grace, **fields)
         deadline = self.clock() + step.grace
         while self.clock() < deadline:
             if not self._alive(tree.root.pid):
-                return ChainOutcome("signalled", str(step), "the victim exited")
+                return ChainOutcome(ChainResult.SIGNALLED, str(step), "the victim exited")
             if not still_pressing():
-                return ChainOutcome("signalled", str(step), "the victim shrank")
+                return ChainOutcome(ChainResult.SIGNALLED, str(step), "the victim shrank")
             self.sleep(0.1)
         return None
 
@@ -197,7 +217,7 @@ class ChainRunner:
             return None
         freed = sum(vram[pid] for pid in pids)
         self.log.warning("gpu.vram_freed", gpu_pids=pids, vram=freed, **fields)
-        return ChainOutcome("vram-freed", str(step),
+        return ChainOutcome(ChainResult.VRAM_FREED, str(step),
                             f"CUDA state of pid(s) {', '.join(map(str, pids))} moved to host "
                             "memory; `oomguard gpu-resume PID` puts it back on the GPU")
 
@@ -215,7 +235,7 @@ class ChainRunner:
             detail = (f"store {self.checkpointer.store.root} has {free >> 20} MiB free, a "
                       f"checkpoint needs ~{need >> 20} MiB")
             self.log.error("checkpoint.refused", reason=detail, **fields)
-            return ChainOutcome("refused", str(step), detail)
+            return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             result = self.checkpointer.checkpoint(
                 tree, cgroup, reason, on_frozen=on_frozen, headroom=settings.headroom,
@@ -223,10 +243,10 @@ class ChainRunner:
         except CheckpointFailed as exc:
             self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
             if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
-                return ChainOutcome("incomplete", str(step), str(exc))
-            return ChainOutcome("thawed" if exc.outcome != "untouched" else "refused", str(step),
-                                str(exc))
-        return ChainOutcome("checkpointed", str(step), reason, result)
+                return ChainOutcome(ChainResult.INCOMPLETE, str(step), str(exc))
+            ended = ChainResult.REFUSED if exc.outcome == "untouched" else ChainResult.THAWED
+            return ChainOutcome(ended, str(step), str(exc))
+        return ChainOutcome(ChainResult.CHECKPOINTED, str(step), reason, result)
 
     def _container_of(self, tree: ProcessTree) -> KubeContainer | None:
         """A Kubernetes container's process (by the victim's own cgroup)."""
@@ -247,18 +267,18 @@ class ChainRunner:
                       "runtime's back, and the kubelet checkpoint API is not set up "
                       "([kubernetes] in the config)")
             self.log.error("checkpoint.refused", reason=detail, **fields)
-            return ChainOutcome("refused", str(step), detail)
+            return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             ref, archives = self.containers.checkpoint(container.pod_uid, container.container_id)
         except KubeletError as exc:
             self.log.error("checkpoint.failed", outcome="untouched", error=str(exc), **fields)
-            return ChainOutcome("refused", str(step), str(exc))
+            return ChainOutcome(ChainResult.REFUSED, str(step), str(exc))
         self.log.warning("kubelet.checkpointed", namespace=ref.namespace, pod=ref.pod,
                          container=ref.container, archives=archives, **fields)
         reason = (f"checkpointed by the kubelet to {archives[0]}; the container restarts per "
                   "its pod's restartPolicy")
         self._kill(list(tree.pids), settings, reason, fields)
-        return ChainOutcome("killed", str(step), reason)
+        return ChainOutcome(ChainResult.KILLED, str(step), reason)
 
     def _kill(self, pids: list[int], settings: ChainSettings, reason: str,
               fields: dict[str, Any]) -> None:
