@@ -1,7 +1,7 @@
 """Freeze -> headroom -> dump -> durable -> free: one checkpoint of one process tree.
 
-On any failure the tree is thawed and keeps running (or, only if configured, killed), and the
-raised CheckpointFailed says which and why. A process is never left stopped, and one the user
+On any failure the tree is thawed and keeps running, and the raised CheckpointFailed says so
+and why (a rule's kill after a failed checkpoint is its action chain's next step: chain.py). A process is never left stopped, and one the user
 had stopped is never continued (meta.json names it: restore leaves it stopped too).
 """
 
