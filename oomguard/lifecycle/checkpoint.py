@@ -1,8 +1,9 @@
 """Freeze -> headroom -> dump -> durable -> free: one checkpoint of one process tree.
 
 On any failure the tree is thawed and keeps running, and the raised CheckpointFailed says so
-and why (a rule's kill after a failed checkpoint is its action chain's next step: chain.py). A process is never left stopped, and one the user
-had stopped is never continued (meta.json names it: restore leaves it stopped too).
+and why (a rule's kill after a failed checkpoint is its action chain's next step: chain.py).
+A process is never left stopped, and one the user had stopped is never continued (meta.json
+names it: restore leaves it stopped too).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""What the daemon's events feed besides the log: Prometheus metrics and the user's hooks.
+"""What the daemon's events feed besides the log: Prometheus metrics, the user's hooks, D-Bus
+and Slurm; and the gauges the metrics show.
 
 The daemon logs one event per thing that happens; `EventTap` sees each one (through
-logsetup.RecordingLogger) and turns the ones that matter into metric updates and hook runs, so
-no part of the daemon has to know about either.
+logsetup.RecordingLogger), reads the ones that matter into typed events once
+(observe/events.py), and hands those on, so no part of the daemon has to know about any
+consumer and no consumer reads log fields.
 """
 
 from __future__ import annotations
@@ -16,6 +18,18 @@ from oomguard.cgroup.watch import pressure_avg10
 from oomguard.daemon.guards import CgroupGuard, SystemGuard
 from oomguard.model.errors import CgroupGone
 from oomguard.observe.dbus import SignalEmitter
+from oomguard.observe.events import (
+    HOOK_OF,
+    CheckpointDone,
+    CheckpointFailed,
+    CheckpointRefused,
+    Event,
+    RestoreDone,
+    RestoreFailed,
+    VictimFrozen,
+    VictimKilled,
+    typed,
+)
 from oomguard.observe.hooks import HookRunner
 from oomguard.observe.slurm import SlurmError, SlurmNotifier
 from oomguard.sense.owners import SlurmStep
@@ -25,25 +39,10 @@ if TYPE_CHECKING:  # prometheus_client is imported only where metrics are wanted
     from oomguard.observe.metrics import Metrics
 
 
-def slurm_owner(fields: dict[str, Any]) -> SlurmStep | None:
-    """The Slurm job step a checkpoint.done event's owner fields (meta.json's) name."""
-    if fields.get("scheduler") != "slurm":
-        return None
-    try:
-        job_id = int(fields["slurm_job_id"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    step = fields.get("slurm_step")
-    uid = fields.get("slurm_uid")
-    return SlurmStep(job_id, None if step is None else str(step),
-                     uid if isinstance(uid, int) else None)
-
-
-HOOKED = {"checkpoint.done": "on_checkpoint", "restore.done": "on_restore",
-          "victim.killed": "on_kill"}
-
-
 class EventTap:
+    """Sees every log event (logsetup.RecordingLogger calls it); the ones that are typed
+    events (observe/events.py) go to the metrics, the hooks, D-Bus and Slurm."""
+
     def __init__(self, metrics: Metrics | None = None, hooks: HookRunner | None = None,
                  emitter: SignalEmitter | None = None,
                  slurm: SlurmNotifier | None = None) -> None:
@@ -53,62 +52,64 @@ class EventTap:
         self.slurm = slurm
         self.log: Any = None  # set once the logger that calls this tap exists
 
-    def _tell_slurm(self, fields: dict[str, Any]) -> None:
+    def __call__(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        happened = typed(event, fields)
+        if happened is not None:
+            self.tell(happened)
+
+    def tell(self, happened: Event) -> None:
+        if isinstance(happened, CheckpointDone) and happened.slurm is not None:
+            self._tell_slurm(happened, happened.slurm)
+        if self.metrics is not None:
+            self._count(happened)
+        if self.emitter is not None and isinstance(happened, CheckpointDone | RestoreDone) \
+                and happened.uid is not None and happened.id:
+            emit = (self.emitter.emit_checkpointed if isinstance(happened, CheckpointDone)
+                    else self.emitter.emit_restored)
+            emit(happened.uid, happened.id, happened.command, happened.pid)
+        hook = HOOK_OF.get(type(happened))
+        if self.hooks is not None and hook is not None:
+            assert isinstance(happened, CheckpointDone | RestoreDone | VictimKilled)
+            self.hooks.fire(hook, happened.hook)
+
+    def _tell_slurm(self, done: CheckpointDone, step: SlurmStep) -> None:
         """A Slurm job step was checkpointed: AdminComment and requeue, off the caller's
-        thread (the log line of the checkpoint comes first). Whose job it was comes from the
-        checkpoint's own owner fields (the cgroup the tree was in), never from the guard's
-        name, which is "system" for a system rule and "PATH (GPU)" for a GPU rule."""
-        step = slurm_owner(fields)
-        if step is None or self.slurm is None:
+        thread (the log line of the checkpoint comes first)."""
+        if self.slurm is None:
             return
         notifier, log = self.slurm, self.log
 
         def tell() -> None:
             try:
-                done = notifier.notify(step.job_id, step.step, str(fields.get("id", "")),
-                                       time.time(), str(fields.get("reason") or "memory"))
+                told = notifier.notify(step.job_id, step.step, done.id, time.time(),
+                                       done.reason)
             except SlurmError as exc:
                 if log is not None:
                     log.error("slurm.notify_failed", job_id=step.job_id, error=str(exc))
                 return
             if log is not None:
                 log.warning("slurm.notified", job_id=step.job_id, step=step.step,
-                            id=fields.get("id"), done=done)
+                            id=done.id, done=told)
 
         threading.Thread(target=tell, name="oomguard-slurm", daemon=True).start()
 
-    def __call__(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        if event == "checkpoint.done" and self.slurm is not None:
-            self._tell_slurm(fields)
-        if self.metrics is not None:
-            self._count(event, fields)
-        if self.emitter is not None and event in ("checkpoint.done", "restore.done") \
-                and "uid" in fields and "id" in fields:
-            emit = (self.emitter.emit_checkpointed if event == "checkpoint.done"
-                    else self.emitter.emit_restored)
-            emit(int(fields["uid"]), str(fields["id"]), str(fields.get("command", "")),
-                 int(fields.get("pid") or 0))
-        if self.hooks is not None and event in HOOKED:
-            self.hooks.fire(HOOKED[event], {k: v for k, v in fields.items()
-                                            if isinstance(v, str | int | float | bool)})
-
-    def _count(self, event: str, fields: dict[str, Any]) -> None:
+    def _count(self, happened: Event) -> None:
         assert self.metrics is not None
         m = self.metrics
-        if event == "checkpoint.done":
-            m.checkpoint_done(int(fields.get("image_bytes") or 0),
-                              float(fields.get("seconds") or 0.0),
-                              max(0, int(fields.get("rss") or 0)))
-        elif event == "checkpoint.failed":
+        if isinstance(happened, CheckpointDone):
+            m.checkpoint_done(happened.image_bytes, happened.seconds, happened.freed_bytes)
+        elif isinstance(happened, CheckpointFailed):
             m.checkpoint_failed()
-        elif event == "checkpoint.refused":
+        elif isinstance(happened, CheckpointRefused):
             m.checkpoint_refused()
-        elif event in ("restore.done", "restore.failed"):
-            m.restore("done" if event == "restore.done" else "failed", bool(fields.get("auto")))
-        elif event == "victim.killed":
+        elif isinstance(happened, RestoreDone):
+            m.restore("done", happened.auto)
+        elif isinstance(happened, RestoreFailed):
+            m.restore("failed", happened.auto)
+        elif isinstance(happened, VictimKilled):
             m.kill()
-        elif event == "victim.frozen" and "detect_to_frozen_ms" in fields:
-            m.detection(max(0.0, float(fields["detect_to_frozen_ms"]) / 1000))
+        elif isinstance(happened, VictimFrozen) and happened.detect_to_frozen_s is not None:
+            m.detection(happened.detect_to_frozen_s)
 
 
 def publish_gauges(metrics: Metrics, guards: Iterable[CgroupGuard | SystemGuard],

@@ -135,7 +135,8 @@ def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> Non
 
 
 def test_no_owner_fields_no_slurm_call() -> None:
-    from oomguard.observe.telemetry import EventTap, slurm_owner
+    from oomguard.observe.events import slurm_owner
+    from oomguard.observe.telemetry import EventTap
     recorder = _Recorder()
     EventTap(slurm=recorder)("warning", "checkpoint.done",  # type: ignore[arg-type]
                              {"cgroup": "/sys/fs/cgroup/memory/slurm/uid_1/job_7", "id": "x"})
