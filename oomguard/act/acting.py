@@ -16,8 +16,7 @@ from oomguard.act.chain import ChainResult, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.act.steps import CHECKPOINT, KILL, Step
-from oomguard.cgroup.base import MemoryCgroup
-from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone
@@ -110,7 +109,7 @@ class Request:
     candidates: Callable[[], list[ProcessTree]]
     cgroup_for: Callable[[ProcessTree], MemoryCgroup | None]
     still_pressing: Callable[[], bool]
-    freeze_first: V2MemoryCgroup | None = None
+    freeze_first: FreezableCgroup | None = None  # frozen whole first (cgroup.freeze_cgroup)
     # A tree ranked from cached readings is read afresh before anything is done to it (None:
     # the candidates are fresh already); returns None if its root is gone.
     refresh: Callable[[ProcessTree], ProcessTree | None] | None = None

@@ -84,6 +84,19 @@ class MemoryCgroup(Protocol):
     def remove(self) -> None: ...
 
 
+class FreezableCgroup(Protocol):
+    """A cgroup the whole of which can be frozen at once (v2's cgroup.freeze): what the action
+    worker needs of one, whatever the backend (cgroup/watch.freezable says which can)."""
+
+    path: Path
+
+    def freeze(self) -> None: ...
+
+    def thaw(self) -> None: ...
+
+    def wait_frozen(self, timeout: float) -> bool: ...
+
+
 def removed(exc: OSError) -> bool:
     """Whether an error on a cgroup file means the cgroup was removed: ENOENT when the path was
     looked up after the rmdir, ENODEV when the file was opened before it and read after."""

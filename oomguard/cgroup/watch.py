@@ -16,7 +16,7 @@ import select
 from dataclasses import dataclass
 from typing import Protocol
 
-from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
 from oomguard.config.schema import GuardConfig
@@ -96,7 +96,7 @@ def parks_at_limit(guard: Watched) -> V1MemoryCgroup | None:
     return None
 
 
-def freezable(cgroup: MemoryCgroup) -> V2MemoryCgroup | None:
+def freezable(cgroup: MemoryCgroup) -> FreezableCgroup | None:
     """The cgroup, where the whole of it can be frozen at once (v2 cgroup.freeze)."""
     return cgroup if isinstance(cgroup, V2MemoryCgroup) else None
 
