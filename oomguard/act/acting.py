@@ -138,6 +138,13 @@ class Actor:
         done = self._running.get(name)
         return done is not None and not done.is_set()
 
+    def may_act(self, name: str, post_action_delay: float, now: float) -> bool:
+        """The one gate of every trigger (cgroup, system, GPU): nothing of `name`'s running,
+        and its last action ended at least `post_action_delay` ago."""
+        if self.busy(name):
+            return False
+        return now - self.last_done.get(name, -1e9) >= post_action_delay
+
     def start(self, request: Request) -> None:
         self._running[request.name] = self._workers.run(lambda: self._act(request))
 

@@ -101,10 +101,7 @@ class ExaminingMixin:
             guard.samples = None
         if snap.under_oom:  # parked at the limit: never left waiting for an event
             guard.due_at = min(guard.due_at or 1e18, self.clock() + PARKED_RETRY)
-        if self.actor.busy(guard.name):
-            return
-        since = self.clock() - self.actor.last_done.get(guard.name, -1e9)
-        if since < guard.spec.post_action_delay:
+        if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock()):
             return
         self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
                           anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,
@@ -208,9 +205,7 @@ class ExaminingMixin:
                 self.decisions.forget(guard.name)
                 return
             reason = pressed
-        if self.actor.busy(guard.name):
-            return
-        if self.clock() - self.actor.last_done.get(guard.name, -1e9) < guard.spec.post_action_delay:
+        if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock()):
             return
         self._say_crossed(guard.name, source=source, available=memory.available,
                           total=memory.total, reason=reason)

@@ -85,8 +85,7 @@ class GpuWatch:
         if not over:
             return
         name = members[0].name + GPU_SUFFIX
-        if self.actor.busy(name) or \
-                now - self.actor.last_done.get(name, -1e9) < spec.post_action_delay:
+        if not self.actor.may_act(name, spec.post_action_delay, now):
             return
         indexes = {d.index for d in over}
         reason = pressure_reason(over, spec.gpu_threshold)

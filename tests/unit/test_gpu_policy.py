@@ -237,6 +237,9 @@ class RecordingActor:
     def busy(self, name: str) -> bool:
         return False
 
+    def may_act(self, name: str, post_action_delay: float, now: float) -> bool:
+        return now - self.last_done.get(name, -1e9) >= post_action_delay
+
     def start(self, request: Any) -> None:
         self.requests.append(request)
 

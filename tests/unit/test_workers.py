@@ -62,3 +62,26 @@ def test_a_failing_action_still_reports_its_end() -> None:
     finally:
         threading.excepthook = old_hook
     assert [str(f) for f in failures] == ["a bug in an action"]
+
+
+def test_the_one_gate_every_trigger_asks() -> None:
+    """Actor.may_act: not while the name's action runs, nor within its post-action delay."""
+    import threading
+    from typing import Any
+
+    from oomguard.act.acting import Actor
+
+    release = threading.Event()
+
+    class Runner:
+        checkpointer: Any = None
+
+    actor = Actor(Runner(), None, dry_run=False, clock=lambda: 100.0)  # type: ignore[arg-type]
+    assert actor.may_act("/jobs", 5.0, 100.0)  # never acted
+    actor._running["/jobs"] = release  # an action in flight
+    assert not actor.may_act("/jobs", 0.0, 1e9)
+    release.set()
+    actor.last_done["/jobs"] = 100.0
+    assert not actor.may_act("/jobs", 5.0, 104.9)
+    assert actor.may_act("/jobs", 5.0, 105.0)
+    assert actor.may_act("/other", 5.0, 100.0)  # per name
