@@ -32,8 +32,9 @@ from oomguard.model.errors import (
     UnknownCheckpoint,
 )
 from oomguard.observe.dbus import restore_command
+from oomguard.policy.preferences import Preferences, select_victims
 from oomguard.policy.rights import foreign_task, untouchable_task
-from oomguard.policy.victims import build_trees, rank_victims
+from oomguard.policy.victims import build_trees
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
 from oomguard.store.ids import resolve_id
@@ -66,6 +67,8 @@ class Service:
         self.on_failure: Callable[..., None] | None = None
         # The daemon's rules: a restore into a guarded cgroup must fit under its threshold.
         self.guard_of: GuardLookup | None = None
+        # The preferences of the rule guarding a cgroup (the daemon's; None: no rule's)
+        self.prefs_of: Callable[[MemoryCgroup], Preferences | None] | None = None
 
     # -- authorization ---------------------------------------------------------------------------
 
@@ -264,8 +267,11 @@ class Service:
         except (ValueError, CgroupGone) as exc:
             raise OomguardError(f"cgroup {cgroup_path}: {exc}") from None
         protected = own_family(self.proc)
+        gpu = self.checkpointer.gpu
+        vram = gpu.vram_by_pid() if gpu is not None and gpu.accounting else {}
+        prefs = self.prefs_of(cgroup) if self.prefs_of is not None else None
         done, failed = [], []
-        for tree in rank_victims(build_trees(members, protected)):
+        for tree in select_victims(build_trees(members, protected), vram, prefs):
             try:
                 result = self.checkpointer.checkpoint(tree, cgroup, f"systemd-oomd is about to "
                                                       f"kill {cgroup_path}")

@@ -186,6 +186,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         service.on_event = log.warning
         service.on_failure = log.error
         service.guard_of = daemon_lookup(lambda: daemon.guards)
+        service.prefs_of = daemon.preferences_for
         server = ControlServer(config.socket, service, note=log.info)
         server.start()
     except OSError as exc:

@@ -21,16 +21,15 @@ from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy.forecast import forecast
+from oomguard.policy.preferences import select_victims
 from oomguard.policy.pressure import Verdict, below_min_available, evaluate, next_watch_look
 from oomguard.policy.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 from oomguard.policy.victims import (
     ProcessTree,
     build_trees,
-    rank_victims,
     system_candidates,
     system_heads,
     system_tree,
-    with_vram,
 )
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
@@ -148,8 +147,8 @@ class ExaminingMixin:
                 members = self.proc.processes(subtree_procs(cgroup.path))
             except CgroupGone:
                 return []
-            return rank_victims(with_vram(build_trees(members, self.protected_among(members)),
-                                          self._vram()))
+            return select_victims(build_trees(members, self.protected_among(members)),
+                                  self._vram())
 
         assert guard.parts is not None
         freeze = freezable(cgroup) if guard.spec.freeze_cgroup and acting else None
@@ -215,9 +214,8 @@ class ExaminingMixin:
                 processes = self.proc.processes(self._members_of(guard.spec.victim_cgroups))
             else:  # the ranking kept while memory got low, else every process
                 processes = self._ranked_processes()
-            return rank_victims(with_vram(system_candidates(processes,
-                                                            self.protected_among(processes)),
-                                          self._vram()))
+            return select_victims(system_candidates(processes, self.protected_among(processes)),
+                                  self._vram())
 
         def still_pressing() -> bool:
             now = self.meminfo()

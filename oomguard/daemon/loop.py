@@ -19,11 +19,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
-from oomguard.act.acting import Actor, rule_parts
+from oomguard.act.acting import Actor, RuleParts, rule_parts
 from oomguard.act.chain import ChainRunner
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.priority import ThreadPriority
@@ -47,6 +47,7 @@ from oomguard.lifecycle.restore import Restorer
 from oomguard.lifecycle.selfguard import ancestors_of, own_family
 from oomguard.model.errors import ConfigError, ConfigIssue
 from oomguard.observe.decisionlog import DecisionLog
+from oomguard.policy.preferences import Preferences
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
@@ -371,6 +372,14 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         start and on each reload, not on every loop turn)."""
         return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
                                                               self.config.guards)
+
+    def preferences_for(self, cgroup: MemoryCgroup) -> Preferences | None:
+        """The victim preferences of the rule guarding `cgroup` (its exact directory)."""
+        for guard in self._cgroup_guards():
+            if guard.cgroup.path == cgroup.path:
+                return rule_parts(guard.spec).prefs if guard.parts is None \
+                    else cast(RuleParts, guard.parts).prefs
+        return None
 
     def user_headroom(self, cgroup: MemoryCgroup) -> int:
         """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its

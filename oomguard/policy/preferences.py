@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from oomguard.policy.victims import ProcessTree
+from oomguard.policy.victims import ProcessTree, rank_victims, with_vram
 from oomguard.sense.procfs import ProcessInfo
 
 
@@ -70,3 +70,13 @@ def apply_preferences(ranked: list[ProcessTree], prefs: Preferences) -> list[Pro
         return 0
 
     return sorted(kept, key=lambda t: (band(t), gpu_rank(t)))
+
+
+def select_victims(trees: Iterable[ProcessTree], vram_by_pid: dict[int, int],
+                   prefs: Preferences | None = None) -> list[ProcessTree]:
+    """The one victim order, wherever a victim is chosen (a cgroup rule, a system rule,
+    systemd-oomd's pre-kill): the trees with their GPU memory, largest footprint first, then
+    the rule's preferences (None: the trees' own order; the action worker applies a rule's
+    preferences to the candidates it is given)."""
+    ranked = rank_victims(with_vram(trees, vram_by_pid))
+    return ranked if prefs is None else apply_preferences(ranked, prefs)

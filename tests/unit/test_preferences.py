@@ -184,3 +184,20 @@ def test_protect_session_leaders(root: ProcessInfo, leaders: bool, kept: bool) -
 )
 def test_is_excluded(process: ProcessInfo, preferences: Preferences, excluded: bool) -> None:
     assert is_excluded(process, preferences) is excluded
+
+
+# --- select_victims: the one victim order -------------------------------------------------------
+
+def test_select_victims_counts_gpu_memory_then_applies_the_rules_preferences() -> None:
+    from oomguard.policy.preferences import select_victims
+    from tests.unit._support import proc_info
+
+    big = tree(proc_info(10, rss_mib=300, comm="big"))
+    gpu_job = tree(proc_info(20, rss_mib=100, comm="trainer"))
+    editor = tree(proc_info(30, rss_mib=50, comm="vim"))
+    vram = {20: 1 << 30}  # 1 GiB of VRAM: the largest footprint
+    assert roots(select_victims([big, gpu_job, editor], vram)) == [20, 10, 30]
+    assert roots(select_victims([big, gpu_job, editor], {})) == [10, 20, 30]
+    rule = prefs(prefer=("vim",), protect=("trainer",))
+    assert roots(select_victims([big, gpu_job, editor], vram, rule)) == [30, 10]
+    assert select_victims([big, gpu_job, editor], vram)[0].vram_bytes == 1 << 30
