@@ -97,10 +97,13 @@ class GuardConfig:
     gpu_threshold: float | None = None  # also act when a GPU's memory reaches this share
 
 
+DEFAULT_STORE = Path("/var/lib/oomguard")  # the checkpoint store, in one place
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     source: str
-    store: Path = Path("/var/lib/oomguard")
+    store: Path = DEFAULT_STORE
     poll_interval: float = 0.1
     rescan_interval: float = 60.0  # the safety rescan: inotify and the kernel's events tell the rest
     dry_run: bool = False

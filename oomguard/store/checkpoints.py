@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.act.hookgate import remove_gates
+from oomguard.config.schema import DEFAULT_STORE
 from oomguard.model.checkpointmeta import (  # re-exported: what the store holds
     ID_RE,
     STATE_CHECKPOINTED,
@@ -46,7 +47,6 @@ __all__ = ["COMPRESSED", "DEFAULT_STORE", "DUMP_SUCCESS", "ID_RE", "IMAGES", "LA
            "STATE_INCOMPLETE", "STATE_RESTORED", "CheckpointMeta", "Store", "StoreScan",
            "dir_size", "new_id", "validate_id"]
 
-DEFAULT_STORE = Path("/var/lib/oomguard")
 META = "meta.json"
 IMAGES = "images"
 PARTIAL_PREFIX = ".partial-"
