@@ -25,7 +25,7 @@ from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE, Checkpointer, CheckpointResult
-from oomguard.model.errors import CheckpointFailed, ProcessGone
+from oomguard.model.errors import CheckpointFailed, FailedCheckpoint, ProcessGone
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import KubeContainer, kube_container
 from oomguard.sense.procfs import ProcReader
@@ -244,7 +244,8 @@ class ChainRunner:
             self.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
             if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
                 return ChainOutcome(ChainResult.INCOMPLETE, str(step), str(exc))
-            ended = ChainResult.REFUSED if exc.outcome == "untouched" else ChainResult.THAWED
+            ended = ChainResult.REFUSED if exc.outcome == FailedCheckpoint.UNTOUCHED \
+                else ChainResult.THAWED
             return ChainOutcome(ended, str(step), str(exc))
         return ChainOutcome(ChainResult.CHECKPOINTED, str(step), reason, result)
 
@@ -271,7 +272,7 @@ class ChainRunner:
         try:
             ref, archives = self.containers.checkpoint(container.pod_uid, container.container_id)
         except KubeletError as exc:
-            self.log.error("checkpoint.failed", outcome="untouched", error=str(exc), **fields)
+            self.log.error("checkpoint.failed", outcome=FailedCheckpoint.UNTOUCHED, error=str(exc), **fields)
             return ChainOutcome(ChainResult.REFUSED, str(step), str(exc))
         self.log.warning("kubelet.checkpointed", namespace=ref.namespace, pod=ref.pod,
                          container=ref.container, archives=archives, **fields)

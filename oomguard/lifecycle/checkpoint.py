@@ -30,7 +30,14 @@ from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, p
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.selfguard import refuse_own_tree
-from oomguard.model.errors import CgroupGone, CheckpointFailed, CriuError, ProcessGone, StoreError
+from oomguard.model.errors import (
+    CgroupGone,
+    CheckpointFailed,
+    CriuError,
+    FailedCheckpoint,
+    ProcessGone,
+    StoreError,
+)
 from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
@@ -44,8 +51,8 @@ from oomguard.terminal.external import TTYS, dump_args, external_ttys, pin_holde
 FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
-OUTCOME_UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
-OUTCOME_INCOMPLETE = "dumped, commit pending"  # gone, images intact, commit to be finished
+OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
+OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
 
 
 @dataclass(frozen=True)
@@ -252,7 +259,7 @@ class Checkpointer:
                 undo_limit = None
             outcome = self._thaw_after_failure(frozen)
             gpu_note = ""
-            if hold is not None and hold.suspended and outcome == "thawed" and self.gpu:
+            if hold is not None and hold.suspended and outcome == FailedCheckpoint.THAWED and self.gpu:
                 trouble = back_to_gpu(self.gpu, hold.pids)
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
@@ -340,12 +347,12 @@ class Checkpointer:
                     break
                 time.sleep(0.002)
 
-    def _thaw_after_failure(self, frozen: Frozen) -> str:
+    def _thaw_after_failure(self, frozen: Frozen) -> FailedCheckpoint:
         """After a failed dump CRIU has resumed the tree (stopped, as it found it): thawed,
         the tasks the user had stopped left stopped. A rule's kill after a failed checkpoint
         is the action chain's next step (chain.py), never decided here."""
         self.freezer.thaw(frozen.ours)
-        return "thawed"
+        return FailedCheckpoint.THAWED
 
     def _unrecord(self, user_stopped: list[int]) -> None:
         """Tasks the user had stopped leave the ledger: a restart after a crash thaws what the

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 
-from oomguard.model.errors import CheckpointFailed
+from oomguard.model.errors import CheckpointFailed, FailedCheckpoint
 from oomguard.sense.procfs import ProcReader, parse_stat
 
-OUTCOME_UNTOUCHED = "untouched"  # as checkpoint.OUTCOME_UNTOUCHED: refused before stopping
+OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before stopping
 
 
 def ancestry(proc: ProcReader, pid: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -45,10 +46,19 @@ class CriuError(OomguardError):
         super().__init__(message if not log_tail else f"{message}\n{log_tail}")
 
 
+class FailedCheckpoint(enum.StrEnum):
+    """What became of the process when its checkpoint failed (the values are what events,
+    the control socket and the CLI say)."""
+
+    UNTOUCHED = "untouched"  # refused before the process was stopped: it never paused
+    THAWED = "thawed"  # stopped, then thawed: it runs on where it was
+    INCOMPLETE = "dumped, commit pending"  # gone, images intact, commit to be finished
+
+
 class CheckpointFailed(OomguardError):
     """A checkpoint did not complete. `outcome` says what happened to the process."""
 
-    def __init__(self, message: str, outcome: str) -> None:
+    def __init__(self, message: str, outcome: FailedCheckpoint) -> None:
         self.outcome = outcome
         super().__init__(message)
 
