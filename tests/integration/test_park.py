@@ -135,8 +135,9 @@ def test_oom_kill_disable_after_a_daemon_is_sigkilled(cgroups: CgroupFactory, st
     start_and_sigkill(same, "d3.log")
     with daemon(store, tmp_path / "d4.log", "--config", str(elsewhere)) as moved:
         moved.wait_event("guard.armed")
+        # Put back after the guards are armed: the write, then its log line (wait for that).
+        restored, = moved.wait_event("guard.setting_restored")
         assert not guarded.oom_kill_disabled()
-        restored, = moved.events("guard.setting_restored")
         assert restored["cgroup"] == str(guarded.path)
         assert restored["setting"] == "oom_kill_disable 0"
         assert other.oom_kill_disabled()
@@ -145,7 +146,8 @@ def test_oom_kill_disable_after_a_daemon_is_sigkilled(cgroups: CgroupFactory, st
     start_and_sigkill(same, "d5.log")
     with daemon(store, tmp_path / "d6.log", "--config", str(unparked)) as off:
         off.wait_event("guard.armed")
-        assert not guarded.oom_kill_disabled() and off.events("guard.setting_restored")
+        assert off.wait_event("guard.setting_restored")
+        assert not guarded.oom_kill_disabled()
     assert not guarded.oom_kill_disabled()
 
 
