@@ -374,20 +374,16 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                                                               self.config.guards)
 
     def preferences_for(self, cgroup: MemoryCgroup) -> Preferences | None:
-        """The victim preferences of the rule guarding `cgroup` (its exact directory)."""
-        for guard in self._cgroup_guards():
-            if guard.cgroup.path == cgroup.path:
-                return rule_parts(guard.spec).prefs if guard.parts is None \
-                    else cast(RuleParts, guard.parts).prefs
-        return None
+        """The victim preferences of the rule guarding `cgroup` (parts are set when a guard
+        is made)."""
+        guard = self._guard_at(cgroup.path)
+        return None if guard is None else cast(RuleParts, guard.parts).prefs
 
     def user_headroom(self, cgroup: MemoryCgroup) -> int:
         """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its
         rule says `user_headroom = true`."""
-        for guard in self._cgroup_guards():
-            if guard.cgroup.path == cgroup.path:
-                return guard.spec.headroom if guard.spec.user_headroom else 0
-        return 0
+        guard = self._guard_at(cgroup.path)
+        return guard.spec.headroom if guard is not None and guard.spec.user_headroom else 0
 
     def protected_pids(self) -> frozenset[int]:
         """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""
