@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Daemon, EventLog, guard_config
-from bench.latency import wait_for_armed
+from bench.latency import wait_for_ready
 from tests.helpers import CgroupFactory, MiB
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -71,7 +71,7 @@ def idle_cost(factory: CgroupFactory, work: Path, counts: list[int], seconds: fl
     try:
         startup: dict[str, dict[str, float]] = {}
         for label, count in zip(daemons, counts, strict=True):
-            wait_for_armed(logs[label], count)
+            wait_for_ready(logs[label], count)
             pid = daemons[label].pid
             startup[label] = {"startup_s": time.monotonic() - started[label],
                               "startup_cpu_s": cpu_ns(pid) / 1e9}

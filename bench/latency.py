@@ -78,7 +78,7 @@ def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float]
     events = daemon.start()
     results: dict[str, Any] = {}
     try:
-        wait_for_armed(events, 1 + extra_cgroups)
+        wait_for_ready(events, 1 + extra_cgroups)
         for rate in rates:
             samples = [measure(events, hot.path, work, f"{label}-{rate:g}-{i}", rate)
                        for i in range(runs)]
@@ -98,13 +98,18 @@ def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float]
     return results
 
 
-def wait_for_armed(events: EventLog, count: int, timeout: float = 300) -> None:
-    def armed() -> bool:
+def wait_for_ready(events: EventLog, count: int, timeout: float = 300) -> None:
+    """Until the daemon says guard.ready (READY=1: every guard armed, every cgroup looked at
+    once) with `count` guards armed; a crossing before that measures the start-up."""
+    def ready() -> bool:
         events.poll()
-        return sum(1 for e in events.seen if e.get("event") == "guard.armed") >= count
+        return any(e.get("event") == "guard.ready" for e in events.seen)
 
-    if not wait_until(armed, timeout, interval=0.1):
-        raise TimeoutError(f"fewer than {count} guards armed within {timeout}s")
+    if not wait_until(ready, timeout, interval=0.05):
+        raise TimeoutError(f"the daemon was not ready within {timeout}s")
+    [said] = [e for e in events.seen if e.get("event") == "guard.ready"]
+    if said.get("guards") != count:
+        raise RuntimeError(f"{said.get('guards')} guards armed, not {count}")
 
 
 def detection_latency(factory: CgroupFactory, work: Path, rates: list[float],

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Daemon, EventLog, guard_config, start_hog
-from bench.latency import mib_per_s, wait_for_armed
+from bench.latency import mib_per_s, wait_for_ready
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from tests.helpers import CgroupFactory, MiB
 
@@ -60,7 +60,7 @@ def run(factory: CgroupFactory, work: Path, rates: list[float], hogs: int,
                               **(settings or {}))
         daemon = Daemon(store, config, work / f"save-{label}.log")
         events = daemon.start()
-        wait_for_armed(events, 1)
+        wait_for_ready(events, 1)
     results: dict[str, Any] = {}
     try:
         for rate in rates:

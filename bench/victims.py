@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from bench.harness import Daemon, guard_config, start_hog, summary
-from bench.latency import wait_for_armed
+from bench.latency import wait_for_ready
 from oomguard.policy.victims import rank_victims, system_candidates
 from oomguard.sense.procfs import ProcReader
 from tests.helpers import CgroupFactory, MiB, wait_until
@@ -85,7 +85,7 @@ def cgroup_rule(factory: CgroupFactory, work: Path, runs: int) -> dict[str, Any]
     events = daemon.start()
     choose, frozen = [], []
     try:
-        wait_for_armed(events, 1)
+        wait_for_ready(events, 1)
         for index in range(runs):
             events.poll()
             mark = len(events.seen)
@@ -123,7 +123,7 @@ def system_rule(factory: CgroupFactory, work: Path, runs: int) -> dict[str, Any]
         events = daemon.start()
         hog = None
         try:
-            wait_for_armed(events, 1)
+            wait_for_ready(events, 1)
             time.sleep(2.5)  # in the zone from the start: the ranking is kept (every 1 s)
             events.poll()
             mark = len(events.seen)

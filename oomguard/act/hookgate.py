@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import stat
 from pathlib import Path
 from types import TracebackType
 
 from oomguard.act.criu_hook import REPLY_SUFFIX, REQUEST_SUFFIX
+from oomguard.sense.fdwait import wait_readable
 
 _OPEN = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -65,8 +65,7 @@ class Gate:
     def request(self, timeout: float) -> str | None:
         """The next request line, waiting up to `timeout` seconds; None if none came."""
         while b"\n" not in self._pending:
-            ready = select.select([self.request_fd], [], [], max(timeout, 0.0))[0]
-            if not ready:
+            if not wait_readable(self.request_fd, max(timeout, 0.0)):
                 return None
             try:
                 chunk = os.read(self.request_fd, 4096)

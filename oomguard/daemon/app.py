@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
 import time
 from collections.abc import Callable
@@ -134,7 +135,17 @@ def wanted_metrics(config: DaemonConfig) -> Metrics | None:
     return Metrics()
 
 
+def settle_heap() -> None:
+    """Once the guards are built: what exists now (a thousand guards' objects and their
+    snapshots) is moved out of the cyclic collector's sight (gc.freeze), so that its full
+    passes, which can land on a crossing, stop walking it: with 1000 guarded cgroups such a
+    pass took 16 ms, in the middle of the path from the kernel's event to the SIGSTOP."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_daemon(config: DaemonConfig, base_log: Any) -> int:
+    began = time.monotonic()
     open_files = raise_open_files_limit()
     metrics = wanted_metrics(config)
     hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
@@ -156,7 +167,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     restorer.exits = exit_watch = ExitWatch(_exit_recorder(
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
-                    containers=build_containers(config.kubernetes))
+                    containers=build_containers(config.kubernetes), after_arming=settle_heap)
     daemon.install_signal_handlers()
     textfile = None
     metrics_server = None
@@ -230,6 +241,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
                      "is recorded")
         # READY=1 only now: every guard is armed and the socket answers.
         notifier.ready(daemon.summary())
+        log.info("guard.ready", seconds=round(time.monotonic() - began, 3),
+                 guards=daemon.armed_count(), summary=daemon.summary())
         beat()
         daemon.run()
     finally:

@@ -71,8 +71,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                  containers: ContainerCheckpointer | None = None,
                  files: CgroupFiles | None = None,
                  ranking: ProcessRanking | None = None,
-                 poller: Callable[[], Any] = select.epoll) -> None:
+                 poller: Callable[[], Any] = select.epoll,
+                 after_arming: Callable[[], None] = lambda: None) -> None:
         self.config = config
+        self.after_arming = after_arming  # the daemon's: settle_heap
         self.checkpointer = checkpointer
         self.layout = layout
         self.log = log
@@ -157,6 +159,12 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             if guard.present and guard.armed_limit is not None:
                 self._examine_cgroup(guard, self.clock(), source="arm")
         self._next_rescan = self.clock() + self.config.rescan_interval
+        self.after_arming()
+
+    def armed_count(self) -> int:
+        """Guards armed now: the system rule's, and each present cgroup with a limit."""
+        return sum(1 for guard in self.guards if isinstance(guard, SystemGuard)
+                   or (guard.present and guard.armed_limit is not None))
 
     def _build_guards(self) -> None:
         fixed: list[CgroupGuard] = []
@@ -221,6 +229,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.actor.dry_run = self.armer.dry_run = self.config.dry_run
         self.log.info("config.reloaded", source=source, guards=len(new.guards))
         self._build_guards()
+        self.after_arming()
 
     def _warn_config(self, warnings: list[ConfigIssue]) -> None:
         """What check-config prints as warnings: the rules run, the mistake is logged."""

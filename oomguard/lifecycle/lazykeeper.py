@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import sys
 import threading
@@ -27,6 +26,7 @@ from pathlib import Path
 from oomguard.act.criu_hook import drop_cache, tree_pids
 from oomguard.lifecycle.lazyrestore import LAZY_STATUS
 from oomguard.model.errors import StoreError
+from oomguard.sense.fdwait import wait_readable
 from oomguard.store.checkpoints import IMAGES, STATE_CHECKPOINTED, Store
 from oomguard.store.integrity import find_sums, read_sums
 from oomguard.store.verify import RestoreVerifier
@@ -61,7 +61,7 @@ def _wait_gone(pid: int, done: threading.Event | None, deadline: float) -> bool:
         return True
     try:
         while time.monotonic() < deadline and (done is None or not done.is_set()):
-            if select.select([pidfd], [], [], 0.05)[0]:
+            if wait_readable(pidfd, 0.05):
                 return True
         return False
     finally:

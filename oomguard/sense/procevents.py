@@ -24,7 +24,6 @@ import contextlib
 import errno
 import os
 import random
-import select
 import socket
 import threading
 import time
@@ -45,6 +44,7 @@ from oomguard.sense.cnproc import (
     load_cn_proc,
     parse_messages,
 )
+from oomguard.sense.fdwait import wait_readable
 
 ACK_TIMEOUT = 0.25  # the kernel answers within the send (measured: 25 us); none means ignored
 RECV_SIZE = 4096  # one event per datagram (76 bytes)
@@ -134,7 +134,7 @@ class ProcEvents:
             left = deadline - clock()
             if left <= 0:
                 raise OSError(errno.ETIMEDOUT, "the process-event connector did not answer")
-            select.select([self.sock], [], [], left)
+            wait_readable(self.sock, left)
 
     def _receive(self) -> list[ProcessEvent | ControlAck]:
         found: list[ProcessEvent | ControlAck] = []

@@ -148,7 +148,7 @@ class ImageDigester:
                 if self.gate is None:
                     self._stop.wait(self.interval)
                 self._follow()
-        except OSError as exc:
+        except Exception as exc:  # whatever it was, the post-dump action must get its answer
             self._failed = exc
             if self.gate is not None:
                 with contextlib.suppress(OSError):

@@ -228,6 +228,8 @@ class RestoreVerifier:
     def _run(self) -> None:
         try:
             self._problems = self.follow_pages(self._stop.is_set, self._hurried)
+        except Exception as exc:  # never "ok" for pages that were not all checked
+            self._problems = [f"pages not verified: {type(exc).__name__}: {exc}"]
         finally:
             if self.gate is not None and not self._stop.is_set():
                 self.gate.reply(self.verdict())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomguard.sense.fdwait import wait_readable
 from oomguard.terminal.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
 from oomguard.terminal.client import (
     connect_attach,
@@ -186,7 +186,7 @@ class ExecJob:
 
 
 def _readable(fd: int) -> bool:
-    return bool(select.select([fd], [], [])[0])
+    return wait_readable(fd, None)
 
 
 def _forward(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,10 +19,12 @@ from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from oomguard.store.integrity import image_files
 from tests.helpers import (
+    REPO,
     CgroupFactory,
     hog_argv,
     kill_pid,
     last_count,
+    oomguard_argv,
     parse_events,
     read_counts,
     run_oomguard,
@@ -176,3 +180,52 @@ def test_a_damaged_compressed_checkpoint_is_refused_before_criu(
     assert f"{stored.name}" in refused.stderr and "damaged" in refused.stderr, refused.stderr
     assert not (store / checkpoint_id / "restore.log").exists(), "CRIU was run"
     assert not list((store / checkpoint_id / "images").glob("pages-*.img"))
+
+
+# A daemon guarding a thousand v1 cgroups holds more than FD_SETSIZE (1024) descriptors, so the
+# gates' FIFOs get numbers select() refuses: the digester died, the post-dump action waited out
+# its timeout (a 167 MiB dump took 5.3 s) and the commit read every image back.
+CROWD = 1100
+CROWDED = (
+    "import os, resource, sys\n"
+    f"soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+    f"resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, {CROWD} + 200), max(hard, {CROWD} + 200)))\n"
+    "for _ in range({crowd}):\n"
+    "    os.set_inheritable(os.open('/dev/null', os.O_RDONLY), True)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n"
+).replace("{crowd}", str(CROWD))
+
+
+def _crowded(store: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI (checkpoint, restore) run as if it were that daemon: over 1100 descriptors
+    open, so every one it opens itself is numbered above 1100."""
+    argv = oomguard_argv(store, *args)
+    return subprocess.run([sys.executable, "-c", CROWDED, *argv[1:]], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, stdin=subprocess.DEVNULL)
+
+
+def test_a_process_holding_more_than_1024_descriptors_still_gets_digests_and_verdict(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = cgroups.make("crowded", None)
+    log = tmp_path / "crowded.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=160, rate=1000, count=400, tick=0.01))
+    assert wait_until(lambda: last_count(log) > 30, 30)
+    result = _crowded(store, "checkpoint", str(hog.pid))
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    hog.wait(timeout=10)
+    [done] = [e for e in parse_events(result.stderr) if e.get("event") == "checkpoint.done"]
+    checkpoint_id = str(done["id"])
+    dump_log = (store / checkpoint_id / "images" / "dump.log").read_text(errors="replace")
+    assert "digests ok in" in dump_log, "the post-dump action did not get the digests"
+    restored = _crowded(store, "restore", checkpoint_id)
+    assert restored.returncode == 0, restored.stderr
+    assert "Traceback" not in restored.stderr, restored.stderr
+    pid = int(restored.stdout.strip())
+    try:
+        restore_log = (store / checkpoint_id / "restore.log").read_text(errors="replace")
+        assert "images not verified" not in restore_log
+        assert wait_until(lambda: "done 400 ok" in log.read_text(), 60), log.read_text()[-300:]
+        assert read_counts(log) == list(range(1, 401))
+    finally:
+        kill_pid(pid)

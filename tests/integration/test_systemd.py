@@ -27,6 +27,7 @@ from tests.helpers import (
     hog_argv,
     kill_pid,
     oomguard_argv,
+    parse_events,
     proc_state,
     short_socket_path,
     start_in_cgroup,
@@ -58,13 +59,22 @@ def test_notify_ready_status_watchdog_stopping_in_order(cgroups: CgroupFactory, 
     receiver.bind(str(path))
     receiver.settimeout(10)
     env = {**os.environ, "NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "1000000"}
-    proc = subprocess.Popen(oomguard_argv(store, "--socket", str(path.parent / "c.sock"), "run",
-                                          "--cgroup", str(cg.path)),
-                            cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "daemon.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(oomguard_argv(store, "--socket", str(path.parent / "c.sock"),
+                                              "run", "--cgroup", str(cg.path)),
+                                cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=out)
     try:
         messages = [receiver.recv(4096).decode()]
         assert messages[0].startswith("READY=1\nSTATUS=guarding 1 of 1 cgroup(s)")
+        # The log says it too, after every guard's guard.armed: what a log reader waits for.
+        assert wait_until(lambda: "guard.ready" in log.read_text(), 10)
+        names = [e.get("event") for e in parse_events(log.read_text())]
+        assert names.index("guard.ready") > names.index("guard.armed")
+        [ready] = [e for e in parse_events(log.read_text()) if e.get("event") == "guard.ready"]
+        assert ready["guards"] == 1 and 0 < ready["seconds"] < 60
+        assert str(ready["summary"]).startswith("guarding 1 of 1 cgroup(s)")
         start = time.monotonic()
         while time.monotonic() - start < 2.2:
             messages.append(receiver.recv(4096).decode())

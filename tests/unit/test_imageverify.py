@@ -134,3 +134,20 @@ def test_a_file_system_without_rwf_nowait_is_read_outright(tmp_path: Path) -> No
     with tempfile.TemporaryDirectory(dir=shm) as where:
         images = _images(Path(where))
         assert _verifier(images).follow_pages(lambda: False, lambda: False) == []
+
+
+def test_a_verifier_that_breaks_never_says_ok(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    images = _images(tmp_path)
+    verifier = _verifier(images)
+
+    def broken(*_: object) -> list[str]:
+        raise ValueError("filedescriptor out of range in select()")
+
+    monkeypatch.setattr(verifier, "follow_pages", broken)
+    verifier.start(images.parent)
+    reply = ask(verifier.gate_env()[VERIFY_GATE_ENV], "verdict")
+    assert reply is not None
+    verdict = answer(reply, 10.0)
+    assert verdict is not None and verdict != REPLY_OK and "not verified" in verdict
+    assert verifier.finish().problems

@@ -181,3 +181,18 @@ def test_a_reload_asked_for_is_done_by_the_loop_not_the_signal_handler(
     daemon.tick()
     # The config came from a file that is not there (load_config_text): the loop says so.
     assert log.named("config.reload_ignored")
+
+
+def test_after_arming_runs_once_every_guard_is_built_and_after_a_reload(
+        tmp_path: Path, closing: Any) -> None:
+    rule = '[[guard]]\nsystem = true\nmin_available = "256M"\n'
+    daemon, _clock, _epoll, _log, _memory = make_daemon(tmp_path, rule, rescan="1h")
+    closing(daemon)
+    seen: list[int] = []
+    daemon.after_arming = lambda: seen.append(daemon.armed_count())
+    daemon.arm()
+    assert seen == [1]  # the system rule's guard, armed before the heap is settled
+    source = tmp_path / "oomguard.toml"
+    source.write_text(f'[daemon]\nstore = "{tmp_path / "store"}"\nnice = 0\n')
+    daemon.reload()  # the new file has no rule: nothing armed, settled again
+    assert seen == [1, 0]
