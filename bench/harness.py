@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import platform
 import shutil
@@ -232,8 +233,9 @@ def disk_write(directory: Path, size: int) -> float:
     return time.monotonic() - start
 
 
-def disk_read(directory: Path) -> float:
-    """Seconds to read back the baseline file with a cold cache (its pages were dropped)."""
+def disk_read(directory: Path, keep: bool = False) -> float:
+    """Seconds to read back the baseline file with a cold cache (its pages were dropped) into
+    one reused buffer; `keep`: leave the file for another read."""
     path = directory / "baseline.bin"
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -245,7 +247,37 @@ def disk_read(directory: Path) -> float:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    path.unlink()
+    if not keep:
+        path.unlink()
+    return seconds
+
+
+def disk_read_into_new_memory(directory: Path) -> float:
+    """Seconds to read the baseline file, cold, into memory mapped for it (anonymous, never
+    touched), as a restorer must: CRIU's reads its pages with preadv into the restored
+    process's fresh mappings. Each new page costs a fault and its zeroing, and on a VM whose
+    host hands memory back lazily the host's own first touch as well: the floor of any
+    restore that puts the bytes in a process's memory, whoever reads them."""
+    path = directory / "baseline.bin"
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        view = memoryview(memory)
+        start = time.monotonic()
+        done = 0
+        while done < size:
+            count = os.preadv(fd, [view[done:]], done)
+            if not count:
+                break
+            done += count
+        seconds = time.monotonic() - start
+        view.release()
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        memory.close()
+        os.close(fd)
     return seconds
 
 

@@ -75,7 +75,13 @@ def ratios(results: dict[str, Any]) -> list[str]:
                 f"{m['commit_s'] * 1000:.0f} ms = {m['commit_to_dump']:.3f} x the dump "
                 f"(reading back + SHA-256, as before: {m['old_commit_s']:.2f} s); restore with "
                 f"verification {m['restore_mb_per_s']:.0f} MB/s = {m['restore_ratio']:.2f} x the "
-                f"cold read ({m['disk_read_mb_per_s']:.0f} MB/s, median).")
+                f"cold read ({m['disk_read_mb_per_s']:.0f} MB/s, median)" + (
+                    f" = {m['restore_to_new_memory']:.2f} x the cold read into new memory "
+                    f"({m['new_memory_read_mb_per_s']:.0f} MB/s, median: the floor of a "
+                    f"restore on this machine); CRIU's own read of the pages into the "
+                    f"process {m['restore_criu_read_s']:.2f} s of the restore's "
+                    f"{m['restore_s']:.2f} s" if "restore_to_new_memory" in m
+                    and "restore_criu_read_s" in m else "") + ".")
     lazy = results.get("lazy")
     if lazy:
         from bench.lazy import summary
@@ -299,10 +305,19 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                                  _f(m["disk_write_mb_per_s"], 0), _f(m["dump_ratio"], 2),
                                  _f(m["commit_s"] * 1000, 0), _f(m["commit_to_dump"], 3),
                                  _f(m["old_commit_s"], 2), _f(m["restore_mb_per_s"], 0),
-                                 _f(m["disk_read_mb_per_s"], 0), _f(m["restore_ratio"], 2)])
+                                 _f(m["disk_read_mb_per_s"], 0), _f(m["restore_ratio"], 2),
+                                 _f(m.get("new_memory_read_mb_per_s"), 0),
+                                 _f(m.get("restore_to_new_memory"), 2),
+                                 _f(m.get("restore_criu_read_s"), 2)])
         lines += _table(["MiB", "dump MB/s", "disk write MB/s", "dump/disk", "commit ms",
                          "commit/dump", "old commit s", "restore MB/s", "disk read MB/s",
-                         "restore/disk"], summary_rows)
+                         "restore/disk", "read into new memory MB/s", "restore/new memory",
+                         "CRIU's page read s"], summary_rows)
+        lines += ["*Read into new memory*: the same cold read into an anonymous mapping "
+                  "made for it and never touched, as CRIU's restorer reads the pages into the "
+                  "restored process (each page faulted in and zeroed first; on this VM the "
+                  "host also provides each new page on first touch); *CRIU's page read*: "
+                  "its restorer's preadv of the pages, from restore.log.", ""]
         lines += ["Every run:", ""]
         rows = []
         for row in tp:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import cli_result, disk_read, disk_write
+from bench.harness import cli_result, disk_read, disk_read_into_new_memory, disk_write
 from tests.helpers import HOG, CgroupFactory, MiB, kill_pid, wait_until
 
 MB = 1_000_000
@@ -149,6 +149,26 @@ def _grown(stamps: list[Path]) -> list[dict[str, Any]] | None:
     return found
 
 
+def restore_read_s(log: Path) -> float | None:
+    """Seconds CRIU's restorer spent in its preadv of the pages into the restored memory
+    (restore.log: each "Preadv" line to the "returned" line after it), summed over tasks."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    total, began = 0.0, None
+    for line in lines:
+        mark = LOG_LINE.match(line)
+        if mark is None:
+            continue
+        if "Preadv " in mark.group(2):
+            began = float(mark.group(1))
+        elif began is not None and "`- returned" in mark.group(2):
+            total += float(mark.group(1)) - began
+            began = None
+    return total
+
+
 def old_commit_s(images: Path) -> float:
     """What the commit did before checksums were taken during the dump: read every image back
     with a cold cache and SHA-256 it."""
@@ -165,13 +185,21 @@ def old_commit_s(images: Path) -> float:
     return time.monotonic() - start
 
 
-def baselines(work: Path, size: int, runs: int) -> tuple[list[float], list[float]]:
-    """MB/s of `runs` writes + fdatasync and cold reads of a file of `size` bytes."""
-    writes, reads = [], []
-    for _ in range(runs):
+def baselines(work: Path, size: int, runs: int) -> tuple[list[float], list[float], list[float]]:
+    """MB/s of `runs` writes + fdatasync, cold reads, and cold reads into new memory (the
+    floor of a restore: disk_read_into_new_memory) of a file of `size` bytes; the two reads
+    of each file in turn, which one first alternating."""
+    writes, reads, fresh = [], [], []
+    for run in range(runs):
         writes.append(size / MB / disk_write(work, size))
-        reads.append(size / MB / disk_read(work))
-    return writes, reads
+        if run % 2:
+            fresh.append(size / MB / disk_read_into_new_memory(work))
+            reads.append(size / MB / disk_read(work))
+        else:
+            reads.append(size / MB / disk_read(work, keep=True))
+            fresh.append(size / MB / disk_read_into_new_memory(work))
+            (work / "baseline.bin").unlink()
+    return writes, reads, fresh
 
 
 def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
@@ -181,7 +209,7 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
     target = factory.make(f"{name}r", None)
     store = work / f"store-{name}"
     size = int(mib * MiB * 1.06)  # about the image's size (CRIU's images of the hogs)
-    writes, reads = baselines(work, size, BASELINE_RUNS)
+    writes, reads, fresh = baselines(work, size, BASELINE_RUNS)
     proc, stamps = start_tree(cgroup.path, work, name, mib, processes)
     marks = wait_until(lambda: _grown(stamps), 120, interval=0.05)
     if not marks:
@@ -197,6 +225,7 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
         started = time.monotonic()
         restored = cli_result(store, "restore", done["id"], "--cgroup", str(target.path))[0]
         restore_wall = time.monotonic() - started
+        read_s = restore_read_s(store / done["id"] / "restore.log")
         logs = [Path(str(s).replace(".stamps", ".log")) for s in stamps]
         counts = [p.stat().st_size for p in logs]
         resumed = wait_until(lambda: all(p.stat().st_size > c for p, c in zip(logs, counts,
@@ -219,9 +248,11 @@ def one_size(factory: CgroupFactory, work: Path, mib: int, processes: int,
         "restore_s": total, "restore_criu_s": restored["seconds"],
         "restore_verify_s": restored.get("verify_s"),
         "restore_wall_s": restore_wall,
+        "restore_criu_read_s": read_s,
         "restore_mb_per_s": image / MB / total,
         "disk_cold_read_mb_per_s": statistics.median(reads),
         "disk_read_samples": [round(r) for r in reads],
+        "new_memory_read_samples": [round(r) for r in fresh],
         "resumed": bool(resumed), "phases_s": phases,
     }
 
@@ -232,16 +263,22 @@ def size_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
         [r["disk_write_fdatasync_mb_per_s"] for r in rows]
     reads = [x for r in rows for x in r.get("disk_read_samples", [])] or \
         [r["disk_cold_read_mb_per_s"] for r in rows]
+    fresh = [x for r in rows for x in r.get("new_memory_read_samples", [])]
     dump = statistics.median(r["dump_mb_per_s"] for r in rows)
     restore = statistics.median(r["restore_mb_per_s"] for r in rows)
     commit = statistics.median(r.get("commit_s", r["phases_s"].get("commit (checksums, meta)", 0.0))
                                for r in rows)
     dump_s = statistics.median(r["dump_s"] for r in rows)
+    read = [r["restore_criu_read_s"] for r in rows if r.get("restore_criu_read_s")]
     return {"dump_mb_per_s": dump, "disk_write_mb_per_s": statistics.median(writes),
             "restore_mb_per_s": restore, "disk_read_mb_per_s": statistics.median(reads),
             "dump_ratio": dump / statistics.median(writes),
             "restore_ratio": restore / statistics.median(reads),
+            **({"new_memory_read_mb_per_s": statistics.median(fresh),
+                "restore_to_new_memory": restore / statistics.median(fresh)} if fresh else {}),
             "commit_s": commit, "dump_s": dump_s, "commit_to_dump": commit / dump_s,
+            **({"restore_criu_read_s": statistics.median(read),
+                "restore_s": statistics.median(r["restore_s"] for r in rows)} if read else {}),
             "old_commit_s": statistics.median(r.get("old_commit_s", 0.0) for r in rows)}
 
 

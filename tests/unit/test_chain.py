@@ -531,7 +531,7 @@ def test_freeze_step_then_kill_kills_the_users_stopped_task_too(tmp_path: Path) 
     rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]),
                    free=SHORT)
     killed: list[list[int]] = []
-    rig.runner._kill = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
+    rig.runner.kill_tree = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
     outcome = run(rig, chain("freeze", "checkpoint", "kill"), make_tree(ROOT, CHILD))
     assert outcome.result == "killed"
     assert killed == [[ROOT, CHILD]]
@@ -907,3 +907,31 @@ def test_kubelet_refusal_falls_through_to_the_next_action(tmp_path: Path) -> Non
     outcome = run(rig, (Step(CHECKPOINT), Step(KILL)), make_tree())
     assert outcome.result == "killed" and outcome.step == "kill"
     assert ("error", "checkpoint.failed") in [(lvl, e) for lvl, e, _ in rig.log.records]
+
+
+# -- the steps as objects (oomguard.act.chainsteps) ----------------------------------------------
+
+def test_every_kind_of_step_has_its_object(tmp_path: Path) -> None:
+    from oomguard.act import steps
+
+    kinds = {steps.FREEZE, steps.CHECKPOINT, steps.SIGNAL, steps.KILL, steps.VRAM}
+    assert set(make_rig(tmp_path).runner.actions) == kinds
+
+
+def test_a_freeze_continues_holding_the_tree_and_a_refused_checkpoint_continues(
+        tmp_path: Path) -> None:
+    from oomguard.act.chainstate import CONTINUE, ChainRun, Settled
+
+    rig = make_rig(tmp_path, free=SHORT, freezer=FakeFreezer([ROOT, CHILD]))
+    state = ChainRun(make_tree(ROOT, CHILD), None, REASON, SETTINGS, Pressure(), dict(FIELDS))
+    assert rig.runner.actions["freeze"].run(parse_step("freeze"), state) is CONTINUE
+    assert state.frozen == [ROOT, CHILD] and state.frozen_at == T0
+    # No room in the store: refused, the tree still held for the next step.
+    assert rig.runner.actions["checkpoint"].run(parse_step("checkpoint"), state) is CONTINUE
+    assert state.frozen == [ROOT, CHILD]
+    assert [e for _l, e, _f in rig.log.records] == ["checkpoint.refused"]
+    killed: list[list[int]] = []
+    rig.runner.kill_tree = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
+    ended = rig.runner.actions["kill"].run(parse_step("kill"), state)
+    assert isinstance(ended, Settled) and ended.outcome.result == "killed"
+    assert killed == [[ROOT, CHILD]] and state.frozen == []

@@ -1,0 +1,241 @@
+"""A chain's steps as objects: each runs one kind of action on the victim and says whether
+that ended the chain (Settled, with the outcome) or the next step runs (Continue).
+
+The registry (`step_actions`) maps each kind of oomguard.act.steps to its object; the runner
+(oomguard/act/chain.py) only walks the chain, checks the pressure and the freeze deadline
+between steps, and thaws whatever is still held at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from typing import TYPE_CHECKING, Protocol
+
+from oomguard.act.chainstate import (
+    CONTINUE,
+    TREE_ENDED,
+    ChainOutcome,
+    ChainResult,
+    ChainRun,
+    Settled,
+    StepResult,
+)
+from oomguard.act.freezer import USER_STOPPED_STATE
+from oomguard.act.kubelet import KubeletError
+from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
+from oomguard.gpu.cudackpt import CudaCheckpointError
+from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE
+from oomguard.model.errors import CheckpointFailed, FailedCheckpoint, ProcessGone
+from oomguard.sense.owners import KubeContainer, kube_container
+
+if TYPE_CHECKING:
+    from oomguard.act.chain import ChainRunner
+
+
+class StepAction(Protocol):
+    def run(self, step: Step, run: ChainRun) -> StepResult: ...
+
+
+class FreezeAction:
+    """SIGSTOP the tree and wait until it is stopped (children forked meanwhile too); tasks
+    the user stopped are left as they were. Never settles: it holds the tree for the next."""
+
+    def __init__(self, tools: ChainRunner) -> None:
+        self.tools = tools
+
+    def run(self, step: Step, run: ChainRun) -> StepResult:
+        freezer, ledger, tree = self.tools.freezer, self.tools.checkpointer.ledger, run.tree
+        ledger.record([p.pid for p in tree.members if p.state != USER_STOPPED_STATE])
+        held = freezer.freeze(tree.root.pid)
+        run.frozen = held.ours
+        ledger.record(run.frozen)
+        run.recorded += held.pids
+        if run.after_signal is not None:
+            run.after_signal()
+            run.after_signal = None
+        held = freezer.wait_frozen(held, 5.0)
+        caught = [pid for pid in held.ours if pid not in run.frozen]
+        run.frozen = held.ours
+        if caught:
+            ledger.record(caught)
+            run.recorded += caught
+        # Stopped by the user too: left stopped, like those found stopped.
+        again = freezer.stopped_again(run.frozen)
+        run.frozen = [pid for pid in run.frozen if pid not in again]
+        if held.user_stopped or again:
+            with contextlib.suppress(OSError):
+                ledger.clear(held.user_stopped + again)
+        run.frozen_at = self.tools.clock()
+        if run.on_frozen is not None:
+            run.on_frozen(held, run.frozen_at)
+            run.on_frozen = None
+        return CONTINUE
+
+
+class SignalAction:
+    """Cooperative: a stopped process cannot handle a signal, so thaw first; then wait for it
+    to exit or for the pressure to pass (settled), or the grace to end (the next step)."""
+
+    def __init__(self, tools: ChainRunner) -> None:
+        self.tools = tools
+
+    def run(self, step: Step, run: ChainRun) -> StepResult:
+        tools = self.tools
+        if run.frozen:
+            tools.freezer.thaw(run.frozen)
+            run.frozen = []
+        root = run.tree.root.pid
+        try:
+            os.kill(root, step.signal)
+        except ProcessLookupError:
+            return Settled(ChainOutcome(ChainResult.GONE, str(step), "the victim exited"))
+        tools.log.warning("victim.signalled", signal=signal.Signals(step.signal).name,
+                          grace_s=step.grace, **run.fields)
+        deadline = tools.clock() + step.grace
+        while tools.clock() < deadline:
+            if not tools.alive(root):
+                return Settled(ChainOutcome(ChainResult.SIGNALLED, str(step), "the victim exited"))
+            if not run.still_pressing():
+                return Settled(ChainOutcome(ChainResult.SIGNALLED, str(step), "the victim shrank"))
+            tools.sleep(0.1)
+        return CONTINUE
+
+
+class VramAction:
+    """GPU memory freed, the process kept alive: its CUDA state moved into its host memory by
+    cuda-checkpoint (`oomguard gpu-resume PID` moves it back). The next step runs where the
+    tree holds no GPU memory, there is no cuda-checkpoint, or it failed and was undone."""
+
+    def __init__(self, tools: ChainRunner) -> None:
+        self.tools = tools
+
+    def run(self, step: Step, run: ChainRun) -> StepResult:
+        tools = self.tools
+        if run.frozen:  # cuda-checkpoint needs the process running
+            tools.freezer.thaw(run.frozen)
+            run.frozen = []
+        gpu = tools.checkpointer.gpu
+        if gpu is None or not gpu.drives_cuda:
+            why = gpu.why if gpu is not None else "GPU support is off"
+            tools.log.warning("gpu.vram_skipped", reason=f"no cuda-checkpoint: {why}",
+                              **run.fields)
+            return CONTINUE
+        vram = gpu.vram_by_pid()
+        pids = gpu.gpu_pids(run.tree.pids, vram)
+        if not pids:
+            tools.log.info("gpu.vram_skipped", reason="the tree holds no GPU memory", **run.fields)
+            return CONTINUE
+        try:
+            gpu.suspend(pids)
+        except CudaCheckpointError as exc:
+            tools.log.error("gpu.vram_failed", error=str(exc), outcome="running on the GPU",
+                            **run.fields)
+            return CONTINUE
+        freed = sum(vram[pid] for pid in pids)
+        tools.log.warning("gpu.vram_freed", gpu_pids=pids, vram=freed, **run.fields)
+        return Settled(ChainOutcome(ChainResult.VRAM_FREED, str(step),
+                                    f"CUDA state of pid(s) {', '.join(map(str, pids))} moved "
+                                    "to host memory; `oomguard gpu-resume PID` puts it back "
+                                    "on the GPU"))
+
+
+class CheckpointAction:
+    """Dump the tree with CRIU (a Kubernetes container's through its kubelet). Settled once
+    the tree is gone (dumped, or dumped with the commit failed, or exited); refused (no room
+    in the store, a container without kubelet access) or failed and thawed: the next step."""
+
+    def __init__(self, tools: ChainRunner) -> None:
+        self.tools = tools
+
+    def run(self, step: Step, run: ChainRun) -> StepResult:
+        outcome = self._checkpoint(step, run)
+        run.after_signal = None
+        if outcome.result in TREE_ENDED:
+            run.frozen = []
+            return Settled(outcome)
+        if outcome.result is ChainResult.THAWED:  # the checkpoint failed and thawed it
+            run.frozen = []
+        return CONTINUE
+
+    def _checkpoint(self, step: Step, run: ChainRun) -> ChainOutcome:
+        tools, tree, fields = self.tools, run.tree, run.fields
+        container = self._container_of(run)
+        if container is not None:
+            return self._checkpoint_container(step, run, container)
+        store = tools.checkpointer.store.root
+        need = tree.rss_bytes + run.settings.store_margin
+        free = tools.free(store)
+        if free < need:
+            detail = (f"store {store} has {free >> 20} MiB free, a checkpoint needs "
+                      f"~{need >> 20} MiB")
+            tools.log.error("checkpoint.refused", reason=detail, **fields)
+            return ChainOutcome(ChainResult.REFUSED, str(step), detail)
+        try:
+            result = tools.checkpointer.checkpoint(
+                tree, run.cgroup, run.reason, on_frozen=run.on_frozen,
+                headroom=run.settings.headroom, after_signal=run.after_signal, held=run.frozen)
+        except CheckpointFailed as exc:
+            tools.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
+            if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
+                return ChainOutcome(ChainResult.INCOMPLETE, str(step), str(exc))
+            ended = ChainResult.REFUSED if exc.outcome == FailedCheckpoint.UNTOUCHED \
+                else ChainResult.THAWED
+            return ChainOutcome(ended, str(step), str(exc))
+        return ChainOutcome(ChainResult.CHECKPOINTED, str(step), run.reason, result)
+
+    def _container_of(self, run: ChainRun) -> KubeContainer | None:
+        """A Kubernetes container's process (by the victim's own cgroup)."""
+        try:
+            rel = self.tools.proc.memory_cgroup(run.tree.root.pid) or ""
+        except ProcessGone:
+            return None
+        found = kube_container(rel)
+        return found if found is not None and found.container_id else None
+
+    def _checkpoint_container(self, step: Step, run: ChainRun,
+                              container: KubeContainer) -> ChainOutcome:
+        """Never dumped behind the container runtime's back: the kubelet checkpoints the
+        container (the archive is the checkpoint on disk), then the victim is killed to free
+        its memory and the runtime restarts the container per the pod's restartPolicy."""
+        tools, fields = self.tools, run.fields
+        if tools.containers is None:
+            detail = (f"{container.label}: a container's processes are not dumped behind its "
+                      "runtime's back, and the kubelet checkpoint API is not set up "
+                      "([kubernetes] in the config)")
+            tools.log.error("checkpoint.refused", reason=detail, **fields)
+            return ChainOutcome(ChainResult.REFUSED, str(step), detail)
+        try:
+            ref, archives = tools.containers.checkpoint(container.pod_uid,
+                                                        container.container_id)
+        except KubeletError as exc:
+            tools.log.error("checkpoint.failed", outcome=FailedCheckpoint.UNTOUCHED,
+                            error=str(exc), **fields)
+            return ChainOutcome(ChainResult.REFUSED, str(step), str(exc))
+        tools.log.warning("kubelet.checkpointed", namespace=ref.namespace, pod=ref.pod,
+                          container=ref.container, archives=archives, **fields)
+        reason = (f"checkpointed by the kubelet to {archives[0]}; the container restarts per "
+                  "its pod's restartPolicy")
+        tools.kill_tree(list(run.tree.pids), run.settings, reason, fields)
+        return ChainOutcome(ChainResult.KILLED, str(step), reason)
+
+
+class KillAction:
+    """The last resort: SIGTERM, then SIGKILL, of the tree and everything held stopped (the
+    freeze may have caught a child the tree does not list). Always settles."""
+
+    def __init__(self, tools: ChainRunner) -> None:
+        self.tools = tools
+
+    def run(self, step: Step, run: ChainRun) -> StepResult:
+        self.tools.kill_tree(sorted(set(run.tree.pids) | set(run.frozen)), run.settings,
+                         run.reason, run.fields)
+        run.frozen = []
+        return Settled(ChainOutcome(ChainResult.KILLED, KILL, run.reason))
+
+
+def step_actions(tools: ChainRunner) -> dict[str, StepAction]:
+    """Every kind of step (oomguard.act.steps) and the object that runs it."""
+    return {FREEZE: FreezeAction(tools), SIGNAL: SignalAction(tools), VRAM: VramAction(tools),
+            CHECKPOINT: CheckpointAction(tools), KILL: KillAction(tools)}
