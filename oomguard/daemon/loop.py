@@ -41,6 +41,7 @@ from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.settling import SettlingMixin
 from oomguard.daemon.startup import guard_line
 from oomguard.daemon.status import guard_entries, summary_line
+from oomguard.daemon.triggers import Trigger, daemon_triggers
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
@@ -128,6 +129,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                                   in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
                                   clock=clock) if checkpointer.gpu is not None else None
         self._gpu_watching = self._wants_gpu_watch()
+        self.triggers: list[Trigger] = daemon_triggers(self, clock)  # timed work, in order
         self.last_turn = clock()
         self._turn_began: float | None = None  # set while the loop is inside a turn
         self._acted = threading.Event()  # an action ended (set from the Actor's threads)
@@ -276,23 +278,13 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
     def _timeout(self) -> float:
         """Until the first piece of work falls due (the epoll wait's timeout, in seconds)."""
         now = self.clock()
-        due = [self._next_rescan]
-        if self._next_settle is not None:
-            due.append(self._next_settle)
+        waits = [wait for trigger in self.triggers if (wait := trigger.due_in(now)) is not None]
         if self.max_sleep is not None:
-            due.append(now + self.max_sleep)
+            waits.append(self.max_sleep)
         beat = self.heartbeat_due(now) if self.heartbeat_due is not None else None
         if beat is not None:
-            due.append(now + beat)
-        if self._gpu_watching:
-            assert self.gpu_watch is not None
-            due.append(now + self.gpu_watch.due_in(now))
-        for guard in self.guards:
-            if isinstance(guard, SystemGuard):
-                due.append(self._next_system_poll)
-            elif guard.present and guard.due_at is not None:
-                due.append(guard.due_at)
-        return max(0.0, min(due) - now)
+            waits.append(beat)
+        return max(0.0, min(waits)) if waits else -1.0
 
     def tick(self) -> None:
         ready = self.epoll.poll(self._timeout())
@@ -332,26 +324,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             self._examine(guard, woke, "event")
         if files_ready:
             self._apply_changes(self.files.read())
-        now = self.clock()
-        for guard in self.guards:
-            if guard in fired:
-                continue
-            if isinstance(guard, SystemGuard):
-                if now >= self._next_system_poll:
-                    self._examine(guard, now, "poll")
-            elif guard.present and guard.due_at is not None and now >= guard.due_at:
-                self._examine(guard, now, "poll")
-        if self._gpu_watching:
-            assert self.gpu_watch is not None
-            self.gpu_watch.tick(self.guards)
-        if self._acted.is_set() or (self._next_settle is not None
-                                    and self.clock() >= self._next_settle):
-            self._acted.clear()
-            self._settle()
-        if self.clock() >= self._next_rescan:
-            self._safety_rescan()
-            self._settle()
-            self._next_rescan = self.clock() + self.config.rescan_interval
+        for trigger in self.triggers:
+            now = self.clock()
+            wait = trigger.due_in(now)
+            if wait is not None and wait <= 0:
+                trigger.fire(now, fired)
 
     def _action_done(self, name: str) -> None:
         """From an Actor thread: an action ended; the loop settles what it left (a lifted

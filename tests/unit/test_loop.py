@@ -196,3 +196,52 @@ def test_after_arming_runs_once_every_guard_is_built_and_after_a_reload(
     source.write_text(f'[daemon]\nstore = "{tmp_path / "store"}"\nnice = 0\n')
     daemon.reload()  # the new file has no rule: nothing armed, settled again
     assert seen == [1, 0]
+
+
+class EveryFewSeconds:
+    """A trigger of the test's own: due every `period` seconds of the fake clock."""
+
+    def __init__(self, clock: Clock, period: float) -> None:
+        self.clock = clock
+        self.period = period
+        self.next_at = clock.now + period
+        self.fired_at: list[float] = []
+
+    def due_in(self, now: float) -> float | None:
+        return self.next_at - now
+
+    def fire(self, now: float, fired: Any) -> None:
+        self.fired_at.append(now)
+        self.next_at = now + self.period
+
+
+def test_the_loop_sleeps_until_the_soonest_trigger_and_fires_only_those_due(
+        tmp_path: Path, closing: Any) -> None:
+    daemon, clock, epoll, _log, _memory = make_daemon(tmp_path, rescan="1h")
+    closing(daemon)
+    daemon.arm()
+    start = clock.now
+    fast, slow = EveryFewSeconds(clock, 7.0), EveryFewSeconds(clock, 20.0)
+    daemon.triggers += [fast, slow]
+    for _ in range(4):
+        daemon.tick()
+    assert epoll.timeouts == pytest.approx([7.0, 7.0, 6.0, 1.0])  # 7, 14, 20, 21
+    assert [t - start for t in fast.fired_at] == pytest.approx([7.0, 14.0, 21.0])
+    assert [t - start for t in slow.fired_at] == pytest.approx([20.0])
+
+
+def test_every_trigger_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: Any) -> None:
+    from oomguard.daemon.triggers import GpuPolls, GuardPolls, SafetyRescan, Settling
+
+    daemon, clock, _epoll, _log, _memory = make_daemon(tmp_path, rescan="30s")
+    closing(daemon)
+    daemon.arm()
+    kinds = [type(t) for t in daemon.triggers]
+    assert kinds == [GuardPolls, GpuPolls, Settling, SafetyRescan]
+    polls, gpu, settling, rescan = daemon.triggers
+    assert polls.due_in(clock.now) is None  # no guard polled
+    assert gpu.due_in(clock.now) is None  # no GPU here
+    assert settling.due_in(clock.now) is None  # nothing waits to be settled
+    assert rescan.due_in(clock.now) == pytest.approx(30.0)
+    daemon._action_done("x")  # an action ended (from an Actor thread): settled at once
+    assert settling.due_in(clock.now) == 0.0
