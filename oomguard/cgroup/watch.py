@@ -141,7 +141,7 @@ def arm_first(guard: Watched, limit: int, change: bool, original: int | None,
               psi_trigger: str) -> bool:
     """What makes the guard armed: v1 the threshold mark, the OOM notification and
     oom_kill_disable; v2 memory.high, memory.events and PSI. Returns whether later marks
-    follow (arm_later). Raises OSError, CgroupGone."""
+    follow (register_later). Raises OSError, CgroupGone."""
     cgroup = guard.cgroup
     if isinstance(cgroup, V1MemoryCgroup):
         first, _later = v1_marks(guard, limit)
@@ -158,12 +158,20 @@ def arm_first(guard: Watched, limit: int, change: bool, original: int | None,
     return False  # v2 has no usage thresholds, so no later marks
 
 
-def arm_later(guard: Watched, limit: int) -> None:
-    """The v1 marks beyond the threshold (each registration waits for an RCU grace period,
-    so they come after every guard's first mark)."""
+def register_later(guard: Watched, limit: int) -> list[int]:
+    """The v1 marks beyond the threshold, registered; their eventfds are returned, not added
+    to the guard (this runs beside the loop, after the guard is armed: each registration
+    waits for an RCU grace period). Raises OSError, CgroupGone, with none left open."""
     assert isinstance(guard.cgroup, V1MemoryCgroup)
-    for mark in v1_marks(guard, limit)[1]:
-        guard.fds[guard.cgroup.register_threshold(mark)] = EVENTFD
+    fds: list[int] = []
+    try:
+        for mark in v1_marks(guard, limit)[1]:
+            fds.append(guard.cgroup.register_threshold(mark))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
 
 
 def arm_v2(guard: Watched, psi_trigger: str) -> None:

@@ -1,18 +1,23 @@
 """Arming cgroup guards, many at once: at start, on reload, and as cgroups appear.
 
 On v1 each usage threshold registered through cgroup.event_control waits for an RCU grace
-period in the kernel (about 12 ms here), one after another for one cgroup but independently
-for different cgroups: a thousand cgroups with three marks each took 30 s one at a time and
-take under a second from a pool of threads. Every cgroup's threshold mark and OOM
-notification come first (from then on it is armed); the marks beyond the threshold follow.
-The settings oomguard replaces (v1 oom_kill_disable, v2 memory.high) are saved in one durable
-write before any of them is changed."""
+period in the kernel (about 8 ms here), one after another for one cgroup but independently
+for different cgroups: a thousand cgroups with three marks each took 30 s one at a time, and
+their threshold marks take about half a second from a pool of threads. A guard is armed once
+its threshold mark and OOM notification are in (v2: memory.high and memory.events). The
+marks beyond the threshold, which only catch page cache up with resident memory, come after
+every guard is armed, from a thread beside the loop (LaterMarks): at start after READY=1,
+and until they are in, page cache over the threshold is polled, as when they cannot be
+registered at all. The reads before arming never wait in the kernel and are made in turn: from
+the pool, the interpreter lock's hand-offs cost more than the reads (0.4-0.8 s against 0.1 s
+for 1000 cgroups here). The settings oomguard replaces (v1 oom_kill_disable, v2 memory.high)
+are saved in one durable write before any of them is changed."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from oomguard.cgroup import watch
@@ -24,7 +29,6 @@ from oomguard.store.ledger import SavedLimits
 ARM_WORKERS = 64  # concurrent registrations: past this the kernel's grace periods dominate
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass
@@ -36,16 +40,27 @@ class Prepared:
     setting_now: int | None = None  # v1 oom_kill_disable, v2 memory.high, as found
     change_setting: bool = False  # oomguard replaces it (its original is saved first)
     error: str | None = None  # the kernel's notifications could not be armed: polled
-    later_error: str | None = None  # the marks beyond the threshold could not be added
+    later: bool = False  # marks beyond the threshold follow (LaterMarks)
 
     @property
     def saved_key(self) -> str:
         return watch.saved_key(self.guard)
 
 
+@dataclass
+class Marks:
+    """One guard's marks beyond the threshold, registered beside the loop: the loop adds `fds`
+    to the guard while it is still armed as it was then (`generation`), else closes them."""
+
+    guard: CgroupGuard
+    generation: int
+    fds: list[int] = field(default_factory=list)
+    error: str | None = None  # they could not be registered: page cache above is polled
+
+
 class Armer:
-    """Arms guards from a pool of threads (inline for one). `own_snapshot` reads a cgroup with
-    its own limit (never one oomguard lifted for a dump)."""
+    """Arms guards, their registrations from a pool of threads (inline for one). `own_snapshot`
+    reads a cgroup with its own limit (never one oomguard lifted for a dump)."""
 
     def __init__(self, own_snapshot: Callable[[MemoryCgroup], MemorySnapshot],
                  saved: SavedLimits, psi_trigger: str, *, dry_run: bool = False,
@@ -58,16 +73,40 @@ class Armer:
 
     def arm(self, guards: Iterable[CgroupGuard]) -> list[Prepared]:
         """Arm every guard (their fds empty: the loop disarmed them); returns one Prepared
-        each, in order. Raises nothing for a cgroup: its Prepared says what went wrong."""
-        prepared = self._map(self._read, list(guards))
+        each, in order, `later` where marks beyond the threshold are to follow
+        (register_later). Raises nothing for a cgroup: its Prepared says what went wrong."""
+        prepared = [self._read(guard) for guard in guards]
         changing = [p for p in prepared if p.change_setting]
         originals = self.saved.remember_many({p.saved_key: p.setting_now for p in changing})
         armed = [p for p in prepared if p.snapshot is not None and p.snapshot.limit_bytes]
-        self._two_phases(armed, lambda p: self._first(p, originals.get(p.saved_key)),
-                         self._later)
+
+        def first(found: Prepared) -> None:
+            found.later = self._first(found, originals.get(found.saved_key))
+
+        self._run_all(first, armed)
         return prepared
 
-    # -- the phases (each runs in a worker thread, one guard at a time) ------------------------
+    def register_later(self, batch: list[tuple[Prepared, int]]) -> list[Marks]:
+        """The marks beyond the threshold of each (armed guard, its generation then), from the
+        pool; one Marks each. Raises nothing for a cgroup: its Marks says what went wrong."""
+        done: list[Marks] = []
+        lock = threading.Lock()
+
+        def one(item: tuple[Prepared, int]) -> None:
+            found, generation = item
+            assert found.snapshot is not None and found.snapshot.limit_bytes is not None
+            marks = Marks(found.guard, generation)
+            try:
+                marks.fds = watch.register_later(found.guard, found.snapshot.limit_bytes)
+            except (OSError, CgroupGone) as exc:
+                marks.error = str(exc)
+            with lock:
+                done.append(marks)
+
+        self._run_all(one, batch)
+        return done
+
+    # -- one guard's parts (_read in the caller's thread, _first from the pool) ----------------
 
     def _read(self, guard: CgroupGuard) -> Prepared:
         found = Prepared(guard)
@@ -97,38 +136,7 @@ class Armer:
             found.error = str(exc)
             return False
 
-    def _later(self, found: Prepared) -> None:
-        assert found.snapshot is not None and found.snapshot.limit_bytes is not None
-        try:
-            watch.arm_later(found.guard, found.snapshot.limit_bytes)
-        except (OSError, CgroupGone) as exc:
-            found.later_error = str(exc)
-
     # -- the pool ------------------------------------------------------------------------------
-
-    def _map(self, work: Callable[[T], R], items: list[T]) -> list[R]:
-        results: list[R | None] = [None] * len(items)
-
-        def one(index: int) -> None:
-            results[index] = work(items[index])
-
-        self._run_all(one, list(range(len(items))))
-        return [r for r in results if r is not None]
-
-    def _two_phases(self, items: list[Prepared], first: Callable[[Prepared], bool],
-                    later: Callable[[Prepared], None]) -> None:
-        """`first` for every item, then `later` for those whose first said so: every
-        threshold mark is in before any later mark."""
-        needs_later: list[Prepared] = []
-        lock = threading.Lock()
-
-        def one(item: Prepared) -> None:
-            if first(item):
-                with lock:
-                    needs_later.append(item)
-
-        self._run_all(one, items)
-        self._run_all(later, needs_later)
 
     def _run_all(self, work: Callable[[T], None], items: list[T]) -> None:
         """`work` on every item from up to `workers` threads, each taking the next item until
@@ -162,3 +170,70 @@ class Armer:
             thread.join()
         if failures:
             raise failures[0]
+
+
+class LaterMarks:
+    """Registers the marks beyond the threshold from a thread of its own once a batch of guards
+    is armed, so that arming (and READY=1 at start) never waits for them; calls `on_done` (the
+    loop's wake-up) when a batch is in, and `take` hands the loop what came in."""
+
+    def __init__(self, armer: Armer, on_done: Callable[[], None]) -> None:
+        self.armer = armer
+        self.on_done = on_done
+        self._lock = threading.Lock()
+        self._done: list[Marks] = []
+        self._threads: list[threading.Thread] = []
+        self._held: list[tuple[Prepared, int]] | None = None
+
+    def hold(self) -> None:
+        """Batches wait until `release` (the daemon's start: its first look at every cgroup
+        before READY=1 shares the CPUs with nothing)."""
+        if self._held is None:
+            self._held = []
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self._start(held)
+
+    def start(self, armed: Iterable[Prepared]) -> None:
+        """For each armed guard whose Prepared says `later` (its generation read now, in the
+        loop's thread)."""
+        batch = [(p, p.guard.generation) for p in armed if p.later]
+        if self._held is not None:
+            self._held += batch
+        elif batch:
+            self._start(batch)
+
+    def _start(self, batch: list[tuple[Prepared, int]]) -> None:
+        thread = threading.Thread(target=self._register, args=(batch,), name="oomguard-marks",
+                                  daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
+
+    def _register(self, batch: list[tuple[Prepared, int]]) -> None:
+        try:
+            marks = self.armer.register_later(batch)
+            with self._lock:
+                self._done.extend(marks)
+        finally:
+            self.on_done()
+
+    def waiting(self) -> bool:
+        """Whether marks came in that the loop has not taken."""
+        with self._lock:
+            return bool(self._done)
+
+    def take(self) -> list[Marks]:
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def join(self) -> None:
+        """Until every batch started is in (then `take` has them all)."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join()

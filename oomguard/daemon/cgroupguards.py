@@ -19,7 +19,7 @@ from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.loading import DaemonConfig, GuardConfig
-from oomguard.daemon.arming import Armer, Prepared
+from oomguard.daemon.arming import Armer, LaterMarks, Prepared
 from oomguard.daemon.guards import (
     CgroupGuard,
     Guard,
@@ -48,6 +48,7 @@ class CgroupGuardsMixin:
     checkpointer: Checkpointer
     saved_high: SavedLimits
     armer: Armer
+    later_marks: LaterMarks
     files: CgroupFiles
     park_watch: ParkWatchdog
     _fd_owner: dict[int, tuple[Guard, str]]
@@ -99,16 +100,50 @@ class CgroupGuardsMixin:
 
     def _arm_guards(self, guards: list[CgroupGuard]) -> None:
         """Arm these guards together (concurrently: see arming.py), then register and report
-        each, and look at each that is over its threshold already."""
+        each, and look at each that is over its threshold already; their marks beyond the
+        threshold follow from beside the loop (_add_later_marks)."""
+        armed: list[Prepared] = []
         for round_ in range(ARM_ROUNDS):
             if not guards:
                 break
             for guard in guards:
                 self._disarm(guard)
             last = round_ == ARM_ROUNDS - 1
-            guards = [p.guard for p in self.armer.arm(guards)
-                      if self._finish_arming(p, recheck=not last)]
+            again = []
+            for prepared in self.armer.arm(guards):
+                if self._finish_arming(prepared, recheck=not last):
+                    again.append(prepared.guard)
+                elif prepared.guard.fds:
+                    armed.append(prepared)
+            guards = again
+        self.later_marks.start(armed)
         self._watch_directories()  # where the missing would appear, beside the present
+
+    def _add_later_marks(self) -> None:
+        """The marks beyond the threshold that came in from beside the loop: added to each
+        guard still armed as it was when they were asked for, closed for the others (armed
+        again, gone, released)."""
+        added = 0
+        for marks in self.later_marks.take():
+            guard = marks.guard
+            if guard.generation != marks.generation or not guard.present:
+                for fd in marks.fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                continue
+            if marks.error is not None:
+                self.log.warning("guard.marks_incomplete", cgroup=guard.name,
+                                 error=marks.error, explanation="the threshold mark "
+                                 "is armed; page cache above it is polled")
+            for fd in marks.fds:
+                guard.fds[fd] = watch.EVENTFD
+                self.epoll.register(fd, watch.EPOLL_MASK[watch.EVENTFD])
+                self._fd_owner[fd] = (guard, watch.EVENTFD)
+            added += bool(marks.fds)
+        if added:
+            self.log.info("guard.marks_added", guards=added,
+                          explanation="the marks beyond the threshold, which wake the daemon "
+                          "as resident memory catches up with page cache")
 
     def _finish_arming(self, prepared: Prepared, recheck: bool = True) -> bool:
         """Register and report one armed guard. True (nothing registered: arm it again) when
@@ -137,10 +172,6 @@ class CgroupGuardsMixin:
                 self.log.warning("guard.events_unavailable", cgroup=guard.name,
                                  error=prepared.error)
                 self._disarm(guard)
-            elif prepared.later_error is not None:
-                self.log.warning("guard.marks_incomplete", cgroup=guard.name,
-                                 error=prepared.later_error, explanation="the threshold mark "
-                                 "is armed; page cache above it is polled")
             if not guard.fds:
                 guard.detection = ""
             # v2 reports no usage crossings by itself: without memory.high it is polled.
@@ -178,6 +209,8 @@ class CgroupGuardsMixin:
             self._fd_owner[fd] = (guard, kind)
 
     def _disarm(self, guard: Guard) -> None:
+        if isinstance(guard, CgroupGuard):
+            guard.generation += 1  # marks still coming in for it are stale
         for fd in guard.fds:
             with contextlib.suppress(OSError):
                 self.epoll.unregister(fd)
@@ -293,6 +326,7 @@ class CgroupGuardsMixin:
         return watch.put_back(guard)
 
     def _release_cgroup_guards(self) -> None:
+        self.later_marks.join()
         forgotten: list[str] = []
         for guard in self.guards:
             self._disarm(guard)
@@ -301,6 +335,7 @@ class CgroupGuardsMixin:
                 forgotten += self._put_back(guard)
         self.saved_high.forget_many(forgotten)
         self.files.watch_directories(set())
+        self._add_later_marks()  # every guard let go: what came in is closed
 
     def _put_back_leftovers(self) -> None:
         """What a dead run changed on cgroups that no rule now changes the same way."""

@@ -27,6 +27,7 @@ class CgroupGuard:
     spec: GuardConfig
     cgroup: MemoryCgroup
     fds: dict[int, str] = field(default_factory=dict)
+    generation: int = 0  # one more each time its fds are let go (marks made before are stale)
     armed_limit: int | None = None
     poll_only: bool = False
     watching: bool = False

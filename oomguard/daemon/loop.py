@@ -31,7 +31,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import consume
 from oomguard.config.loading import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
-from oomguard.daemon.arming import Armer
+from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin
 from oomguard.daemon.gpuwatch import GpuWatch
@@ -103,6 +103,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.psi_trigger = psi_trigger_for()
         self.armer = Armer(checkpointer.own_snapshot, self.saved_high, self.psi_trigger,
                            dry_run=config.dry_run)
+        self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   restorer=restorer, clock=clock, wall_clock=wall_clock)
@@ -149,19 +150,23 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
         self._examine_on_arm = False
+        self.later_marks.hold()  # registered once the rest of the start is done
         try:
             self._build_guards()
         finally:
             self._examine_on_arm = True
-        self._put_back_leftovers()
-        self.park_watch.start()
-        self.keeper.thaw_leftovers()
-        self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
-        for guard in self._cgroup_guards():
-            if guard.present and guard.armed_limit is not None:
-                self._examine_cgroup(guard, self.clock(), source="arm")
-        self._next_rescan = self.clock() + self.config.rescan_interval
-        self.after_arming()
+        try:
+            self._put_back_leftovers()
+            self.park_watch.start()
+            self.keeper.thaw_leftovers()
+            self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
+            for guard in self._cgroup_guards():
+                if guard.present and guard.armed_limit is not None:
+                    self._examine_cgroup(guard, self.clock(), source="arm")
+            self._next_rescan = self.clock() + self.config.rescan_interval
+            self.after_arming()
+        finally:
+            self.later_marks.release()
 
     def armed_count(self) -> int:
         """Guards armed now: the system rule's, and each present cgroup with a limit."""

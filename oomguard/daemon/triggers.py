@@ -2,10 +2,10 @@
 work when it is (fire); the loop sleeps until the soonest and fires those due, in order.
 
 Kernel notifications are the loop's first business (a crossing never waits behind these);
-the triggers are what notifications cannot tell: polled guards (v2 without memory.high, page
-cache over a threshold, the system rule's look at MemAvailable, sooner the nearer its floor),
-the GPU watch, settling what actions left (limits to put back, auto-restores, pruning) and
-the safety rescan.
+the triggers are the rest: marks registered beside the loop coming in, polled guards (v2
+without memory.high, page cache over a threshold, the system rule's look at MemAvailable,
+sooner the nearer its floor), the GPU watch, settling what actions left (limits to put back,
+auto-restores, pruning) and the safety rescan.
 """
 
 from __future__ import annotations
@@ -25,6 +25,20 @@ class Trigger(Protocol):
 
     def fire(self, now: float, fired: Collection[Guard]) -> None:
         """Do the work; `fired`: the guards examined on their own events this turn."""
+
+
+class MarksIn:
+    """The marks beyond the threshold, registered beside the loop once guards are armed:
+    added as soon as they are in (their thread wakes the loop)."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def due_in(self, now: float) -> float | None:
+        return 0.0 if self.daemon.later_marks.waiting() else None
+
+    def fire(self, now: float, fired: Collection[Guard]) -> None:
+        self.daemon._add_later_marks()
 
 
 class GuardPolls:
@@ -102,4 +116,5 @@ class SafetyRescan:
 
 def daemon_triggers(daemon: Daemon, clock: Callable[[], float]) -> list[Trigger]:
     """In the order they fire within a turn."""
-    return [GuardPolls(daemon), GpuPolls(daemon), Settling(daemon), SafetyRescan(daemon, clock)]
+    return [MarksIn(daemon), GuardPolls(daemon), GpuPolls(daemon), Settling(daemon),
+            SafetyRescan(daemon, clock)]

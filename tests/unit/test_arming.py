@@ -1,12 +1,14 @@
 """oomguard.daemon.arming: many guards armed from a pool of threads, every threshold mark
-before any later mark, the replaced settings saved in one durable write before any is changed,
-and a cgroup that is gone or refuses a registration told apart (v1 cgroups on a scratch tree;
-the registrations recorded instead of made)."""
+before any later mark (those come from beside the loop: LaterMarks), the replaced settings
+saved in one durable write before any is changed, and a cgroup that is gone or refuses a
+registration told apart (v1 cgroups on a scratch tree; the registrations recorded instead of
+made)."""
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.watch import OOM_KILL_KEY, threshold_marks
 from oomguard.config.loading import GuardConfig
-from oomguard.daemon.arming import Armer
+from oomguard.daemon.arming import Armer, LaterMarks, Marks, Prepared
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.store.ledger import SavedLimits
 from tests.unit._support import MiB
@@ -38,12 +40,16 @@ class RecordingV1(V1MemoryCgroup):
 
     journal: Journal
     refuse = False
+    refuse_after = -1  # refuse once this many marks are in (-1: never)
+    opened: list[int]
 
     def register_threshold(self, threshold_bytes: int) -> int:
-        if self.refuse:
+        if self.refuse or len(self.opened) == self.refuse_after:
             raise OSError(28, "No space left on device")
         self.journal.add("mark", self.path.name, str(threshold_bytes))
-        return os.eventfd(0, os.EFD_CLOEXEC)
+        fd = os.eventfd(0, os.EFD_CLOEXEC)
+        self.opened.append(fd)
+        return fd
 
     def register_oom(self) -> int:
         self.journal.add("oom", self.path.name)
@@ -63,6 +69,7 @@ def make_cgroup(root: Path, name: str, journal: Journal) -> RecordingV1:
         (path / file).write_text(text)
     cgroup = RecordingV1(path, root)
     cgroup.journal = journal
+    cgroup.opened = []
     return cgroup
 
 
@@ -91,24 +98,86 @@ def guards_for(tmp_path: Path, journal: Journal, count: int, **spec: object) -> 
             for i in range(count)]
 
 
+def later_batch(prepared: list[Prepared]) -> list[tuple[Prepared, int]]:
+    return [(p, p.guard.generation) for p in prepared if p.later]
+
+
+def close_all(guards: list[CgroupGuard], marks: Sequence[Marks] = ()) -> None:
+    for fd in [fd for g in guards for fd in g.fds] + [fd for m in marks for fd in m.fds]:
+        os.close(fd)
+
+
 def test_every_threshold_mark_comes_before_any_later_mark(tmp_path: Path, journal: Journal) -> None:
     guards = guards_for(tmp_path, journal, 12)
     saved = JournalledSaved(tmp_path / "saved.json", journal)
-    prepared = Armer(snapshot_of, saved, "some 1 2", workers=4).arm(guards)
+    armer = Armer(snapshot_of, saved, "some 1 2", workers=4)
+    prepared = armer.arm(guards)
     assert [p.guard for p in prepared] == guards and all(p.error is None for p in prepared)
     first = threshold_marks(LIMIT, 0.85)[0]
-    marks = [e for e in journal.entries if e[0] == "mark"]
-    assert len(marks) == 12 * 3
-    last_first = max(i for i, e in enumerate(marks) if e[2] == str(first))
-    first_later = min(i for i, e in enumerate(marks) if e[2] != str(first))
-    assert last_first < first_later, marks
-    for guard in guards:  # each guard: 3 marks + the OOM notification, all open
-        assert len(guard.fds) == 4
+    assert [e[2] for e in journal.entries if e[0] == "mark"] == [str(first)] * 12
+    for guard in guards:  # armed: the threshold mark + the OOM notification, open
+        assert sorted(guard.fds.values()) == ["eventfd", "eventfd"]
         for fd in guard.fds:
             os.fstat(fd)
-            os.close(fd)
         assert guard.oom_disable_changed and not guard.oom_disable_original
         assert guard.detection == "v1 memory threshold eventfd + OOM notification"
+    assert all(p.later for p in prepared)
+    marks = armer.register_later(later_batch(prepared))
+    assert sorted(m.guard.name for m in marks) == sorted(g.name for g in guards)
+    later = threshold_marks(LIMIT, 0.85)[1:]
+    made = [int(e[2]) for e in journal.entries if e[0] == "mark"][12:]
+    assert sorted(made) == sorted(later * 12)
+    for one in marks:  # handed back, not added: the loop adds them
+        assert one.error is None and len(one.fds) == 2 and not set(one.fds) & set(one.guard.fds)
+        assert one.generation == 0
+    close_all(guards, marks)
+
+
+def test_later_marks_come_from_a_thread_and_wake_the_loop(tmp_path: Path,
+                                                         journal: Journal) -> None:
+    guards = guards_for(tmp_path, journal, 5)
+    armer = Armer(snapshot_of, SavedLimits(tmp_path / "s.json"), "", workers=2)
+    prepared = armer.arm(guards)
+    woken = threading.Event()
+    later = LaterMarks(armer, on_done=woken.set)
+    assert not later.waiting() and later.take() == []
+    guards[0].generation = 7  # read when the batch starts, in the caller's thread
+    later.start(prepared)
+    assert woken.wait(10)
+    later.join()
+    assert later.waiting()
+    marks = later.take()
+    assert not later.waiting() and later.take() == []
+    assert sorted(m.guard.name for m in marks) == sorted(g.name for g in guards)
+    assert {m.guard.name: m.generation for m in marks}[guards[0].name] == 7
+    assert all(len(m.fds) == 2 and m.error is None for m in marks)
+    close_all(guards, marks)
+
+
+def test_a_refused_later_mark_leaves_none_open_and_says_why(tmp_path: Path,
+                                                            journal: Journal) -> None:
+    (guard,) = guards_for(tmp_path, journal, 1)
+    armer = Armer(snapshot_of, SavedLimits(tmp_path / "s.json"), "")
+    prepared = armer.arm([guard])
+    assert isinstance(guard.cgroup, RecordingV1)
+    guard.cgroup.refuse_after = 2  # the threshold mark and one later mark, then ENOSPC
+    (marks,) = armer.register_later(later_batch(prepared))
+    assert marks.fds == [] and marks.error is not None and "No space" in marks.error
+    later_fd = guard.cgroup.opened[1]
+    with pytest.raises(OSError):
+        os.fstat(later_fd)  # the one later mark made was closed
+    close_all([guard])
+
+
+def test_nothing_is_started_where_no_later_marks_follow(tmp_path: Path, journal: Journal) -> None:
+    guards = guards_for(tmp_path, journal, 2, events=False)
+    armer = Armer(snapshot_of, SavedLimits(tmp_path / "s.json"), "")
+    prepared = armer.arm(guards)
+    assert not any(p.later for p in prepared)
+    later = LaterMarks(armer, on_done=lambda: pytest.fail("no batch to wake for"))
+    later.start(prepared)
+    later.join()
+    assert later.take() == []
 
 
 def test_originals_are_saved_in_one_write_before_any_setting_changes(
@@ -121,20 +190,17 @@ def test_originals_are_saved_in_one_write_before_any_setting_changes(
     assert kinds.index("saved") < kinds.index("oom_kill_disable")
     assert kinds.count("oom_kill_disable") == 20
     assert saved.items() == {g.name + OOM_KILL_KEY: 0 for g in guards}
-    for guard in guards:
-        for fd in guard.fds:
-            os.close(fd)
+    close_all(guards)
 
 
 def test_a_dry_run_changes_no_setting_and_saves_nothing(tmp_path: Path, journal: Journal) -> None:
     guards = guards_for(tmp_path, journal, 3)
     saved = JournalledSaved(tmp_path / "saved.json", journal)
-    Armer(snapshot_of, saved, "some 1 2", dry_run=True).arm(guards)
+    prepared = Armer(snapshot_of, saved, "some 1 2", dry_run=True).arm(guards)
     assert not any(e[0] in ("saved", "oom_kill_disable") for e in journal.entries)
-    assert all(len(g.fds) == 4 for g in guards)  # still watched: a dry run decides and logs
-    for guard in guards:
-        for fd in guard.fds:
-            os.close(fd)
+    # still watched: a dry run decides and logs
+    assert all(len(g.fds) == 2 for g in guards) and all(p.later for p in prepared)
+    close_all(guards)
 
 
 def test_gone_refused_and_unlimited_cgroups_are_told_apart(tmp_path: Path, journal: Journal) -> None:
@@ -151,21 +217,21 @@ def test_gone_refused_and_unlimited_cgroups_are_told_apart(tmp_path: Path, journ
     assert by_guard[gone.name].snapshot is None
     assert by_guard[refused.name].error is not None and "No space" in by_guard[refused.name].error
     assert by_guard[unlimited.name].snapshot is not None and not unlimited.fds
-    assert by_guard[fine.name].error is None and len(fine.fds) == 4
-    for guard in (refused, fine):
-        for fd in guard.fds:
-            os.close(fd)
+    assert by_guard[fine.name].error is None and len(fine.fds) == 2
+    assert by_guard[fine.name].later and not by_guard[refused.name].later
+    assert not by_guard[gone.name].later and not by_guard[unlimited.name].later
+    close_all([refused, fine])
 
 
 def test_one_guard_is_armed_inline_without_a_pool(tmp_path: Path, journal: Journal) -> None:
     (guard,) = guards_for(tmp_path, journal, 1, time_to_limit=True)
+    before = threading.active_count()
     Armer(snapshot_of, SavedLimits(tmp_path / "s.json"), "").arm([guard])
     marks = [int(e[2]) for e in journal.entries if e[0] == "mark"]
-    # time_to_limit: where growth starts being watched comes first, with the threshold
-    assert marks[:2] == [int(LIMIT * 0.5), threshold_marks(LIMIT, 0.85)[0]]
-    assert threading.active_count() >= 1
-    for fd in guard.fds:
-        os.close(fd)
+    # time_to_limit: where growth starts being watched comes with the threshold, both first
+    assert marks == [int(LIMIT * 0.5), threshold_marks(LIMIT, 0.85)[0]]
+    assert threading.active_count() == before
+    close_all([guard])
 
 
 def test_v2_memory_high_set_at_the_threshold_and_the_original_saved(tmp_path: Path) -> None:
@@ -197,3 +263,23 @@ def test_v2_memory_high_set_at_the_threshold_and_the_original_saved(tmp_path: Pa
         assert list(guard.fds.values()) == ["kernfs"]  # memory.events
         for fd in guard.fds:
             os.close(fd)
+
+
+def test_held_batches_start_only_when_released(tmp_path: Path, journal: Journal) -> None:
+    """At start the daemon holds the later marks until its first look at every cgroup is done
+    (READY=1 waits for nothing else); batches armed meanwhile all start then."""
+    first, second = guards_for(tmp_path, journal, 2)
+    armer = Armer(snapshot_of, SavedLimits(tmp_path / "s.json"), "")
+    later = LaterMarks(armer, on_done=lambda: None)
+    later.hold()
+    later.start(armer.arm([first]))
+    later.start(armer.arm([second]))
+    later.join()
+    assert not later.waiting()
+    assert len([e for e in journal.entries if e[0] == "mark"]) == 2  # the thresholds only
+    later.release()
+    later.join()
+    marks = later.take()
+    assert sorted(m.guard.name for m in marks) == [first.name, second.name]
+    later.start(armer.arm([]))  # released: nothing held any more, nothing to start
+    close_all([first, second], marks)

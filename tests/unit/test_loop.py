@@ -231,14 +231,15 @@ def test_the_loop_sleeps_until_the_soonest_trigger_and_fires_only_those_due(
 
 
 def test_every_trigger_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: Any) -> None:
-    from oomguard.daemon.triggers import GpuPolls, GuardPolls, SafetyRescan, Settling
+    from oomguard.daemon.triggers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, Settling
 
     daemon, clock, _epoll, _log, _memory = make_daemon(tmp_path, rescan="30s")
     closing(daemon)
     daemon.arm()
     kinds = [type(t) for t in daemon.triggers]
-    assert kinds == [GuardPolls, GpuPolls, Settling, SafetyRescan]
-    polls, gpu, settling, rescan = daemon.triggers
+    assert kinds == [MarksIn, GuardPolls, GpuPolls, Settling, SafetyRescan]
+    marks, polls, gpu, settling, rescan = daemon.triggers
+    assert marks.due_in(clock.now) is None  # no marks waiting to be added
     assert polls.due_in(clock.now) is None  # no guard polled
     assert gpu.due_in(clock.now) is None  # no GPU here
     assert settling.due_in(clock.now) is None  # nothing waits to be settled
