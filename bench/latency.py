@@ -78,7 +78,7 @@ def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float]
     events = daemon.start()
     results: dict[str, Any] = {}
     try:
-        wait_for_ready(events, 1 + extra_cgroups)
+        wait_for_ready(events, 1 + extra_cgroups, marks=not poll)
         for rate in rates:
             samples = [measure(events, hot.path, work, f"{label}-{rate:g}-{i}", rate)
                        for i in range(runs)]
@@ -98,12 +98,17 @@ def run_guard(factory: CgroupFactory, work: Path, label: str, rates: list[float]
     return results
 
 
-def wait_for_ready(events: EventLog, count: int, timeout: float = 300) -> None:
+def wait_for_ready(events: EventLog, count: int, timeout: float = 300,
+                   marks: bool = False) -> None:
     """Until the daemon says guard.ready (READY=1: every guard armed, every cgroup looked at
-    once) with `count` guards armed; a crossing before that measures the start-up."""
+    once) with `count` guards armed; a crossing before that measures the start-up. `marks`:
+    and until the v1 marks beyond the threshold are in (guard.marks_added: the start is over,
+    and what follows measures the guard as it runs)."""
+    wanted = {"guard.ready", "guard.marks_added"} if marks else {"guard.ready"}
+
     def ready() -> bool:
         events.poll()
-        return any(e.get("event") == "guard.ready" for e in events.seen)
+        return wanted <= {e.get("event") for e in events.seen}
 
     if not wait_until(ready, timeout, interval=0.05):
         raise TimeoutError(f"the daemon was not ready within {timeout}s")
