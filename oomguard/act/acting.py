@@ -20,10 +20,11 @@ from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone
+from oomguard.model.patterns import compile_patterns
 from oomguard.model.units import format_size
 from oomguard.observe.dbus import restore_command
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.policy.preferences import Preferences, apply_preferences, compile_patterns
+from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.victims import ProcessTree
 
 MiB = 1 << 20

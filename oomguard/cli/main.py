@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from oomguard.cgroup.mounts import open_cgroup, read_layout
 from oomguard.cli.parser import build_parser
 from oomguard.cli.progress import dump_bytes, progress, resident_bytes
 from oomguard.cli.rendering import event_fields, restore_command, restored_line, show_text
@@ -48,7 +47,7 @@ OWN_CONFIG_COMMANDS = ("check-config", "install-units", "notify-agent")
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_format, args.log_level)
+    configure_logging(args.log_format, args.log_level, lazily=True)
     handler = COMMANDS[args.command]
     try:
         if args.command not in OWN_CONFIG_COMMANDS:  # a bad config stops them all, up front
@@ -111,7 +110,7 @@ def _flag_name(key: str) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from oomguard.cgroup.mounts import read_layout
-    from oomguard.config.loading import check_cgroup_paths
+    from oomguard.config.checks import check_cgroup_paths
     from oomguard.daemon.app import run_daemon
 
     config = _base_config(args)
@@ -200,7 +199,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    log = get_logger()
     if args.timeout is not None and not args.wait:
         print("oomguard: restore: --timeout goes with --wait", file=sys.stderr)
         return EXIT_USAGE
@@ -222,8 +220,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
                                       tell=lambda text: print(f"oomguard: {text}",
                                                               file=sys.stderr, flush=True))
     except (RestoreFailed, ControlError) as exc:
-        log.error("restore.failed", id=args.id, error=str(exc))
+        get_logger().error("restore.failed", id=args.id, error=str(exc))
         raise
+    log = get_logger()  # structlog loads now: the job runs already
     log.info("restore.done", id=result["id"], pid=result["pid"], seconds=result["seconds"],
              verify_s=result.get("verify_s"), total_s=result.get("total_s"),
              lazy=result.get("lazy"), cgroup=result.get("cgroup"),
@@ -311,7 +310,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
         print("oomguard: exec: no command given (oomguard exec -- CMD ...)", file=sys.stderr)
         return EXIT_USAGE
     procs = None
-    if args.cgroup:  # the job's init joins it; this process (not dumped) stays where it is
+    if args.cgroup:
+        from oomguard.cgroup.mounts import open_cgroup, read_layout
+  # the job's init joins it; this process (not dumped) stays where it is
         procs = open_cgroup(args.cgroup, read_layout()).path / "cgroup.procs"
     return run_exec(command, procs, lambda method, **p: _call(args, method, **p))
 
@@ -354,7 +355,8 @@ def cmd_install_units(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from oomguard.config.loading import check_config
+    from oomguard.cgroup.mounts import read_layout
+    from oomguard.config.checks import check_config
 
     if args.file is None:  # the config every other subcommand reads
         args.file = choose_config(args.global_config, os.environ).path

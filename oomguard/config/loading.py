@@ -2,8 +2,10 @@
 
 Every problem is collected (file, key, reason) and raised at once as ConfigError; what parses
 but looks like a mistake is kept in DaemonConfig.warnings. The dataclasses live in
-oomguard.config.schema, the value kinds in oomguard.config.values, the checks against the machine
-(cgroups that exist) in oomguard.config.checks; their public names are importable from here too.
+oomguard.config.schema (their public names are importable from here too), the value kinds in
+oomguard.config.values. The checks against the machine (cgroups that exist) are
+oomguard.config.checks, which alone of these reads the cgroup tree: loading a config touches
+nothing but the model (the CLI finds the daemon's socket in it before anything else loads).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from oomguard.config.checks import check_cgroup_paths, check_config, config_warnings
 from oomguard.config.schema import (
     CHECKSUMS,
     COMPRESSIONS,
@@ -53,7 +54,7 @@ from oomguard.model.units import HOUR
 __all__ = [
     "DEFAULT_CONFIG_PATH", "EMBEDDED_CONFIG", "GPU_ENGINES", "GPU_PREFERENCES", "GUARD_KEYS",
     "CriuConfig", "DaemonConfig", "GpuConfig", "GuardConfig", "KubernetesConfig", "SlurmConfig",
-    "check_cgroup_paths", "check_config", "config_warnings", "embedded_config_text",
+    "embedded_config_text",
     "load_config", "load_config_text", "load_embedded_config", "parse_config",
 ]
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from oomguard.act.steps import parse_chain
 from oomguard.config.schema import GPU_PREFERENCES, ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.model.errors import ConfigIssue
+from oomguard.model.patterns import compile_patterns
 from oomguard.model.units import (
     HOUR,
     MAX_AGE,
@@ -24,7 +25,6 @@ from oomguard.model.units import (
     bounded_size,
     parse_fraction,
 )
-from oomguard.policy.preferences import compile_patterns
 
 T = TypeVar("T")
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")

@@ -7,11 +7,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import DaemonConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.model.errors import OomguardError
-from oomguard.sense.procfs import ProcReader
 
 if TYPE_CHECKING:  # loaded only where the store is acted on directly: the CLI talking to the
     # daemon starts in half the time without it (the checkpointer, CRIU, the store...)
@@ -40,6 +38,9 @@ class LocalBackend:
     needs it."""
 
     def __init__(self, config: DaemonConfig) -> None:
+        from oomguard.cgroup.mounts import read_layout
+        from oomguard.sense.procfs import ProcReader
+
         self.config = config
         self.layout = read_layout()
         self.proc = ProcReader()

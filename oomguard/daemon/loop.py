@@ -30,7 +30,8 @@ from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import consume
-from oomguard.config.loading import DaemonConfig, GuardConfig, check_config, config_warnings, load_config
+from oomguard.config.checks import check_config, config_warnings
+from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin

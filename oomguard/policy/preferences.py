@@ -21,18 +21,6 @@ class Preferences:
     gpu: str = "neutral"  # trees holding GPU memory: "prefer" first, "avoid" last in their band
 
 
-def compile_patterns(values: Iterable[str]) -> tuple[re.Pattern[str], ...]:
-    patterns = []
-    for value in values:
-        if not isinstance(value, str):
-            raise ValueError(f"expected a regular expression string, got {value!r}")
-        try:
-            patterns.append(re.compile(value))
-        except re.error as exc:
-            raise ValueError(f"bad regular expression {value!r}: {exc}") from None
-    return tuple(patterns)
-
-
 def _matches(patterns: tuple[re.Pattern[str], ...], proc: ProcessInfo) -> bool:
     text = proc.command
     return any(p.search(proc.comm) or p.search(text) for p in patterns)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.config.loading import check_config, config_warnings, load_config_text
+from oomguard.config.checks import check_config, config_warnings
+from oomguard.config.loading import load_config_text
 from oomguard.model.errors import ConfigError, ConfigIssue
 
 GUARD = '[[guard]]\ncgroup = "/a"\n'

@@ -45,3 +45,29 @@ def test_the_policy_loads_only_the_model_and_the_types_it_decides_on(name: str) 
     assert f"oomguard.policy.{name}" in loaded
     assert not {n for n in loaded if not any(n == ok or n.startswith(ok + ".")
                                               for ok in POLICY_MAY_LOAD)}, loaded
+
+
+# What loading a config may load: the model and the config itself (the chain's grammar is
+# oomguard.act.steps, which loads only the model). Not its checks against the machine, which
+# read the cgroup tree. The CLI finds the daemon's socket in the config before anything else.
+CONFIG_MAY_LOAD = ("oomguard.model", "oomguard.config", "oomguard.act.steps")
+
+
+def test_the_config_is_at_the_bottom_of_the_import_graph() -> None:
+    loaded = loaded_by("oomguard.config.discovery") - {"oomguard", "oomguard.act"}
+    assert "oomguard.config.loading" in loaded and "oomguard.config.checks" not in loaded
+    assert not {n for n in loaded if not any(n == ok or n.startswith(ok + ".")
+                                              for ok in CONFIG_MAY_LOAD)}, loaded
+
+
+def test_the_cli_asks_the_daemon_before_loading_structlog_or_the_machine() -> None:
+    """What `oomguard restore` loads before its request goes out: a lazily restored job runs
+    that much sooner (structlog loads after the answer; the cgroup tree, psutil and CRIU's
+    wiring only where the CLI acts on the store itself)."""
+    code = ("import sys, oomguard.cli.main; "
+            "print('\\n'.join(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    assert not {"structlog", "psutil", "cgroupspy", "asyncio"} & set(out)
+    assert not [n for n in out if n.startswith(("oomguard.cgroup", "oomguard.sense",
+                                                "oomguard.daemon", "oomguard.store"))], out

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from oomguard.policy.preferences import Preferences, apply_preferences, compile_patterns, is_excluded
+from oomguard.model.patterns import compile_patterns
+from oomguard.policy.preferences import Preferences, apply_preferences, is_excluded
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcessInfo
 from tests.unit._support import proc_info
