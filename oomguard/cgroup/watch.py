@@ -31,6 +31,19 @@ OOM_KILL_KEY = "#oom_kill_disable"  # SavedLimits key suffix: the cgroup's path 
 MARK_STEPS = (0, 1, 8)
 
 
+@dataclass(slots=True)
+class Replaced:
+    """What oomguard changed on a cgroup to watch it, whatever its version, to be put back
+    when the guard lets go: v1 oom_kill_disable, v2 memory.high. Only this module reads or
+    writes it; the guard holds it (guards.CgroupGuard.replaced)."""
+
+    high_set: bool = False  # v2: `high` events come at (or before) the threshold
+    high_changed: bool = False  # ...because oomguard lowered memory.high
+    high_original: int | None = None
+    oom_disable_changed: bool = False  # v1: oomguard set oom_kill_disable
+    oom_disable_original: bool = False
+
+
 class Watched(Protocol):
     """What of a guard the watch reads and writes (guards.CgroupGuard)."""
 
@@ -38,11 +51,7 @@ class Watched(Protocol):
     cgroup: MemoryCgroup
     fds: dict[int, str]
     detection: str
-    high_original: int | None
-    high_set: bool
-    high_changed: bool
-    oom_disable_changed: bool
-    oom_disable_original: bool
+    replaced: Replaced
 
     @property
     def name(self) -> str: ...
@@ -83,15 +92,15 @@ def v1_marks(guard: Watched, limit: int) -> tuple[list[int], list[int]]:
 def reports_crossings(guard: Watched) -> bool:
     """The kernel says when usage crosses the threshold: v1 marks always; v2 only through
     memory.high at the threshold (else the guard is polled)."""
-    return not isinstance(guard.cgroup, V2MemoryCgroup) or guard.high_set
+    return not isinstance(guard.cgroup, V2MemoryCgroup) or guard.replaced.high_set
 
 
 def parks_at_limit(guard: Watched) -> V1MemoryCgroup | None:
     """The cgroup, where its tasks at the limit wait instead of being killed because oomguard
     set it so (v1 oom_kill_disable, which the park watchdog then looks after)."""
     cgroup = guard.cgroup
-    if isinstance(cgroup, V1MemoryCgroup) and guard.oom_disable_changed \
-            and not guard.oom_disable_original:
+    if isinstance(cgroup, V1MemoryCgroup) and guard.replaced.oom_disable_changed \
+            and not guard.replaced.oom_disable_original:
         return cgroup
     return None
 
@@ -180,7 +189,7 @@ def arm_v2(guard: Watched, psi_trigger: str) -> None:
     paths = []
     guard.fds[guard.cgroup.open_events_watch()] = KERNFS
     paths.append("memory.events")
-    if guard.high_set:
+    if guard.replaced.high_set:
         paths.insert(0, f"memory.high at {guard.spec.threshold:.0%}")
     if guard.spec.psi:
         try:
@@ -214,12 +223,12 @@ def set_high_at_threshold(guard: Watched, cgroup: V2MemoryCgroup, limit: int,
     saved (SavedLimits) before this is called."""
     if not guard.spec.memory_high:
         return
-    guard.high_set = True
+    guard.replaced.high_set = True
     if not change:
         return
     cgroup.set_high(int(limit * guard.spec.threshold))
-    guard.high_original = original
-    guard.high_changed = True
+    guard.replaced.high_original = original
+    guard.replaced.high_changed = True
 
 
 def disable_oom_kill(guard: Watched, cgroup: V1MemoryCgroup, original: int | None) -> None:
@@ -231,8 +240,8 @@ def disable_oom_kill(guard: Watched, cgroup: V1MemoryCgroup, original: int | Non
     if not guard.spec.oom_kill_disable:
         return
     cgroup.set_oom_kill_disable(True)
-    guard.oom_disable_original = bool(original)
-    guard.oom_disable_changed = True
+    guard.replaced.oom_disable_original = bool(original)
+    guard.replaced.oom_disable_changed = True
 
 
 # -- putting back ------------------------------------------------------------------------------
@@ -241,19 +250,19 @@ def put_back(guard: Watched) -> list[str]:
     """The replaced settings as they were; returns the SavedLimits keys to forget (the caller
     forgets many in one write)."""
     key = claimed_key(guard)
-    if guard.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
+    if guard.replaced.high_changed and isinstance(guard.cgroup, V2MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
-            guard.cgroup.set_high(guard.high_original)
-    if guard.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
+            guard.cgroup.set_high(guard.replaced.high_original)
+    if guard.replaced.oom_disable_changed and isinstance(guard.cgroup, V1MemoryCgroup):
         with contextlib.suppress(OSError, CgroupGone):
-            guard.cgroup.set_oom_kill_disable(guard.oom_disable_original)
-    guard.high_set = guard.high_changed = guard.oom_disable_changed = False
+            guard.cgroup.set_oom_kill_disable(guard.replaced.oom_disable_original)
+    guard.replaced = Replaced()
     return [key] if key is not None else []
 
 
 def claimed_key(guard: Watched) -> str | None:
     """The SavedLimits key an armed guard holds (its original stays saved), if any."""
-    return saved_key(guard) if guard.high_changed or guard.oom_disable_changed else None
+    return saved_key(guard) if guard.replaced.high_changed or guard.replaced.oom_disable_changed else None
 
 
 def put_back_saved(cgroup: MemoryCgroup, key: str, original: int | None) -> str | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, claimed_key, put_back_saved
+from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, Replaced, claimed_key, put_back_saved
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CgroupGone
 from oomguard.sense.cgroupfiles import Stamp
@@ -34,11 +34,7 @@ class CgroupGuard:
     oom_kills: int = 0
     present: bool = True
     detection: str = ""
-    high_original: int | None = None
-    high_set: bool = False  # `high` events come at (or before) the threshold
-    high_changed: bool = False  # ...because oomguard lowered memory.high (to be put back)
-    oom_disable_changed: bool = False  # v1: oomguard set oom_kill_disable (to be put back)
-    oom_disable_original: bool = False
+    replaced: Replaced = field(default_factory=Replaced)  # to watch it (cgroup.watch's own)
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)

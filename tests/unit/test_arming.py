@@ -15,7 +15,7 @@ import pytest
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.v1 import V1MemoryCgroup
-from oomguard.cgroup.watch import OOM_KILL_KEY, threshold_marks
+from oomguard.cgroup.watch import OOM_KILL_KEY, Replaced, threshold_marks
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.arming import Armer, LaterMarks, Marks, Prepared
 from oomguard.daemon.guards import CgroupGuard
@@ -119,7 +119,7 @@ def test_every_threshold_mark_comes_before_any_later_mark(tmp_path: Path, journa
         assert sorted(guard.fds.values()) == ["eventfd", "eventfd"]
         for fd in guard.fds:
             os.fstat(fd)
-        assert guard.oom_disable_changed and not guard.oom_disable_original
+        assert guard.replaced.oom_disable_changed and not guard.replaced.oom_disable_original
         assert guard.detection == "v1 memory threshold eventfd + OOM notification"
     assert all(p.later for p in prepared)
     marks = armer.register_later(later_batch(prepared))
@@ -254,10 +254,10 @@ def test_v2_memory_high_set_at_the_threshold_and_the_original_saved(tmp_path: Pa
     assert all(p.error is None for p in prepared)
     mark = int(LIMIT * 0.85)
     assert (paths[0] / "memory.high").read_text() == str(mark)
-    assert changed.high_set and changed.high_changed and changed.high_original is None
+    assert changed.replaced == Replaced(high_set=True, high_changed=True, high_original=None)
     # The user's memory.high at 100 MiB already throttles below the threshold: left alone.
     assert (paths[1] / "memory.high").read_text() == f"{100 * MiB}\n"
-    assert users.high_set and not users.high_changed
+    assert users.replaced == Replaced(high_set=True)
     assert saved.items() == {changed.name: None}
     for guard in (changed, users):
         assert list(guard.fds.values()) == ["kernfs"]  # memory.events

@@ -58,7 +58,7 @@ def test_what_v1_offers(tmp_path: Path) -> None:
 def test_what_v2_offers(tmp_path: Path) -> None:
     guard = v2_guard(tmp_path)
     assert not watch.reports_crossings(guard)  # no usage thresholds: polled...
-    guard.high_set = True
+    guard.replaced.high_set = True
     assert watch.reports_crossings(guard)  # ...unless memory.high is at the threshold
     assert watch.freezable(guard.cgroup) is guard.cgroup and watch.shields_needed(guard.cgroup)
     assert watch.pressure_avg10(guard.cgroup) == 1.5
@@ -97,7 +97,7 @@ def test_v2_put_back(tmp_path: Path) -> None:
     assert high.read_text() == str(int(LIMIT * RULE.threshold))
     assert watch.claimed_key(guard) == guard.name
     assert watch.put_back(guard) == [guard.name]
-    assert high.read_text() == "max" and not guard.high_set and not guard.high_changed
+    assert high.read_text() == "max" and guard.replaced == watch.Replaced()
     assert list(guard.fds.values()) == [watch.KERNFS]  # memory.events
     for fd in guard.fds:
         os.close(fd)

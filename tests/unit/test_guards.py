@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.cgroup.watch import PSI, threshold_marks
+from oomguard.cgroup.watch import PSI, Replaced, threshold_marks
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.guards import CgroupGuard, SystemGuard, arm_system, psi_trigger_for
 from tests.unit._support import MiB
@@ -132,9 +132,9 @@ def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Pa
         return V1MemoryCgroup(path, v1) if path.startswith(str(v1)) else V2MemoryCgroup(path, v2)
 
     kept_v1 = CgroupGuard(spec=GuardConfig(cgroups=()), cgroup=open_path(str(v1 / "kept")),
-                          oom_disable_changed=True)
+                          replaced=Replaced(oom_disable_changed=True))
     kept_v2 = CgroupGuard(spec=GuardConfig(cgroups=()), cgroup=open_path(str(v2 / "kept")),
-                          high_changed=True)
+                          replaced=Replaced(high_changed=True))
     unchanged = CgroupGuard(spec=GuardConfig(cgroups=()), cgroup=open_path(str(v1 / "dropped")))
     claimed = claimed_keys([kept_v1, kept_v2, unchanged])
     assert claimed == {str(v1 / "kept") + OOM_KILL_KEY, str(v2 / "kept")}
