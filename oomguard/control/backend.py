@@ -57,24 +57,17 @@ class LocalBackend:
         return self._service
 
     def call(self, method: str, **p: Any) -> dict[str, Any]:
-        uid = os.geteuid()
-        service = self._get_service(needs_criu=method in ("Restore", "Checkpoint"))
-        if method == "List":
-            return {"checkpoints": service.list(uid), "skipped": service.skipped(uid)}
-        if method == "Show":
-            return {"checkpoint": service.show(uid, p["id"])}
-        if method == "Forget":
-            return service.forget(uid, p["id"])
-        if method == "Restore":
-            return service.restore(uid, p["id"], p.get("cgroup"), bool(p.get("force")),
-                                   lazy=bool(p.get("lazy")))
-        if method == "Checkpoint":
-            return {"checkpoint": service.checkpoint(uid, p["pid"], p.get("reason") or "on demand")}
-        if method == "Status":
-            return {"status": service.status(uid)}
-        if method == "GpuResume":
-            return service.gpu_resume(uid, p["pid"])
-        raise OomguardError(f"unknown verb {method}")
+        from oomguard.control.protocol import ProtocolError
+        from oomguard.control.verbs import NEEDS_CRIU, VERBS, Caller
+
+        verb = VERBS.get(method)
+        if verb is None:
+            raise OomguardError(f"unknown verb {method}")
+        service = self._get_service(needs_criu=method in NEEDS_CRIU)
+        try:
+            return verb(service, Caller(os.geteuid()), p)
+        except ProtocolError as exc:  # a parameter of the wrong kind: a bug of the caller's
+            raise OomguardError(f"{method}: {exc}") from exc
 
     def close(self) -> None:
         if self._criu_used:

@@ -38,11 +38,11 @@ from oomguard.control.protocol import (
     decode_call,
     encode,
     error,
-    param,
     reply,
 )
 from oomguard.control.quietserve import QuietServing
 from oomguard.control.service import PermissionDenied, Service
+from oomguard.control.verbs import VERBS, Caller
 from oomguard.model.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
 
 
@@ -67,27 +67,10 @@ def dispatch(service: Service, raw: bytes, uid: int, pid: int | None = None,
                                   "version": __version__, "url": "", "interfaces": [INTERFACE]})
         if method == "org.varlink.service.GetInterfaceDescription":
             return method, reply({"description": INTERFACE_DESCRIPTION})
-        if method == "Status":
-            return method, reply({"status": service.status(uid)})
-        if method == "List":
-            return method, reply({"checkpoints": service.list(uid),
-                                  "skipped": service.skipped(uid)})
-        if method == "Show":
-            return method, reply({"checkpoint": service.show(uid, param(p, "id", str))})
-        if method == "Restore":
-            return method, reply(service.restore(
-                uid, param(p, "id", str), param(p, "cgroup", str, required=False),
-                bool(param(p, "force", bool, required=False)),
-                lazy=bool(param(p, "lazy", bool, required=False))))
-        if method == "Forget":
-            return method, reply(service.forget(uid, param(p, "id", str)))
-        if method == "Checkpoint":
-            reason = param(p, "reason", str, required=False) or "on demand (control socket)"
-            return method, reply({"checkpoint": service.checkpoint(
-                uid, param(p, "pid", int), reason, requester=pid)})
-        if method == "GpuResume":
-            return method, reply(service.gpu_resume(uid, param(p, "pid", int)))
-        return method, error(ERROR_METHOD, f"no method {method!r}")
+        verb = VERBS.get(method)
+        if verb is None:
+            return method, error(ERROR_METHOD, f"no method {method!r}")
+        return method, reply(verb(service, Caller(uid, pid, socket=True), p))
     except ProtocolError as exc:
         return method, error(ERROR_INVALID, str(exc))
     except PermissionDenied as exc:

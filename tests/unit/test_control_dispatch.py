@@ -327,6 +327,40 @@ def test_checkpoint_allowed_reaches_checkpointer(service: Service, uid: int, pid
     assert seen == [(want_pids, None, want_reason, 31337, None)]
 
 
+
+def test_root_without_a_daemon_calls_the_same_verbs(service: Service,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI on the store itself (LocalBackend) goes through the socket's table of verbs:
+    the same parameter checks, the same checkpoint, its own default reason and no requester."""
+    from oomguard.control.backend import LocalBackend
+    from oomguard.model.errors import OomguardError
+
+    seen: list[tuple[Any, ...]] = []
+    meta = make_meta("direct-one", 0, 1_700_000_400.0)
+
+    def checkpoint(tree: Any, cgroup: Any, why: str, requester: int | None = None,
+                   headroom: int | None = None) -> Any:
+        seen.append((tree.pids, why, requester))
+        return SimpleNamespace(meta=meta, timings=SimpleNamespace(
+            total_s=1.0, freeze_s=0.001, dump_s=0.9, commit_s=0.099))
+
+    service.checkpointer = SimpleNamespace(checkpoint=checkpoint)  # type: ignore[assignment]
+    backend = LocalBackend.__new__(LocalBackend)
+    needs: list[bool] = []
+    monkeypatch.setattr(backend, "_get_service",
+                        lambda needs_criu: needs.append(needs_criu) or service, raising=False)
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    done = backend.call("Checkpoint", pid=BOB_PID, reason=None)
+    assert done["checkpoint"]["id"] == "direct-one"
+    assert seen == [((BOB_PID, BOB_CHILD), "on demand", None)] and needs == [True]
+    assert [m["id"] for m in backend.call("List")["checkpoints"]] == \
+        [m["id"] for m in call(service, 0, "io.oomguard.List")["parameters"]["checkpoints"]]
+    assert needs == [True, False]  # CRIU is located only for the verbs that run it
+    with pytest.raises(OomguardError, match="parameter 'pid' must be int"):
+        backend.call("Checkpoint", pid="600")
+    with pytest.raises(OomguardError, match="unknown verb Nope"):
+        backend.call("Nope")
+
 # -- Status ------------------------------------------------------------------------------------------
 
 def test_status_hides_recent_events_from_users(service: Service) -> None:
