@@ -103,3 +103,13 @@ def test_doctor_says_whether_process_events_reach_it(tmp_path: Path) -> None:
     assert _lines(contained.stdout, "process events") == [
         "WARN  process events: unavailable (ECONNREFUSED: not in the initial network "
         "namespace (a container?)): freeze re-lists /proc"], contained.stdout
+
+
+def test_doctor_finds_the_criu_setup_built_keeping_its_kernel_probe(tmp_path: Path) -> None:
+    """scripts/setup's CRIU caches its kernel probe on a tmpfs: /run where that is one, else
+    /dev/shm (this VM's /run is not), and doctor says where."""
+    config = tmp_path / "oomguard.toml"
+    config.write_text(f'[daemon]\nsocket = "{tmp_path / "none.sock"}"\n')
+    result = run_cli("--config", str(config), "doctor", env=_environ())
+    (line,) = _lines(result.stdout, "criu probe cache")
+    assert line.startswith("PASS  criu probe cache: ") and "criu.kdat on tmpfs" in line, line

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.cli.doctor import gpu_checks, nvidia_driver_loaded, process_events_check
+from oomguard.cli.doctor import (
+    gpu_checks,
+    kdat_check,
+    kdat_dir,
+    nvidia_driver_loaded,
+    process_events_check,
+)
 from oomguard.gpu.nvml import NvmlSensor
 from oomguard.gpu.runtime import detect_gpu
 from oomguard.sense.procevents import EventBatch, EventSource
@@ -106,3 +112,19 @@ def test_process_events_unavailable_say_why_and_what_instead(code: int, why: str
     first, hint = check.line().splitlines()
     assert first == f"WARN  process events: unavailable ({why}): freeze re-lists /proc"
     assert "escape the freeze" in hint and "exit status is unknown" in hint
+
+
+def test_where_criu_keeps_its_kernel_probe(tmp_path: Path) -> None:
+    binary = tmp_path / "criu"
+    binary.write_bytes(b"\x7fELF\0junk\0/dev/shm/criu.kdat\0/dev/shm/.criu.kdat\0more")
+    assert kdat_dir(binary) == "/dev/shm"
+    binary.write_bytes(b"\x7fELF\0nothing here\0")
+    assert kdat_dir(binary) is None
+    assert kdat_dir(tmp_path / "absent") is None
+    kept = kdat_check("/run", "tmpfs")
+    assert kept.ok and "/run/criu.kdat on tmpfs" in kept.line()
+    lost = kdat_check("/run", "ext4")
+    assert not lost.ok and lost.warn_only and "probes the kernel at every start" in lost.line()
+    assert "/dev/shm" in lost.line()  # the hint
+    assert not kdat_check(None, None).ok
+
