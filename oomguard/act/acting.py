@@ -21,9 +21,8 @@ from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone
 from oomguard.model.patterns import compile_patterns
-from oomguard.model.units import format_size
-from oomguard.observe.dbus import restore_command
 from oomguard.observe.decisionlog import DecisionLog
+from oomguard.observe.events import CheckpointDone, EventSink, LogSink, VictimFrozen
 from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.victims import ProcessTree
 
@@ -122,11 +121,13 @@ class Actor:
                  clock: Callable[[], float] = time.monotonic,
                  decisions: DecisionLog | None = None,
                  on_done: Callable[[str], None] | None = None,
-                 priority: ThreadPriority | None = None) -> None:
+                 priority: ThreadPriority | None = None,
+                 events: EventSink | None = None) -> None:
         self.runner = runner
         self.priority = priority
         self.on_done = on_done  # called (from the action's thread) when an action has ended
         self.log = log
+        self.events = events if events is not None else LogSink(log)  # frozen, checkpointed
         self.dry_run = dry_run
         self.decisions = decisions or DecisionLog(clock)  # a dry run's repeated decisions
         self.on_checkpoint = on_checkpoint
@@ -214,9 +215,8 @@ class Actor:
             def frozen(stopped: Frozen, at: float, fields: dict[str, Any] = fields) -> None:
                 if self.priority is not None:
                     self.priority.lower()  # the dump competes with the user's work as an equal
-                self.log.info("victim.frozen",
-                              detect_to_frozen_ms=round((at - request.woke) * 1000, 2),
-                              choose_ms=choose_ms, **stopped.fields(), **fields)
+                self.events.publish(VictimFrozen(round((at - request.woke) * 1000, 2),
+                                                 choose_ms, stopped.fields(), fields))
 
             cgroup = request.cgroup_for(tree)
             outcome = self.runner.run(request.parts.chain, tree, cgroup, request.reason,
@@ -226,18 +226,10 @@ class Actor:
             thaw()
             if outcome.checkpoint is not None:
                 result = outcome.checkpoint
-                meta, t = result.meta, result.timings
-                self.log.warning(
-                    "checkpoint.done", id=meta.id, image_bytes=meta.image_bytes,
-                    image=format_size(meta.image_bytes), seconds=round(t.total_s, 3),
-                    freeze_s=round(t.freeze_s, 3), dump_s=round(t.dump_s, 3),
-                    commit_s=round(t.commit_s, 3),
-                    mb_per_s=round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
-                    usage_after=_usage(cgroup), path=str(result.path), uid=meta.uid,
-                    command=meta.command, restore=restore_command(meta.id),
-                    **owner_of_meta(meta.extra), **fields)
+                self.events.publish(CheckpointDone(result.meta, result.timings, fields,
+                                                   str(result.path), _usage(cgroup)))
                 if self.on_checkpoint is not None:
-                    self.on_checkpoint(meta.image_bytes, t.dump_s)
+                    self.on_checkpoint(result.meta.image_bytes, result.timings.dump_s)
             elif outcome.result is ChainResult.GONE:
                 self.log.info("victim.gone", **fields)
                 continue
@@ -263,16 +255,6 @@ class Actor:
             self.log.warning("victim.chosen", dry_run=True, actions=actions,
                              command=tree.root.command, rss_mib=round(tree.rss_bytes / MiB),
                              reason=request.reason, unchanged_since=unsaid or None, **fields)
-
-
-OWNER_KEYS = ("scheduler", "slurm_job_id", "slurm_step", "slurm_uid", "pod_uid", "qos",
-              "container_id", "container_runtime")
-
-
-def owner_of_meta(extra: dict[str, Any]) -> dict[str, Any]:
-    """meta.json's scheduler fields (scheduler.owner_fields), for the event that tells whose
-    job was checkpointed (the Slurm notifier reads them)."""
-    return {key: extra[key] for key in OWNER_KEYS if key in extra}
 
 
 def _usage(cgroup: MemoryCgroup | None) -> int | None:

@@ -31,6 +31,7 @@ from oomguard.act.steps import Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import ProcessGone
+from oomguard.observe.events import EventSink, LogSink, VictimKilled
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
 
@@ -52,12 +53,14 @@ class ChainRunner:
                  log: Any, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
                  free: Callable[[Path], int] = free_space,
-                 containers: ContainerCheckpointer | None = None) -> None:
+                 containers: ContainerCheckpointer | None = None,
+                 events: EventSink | None = None) -> None:
         self.checkpointer = checkpointer
         self.containers = containers
         self.freezer = freezer
         self.proc = proc
         self.log = log
+        self.events = events if events is not None else LogSink(log)  # refused, failed, killed
         self.clock = clock
         self.sleep = sleep
         self.free = free
@@ -103,8 +106,7 @@ class ChainRunner:
         for pid in survivors:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        self.log.error("victim.killed", reason=reason, sigkill=len(survivors),
-                       explanation="the rule's last action: no checkpoint was possible", **fields)
+        self.events.publish(VictimKilled(reason, len(survivors), fields))
 
     def alive(self, pid: int) -> bool:
         try:

@@ -28,6 +28,7 @@ from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE
 from oomguard.model.errors import CheckpointFailed, FailedCheckpoint, ProcessGone
+from oomguard.observe import events
 from oomguard.sense.owners import KubeContainer, kube_container
 
 if TYPE_CHECKING:
@@ -170,14 +171,14 @@ class CheckpointAction:
         if free < need:
             detail = (f"store {store} has {free >> 20} MiB free, a checkpoint needs "
                       f"~{need >> 20} MiB")
-            tools.log.error("checkpoint.refused", reason=detail, **fields)
+            tools.events.publish(events.CheckpointRefused(detail, fields))
             return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             result = tools.checkpointer.checkpoint(
                 tree, run.cgroup, run.reason, on_frozen=run.on_frozen,
                 headroom=run.settings.headroom, after_signal=run.after_signal, held=run.frozen)
         except CheckpointFailed as exc:
-            tools.log.error("checkpoint.failed", outcome=exc.outcome, error=str(exc), **fields)
+            tools.events.publish(events.CheckpointFailed(exc.outcome, str(exc), fields))
             if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
                 return ChainOutcome(ChainResult.INCOMPLETE, str(step), str(exc))
             ended = ChainResult.REFUSED if exc.outcome == FailedCheckpoint.UNTOUCHED \
@@ -204,14 +205,14 @@ class CheckpointAction:
             detail = (f"{container.label}: a container's processes are not dumped behind its "
                       "runtime's back, and the kubelet checkpoint API is not set up "
                       "([kubernetes] in the config)")
-            tools.log.error("checkpoint.refused", reason=detail, **fields)
+            tools.events.publish(events.CheckpointRefused(detail, fields))
             return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             ref, archives = tools.containers.checkpoint(container.pod_uid,
                                                         container.container_id)
         except KubeletError as exc:
-            tools.log.error("checkpoint.failed", outcome=FailedCheckpoint.UNTOUCHED,
-                            error=str(exc), **fields)
+            tools.events.publish(events.CheckpointFailed(FailedCheckpoint.UNTOUCHED, str(exc),
+                                                         fields))
             return ChainOutcome(ChainResult.REFUSED, str(step), str(exc))
         tools.log.warning("kubelet.checkpointed", namespace=ref.namespace, pod=ref.pod,
                           container=ref.container, archives=archives, **fields)

@@ -31,7 +31,8 @@ from oomguard.model.errors import (
     StoreError,
     UnknownCheckpoint,
 )
-from oomguard.observe.dbus import restore_command
+from oomguard.observe.events import CheckpointDone, EventSink, RestoreDone
+from oomguard.observe.events import RestoreFailed as RestoreFailedEvent
 from oomguard.policy.preferences import Preferences, select_victims
 from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
@@ -61,10 +62,11 @@ class Service:
         self.proc = proc or ProcReader()
         self._status = status
         self.restore_lock = threading.Lock()
-        # Told of what was done on request (the daemon logs it: metrics, hooks, D-Bus), and
-        # of what failed (restore.failed).
+        # Told of what was done on request: the checkpoints and restores (and the restores
+        # that failed) as typed events (the daemon publishes them: the log, metrics, hooks,
+        # D-Bus), what else was done as a log event (on_event).
+        self.events: EventSink | None = None
         self.on_event: Callable[..., None] | None = None
-        self.on_failure: Callable[..., None] | None = None
         # The daemon's rules: a restore into a guarded cgroup must fit under its threshold.
         self.guard_of: GuardLookup | None = None
         # The preferences of the rule guarding a cgroup (the daemon's; None: no rule's)
@@ -143,8 +145,8 @@ class Service:
 
     def restore(self, uid: int, checkpoint_id: str, cgroup: str | None = None,
                 force: bool = False, lazy: bool = False) -> dict[str, Any]:
-        """Every way a restore of an existing checkpoint fails is told (on_failure:
-        restore.failed) before it is raised; an unknown id, or one the caller may not see or
+        """Every way a restore of an existing checkpoint fails is told (events:
+        RestoreFailed) before it is raised; an unknown id, or one the caller may not see or
         restore there, is only answered."""
         validate_id(checkpoint_id)
         try:
@@ -170,12 +172,8 @@ class Service:
         except OomguardError as exc:
             self._restore_failed(meta.id, exc, uid, cgroup or meta.cgroup, meta.uid)
             raise
-        if self.on_event is not None:
-            self.on_event("restore.done", id=meta.id, pid=result.pid, auto=False,
-                          seconds=round(result.seconds, 3), verify_s=round(result.verify_s, 3),
-                          lazy=result.lazy, lazy_fallback=result.lazy_fallback,
-                          uid=meta.uid, command=meta.command,
-                          cgroup=result.meta.restored_cgroup, requested_by=uid)
+        if self.events is not None:
+            self.events.publish(RestoreDone(result, requested_by=uid))
         found = {"id": meta.id, "pid": result.pid, "was_pid": meta.pid,
                  "seconds": round(result.seconds, 3),
                  "verify_s": round(result.verify_s, 3), "total_s": round(result.total_s, 3),
@@ -187,9 +185,9 @@ class Service:
 
     def _restore_failed(self, checkpoint_id: str, exc: BaseException, requested_by: int,
                         cgroup: str | None, owner: int | None = None) -> None:
-        if self.on_failure is not None:
-            self.on_failure("restore.failed", id=checkpoint_id, auto=False, cgroup=cgroup,
-                            uid=owner, requested_by=requested_by, **failure_fields(exc))
+        if self.events is not None:
+            self.events.publish(RestoreFailedEvent(checkpoint_id, failure_fields(exc), cgroup,
+                                                   uid=owner, requested_by=requested_by))
 
     def _check_guard(self, meta: CheckpointMeta, into: MemoryCgroup | None) -> None:
         """A rule guards the target: the checkpoint must fit under its threshold with the
@@ -229,16 +227,12 @@ class Service:
         headroom = None if uid == ROOT or cgroup is None else self.user_headroom(cgroup)
         result = self.checkpointer.checkpoint(tree, cgroup, reason, headroom=headroom,
                                               requester=requester)
-        meta = result.meta
         t = result.timings
         timings = {"seconds": round(t.total_s, 3), "freeze_s": round(t.freeze_s, 4),
                    "dump_s": round(t.dump_s, 4), "commit_s": round(t.commit_s, 4)}
-        if self.on_event is not None:
-            self.on_event("checkpoint.done", id=meta.id, pid=meta.pid, comm=meta.comm,
-                          image_bytes=meta.image_bytes, rss=meta.rss_bytes, uid=meta.uid,
-                          command=meta.command, requested_by=uid,
-                          restore=restore_command(meta.id), **timings)
-        return {**asdict(meta), **timings}
+        if self.events is not None:
+            self.events.publish(CheckpointDone(result.meta, t, requested_by=uid))
+        return {**asdict(result.meta), **timings}
 
     def gpu_resume(self, uid: int, pid: int) -> dict[str, Any]:
         """Put a process's CUDA state back on the GPU after a `vram` action (root, or the

@@ -151,7 +151,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
     tap = EventTap(metrics, hooks, emitter, slurm=build_slurm(config.slurm))
-    log = RecordingLogger(base_log, tap=tap)
+    log = RecordingLogger(base_log, tap=tap.tell)  # also the daemon's EventSink
     tap.log = log
     notifier = Notifier.from_env()
     layout = read_layout()
@@ -167,7 +167,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     restorer.exits = exit_watch = ExitWatch(_exit_recorder(
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
-                    containers=build_containers(config.kubernetes), after_arming=settle_heap)
+                    containers=build_containers(config.kubernetes), after_arming=settle_heap,
+                    events=log)
     daemon.install_signal_handlers()
     textfile = None
     metrics_server = None
@@ -194,8 +195,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
                                 restorer=restorer, status=daemon.status,
                                 user_headroom=daemon.user_headroom)
+        service.events = log
         service.on_event = log.warning
-        service.on_failure = log.error
         service.guard_of = daemon_lookup(lambda: daemon.guards)
         service.prefs_of = daemon.preferences_for
         server = ControlServer(config.socket, service, note=log.info)

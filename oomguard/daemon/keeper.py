@@ -14,6 +14,7 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.model.errors import OomguardError, StoreError
+from oomguard.observe.events import EventSink, LogSink, RestoreDone, RestoreFailed
 from oomguard.policy.forecast import DEFAULT_THROUGHPUT, updated_throughput
 from oomguard.policy.pressure import restore_fits
 from oomguard.policy.retention import Stored, choose_prunes
@@ -29,11 +30,13 @@ class StoreKeeper:
     def __init__(self, store: Store, ledger: FrozenLedger, config: DaemonConfig, log: Any, *,
                  restorer: Restorer | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 events: EventSink | None = None) -> None:
         self.store = store
         self.ledger = ledger
         self.config = config
         self.log = log
+        self.events = events if events is not None else LogSink(log)  # auto-restores
         self.restorer = restorer
         self.clock = clock
         self.wall_clock = wall_clock
@@ -180,10 +183,8 @@ class StoreKeeper:
             result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
         except (OomguardError, OSError) as exc:  # whatever it was, said and retried later
             self._restore_backoff[checkpoint_id] = self.clock() + RESTORE_BACKOFF
-            self.log.error("restore.failed", id=checkpoint_id, cgroup=guard.name, auto=True,
-                           retry_in_s=RESTORE_BACKOFF, **failure_fields(exc))
+            self.events.publish(RestoreFailed(checkpoint_id, failure_fields(exc), guard.name,
+                                              retry_in_s=RESTORE_BACKOFF))
             return
         self._listing = None  # its state changed inside its own directory
-        self.log.warning("restore.done", id=checkpoint_id, pid=result.pid, auto=True,
-                         cgroup=guard.name, seconds=round(result.seconds, 3),
-                         uid=result.meta.uid, command=result.meta.command)
+        self.events.publish(RestoreDone(result, guard=guard.name))

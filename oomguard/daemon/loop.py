@@ -49,6 +49,7 @@ from oomguard.lifecycle.restore import Restorer
 from oomguard.lifecycle.selfguard import ancestors_of, own_family
 from oomguard.model.errors import ConfigError, ConfigIssue
 from oomguard.observe.decisionlog import DecisionLog
+from oomguard.observe.events import EventSink, LogSink
 from oomguard.policy.preferences import Preferences
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
@@ -74,12 +75,14 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                  files: CgroupFiles | None = None,
                  ranking: ProcessRanking | None = None,
                  poller: Callable[[], Any] = select.epoll,
-                 after_arming: Callable[[], None] = lambda: None) -> None:
+                 after_arming: Callable[[], None] = lambda: None,
+                 events: EventSink | None = None) -> None:
         self.config = config
         self.after_arming = after_arming  # the daemon's: settle_heap
         self.checkpointer = checkpointer
         self.layout = layout
         self.log = log
+        self.events = events if events is not None else LogSink(log)  # app: RecordingLogger
         self.proc = proc or ProcReader()
         self.clock = clock
         self.self_pid = self_pid if self_pid is not None else os.getpid()
@@ -107,13 +110,14 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
-                                  restorer=restorer, clock=clock, wall_clock=wall_clock)
+                                  restorer=restorer, clock=clock, wall_clock=wall_clock,
+                                  events=self.events)
         self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
         self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
-                                       clock=clock, containers=containers),
+                                       clock=clock, containers=containers, events=self.events),
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
                            clock=clock, decisions=self.decisions, on_done=self._action_done,
-                           priority=self.priority)
+                           priority=self.priority, events=self.events)
         self._reload = False
         self._globs: list[tuple[GuardConfig, str]] = []
         self._rule_parts: dict[int, Any] = {}

@@ -11,9 +11,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from oomguard.cli.rendering import LOCAL_TIME_FORMAT, humanize_event
+
+if TYPE_CHECKING:  # the daemon's; the CLI loads logsetup without them
+    from oomguard.observe.events import Event
 
 _pending: tuple[str, str, TextIO | None] | None = None  # configure_logging(lazily=True)'s
 
@@ -76,34 +79,37 @@ def get_logger(**bound: Any) -> Any:
 
 
 class RecordingLogger:
-    """A logger that also keeps the last events of note (warnings and up, and checkpoints and
-    restores) for `oomguard status`."""
+    """The daemon's logger: it also keeps the last events of note (warnings and up, and
+    checkpoints and restores) for `oomguard status`, and publishes the daemon's typed events
+    (observe/events.py): each is handed to the tap (telemetry.EventTap.tell), then its line
+    is written from it."""
 
     NOTABLE = ("checkpoint.", "restore.", "threshold.crossed", "oom.", "victim.", "store.")
 
     def __init__(self, log: Any, keep: int = 50,
-                 tap: Callable[[str, str, dict[str, Any]], None] | None = None) -> None:
+                 tap: Callable[[Event], None] | None = None) -> None:
         self.log = log
         self.tap = tap
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
 
-    def _record(self, level: str, event: str, fields: dict[str, Any]) -> None:
+    def publish(self, event: Event) -> None:
         if self.tap is not None:
-            self.tap(level, event, fields)
+            self.tap(event)
+        self._write(event.level, event.name, event.log_fields())
+
+    def _write(self, level: str, event: str, fields: dict[str, Any]) -> None:
         if level in ("warning", "error") or event.startswith(self.NOTABLE):
             keep = {k: v for k, v in fields.items()
                     if isinstance(v, str | int | float | bool) and k not in ("path",)}
             self.recent.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level,
                                 "event": event, **keep})
+        getattr(self.log, level)(event, **fields)
 
     def info(self, event: str, **fields: Any) -> None:
-        self._record("info", event, fields)
-        self.log.info(event, **fields)
+        self._write("info", event, fields)
 
     def warning(self, event: str, **fields: Any) -> None:
-        self._record("warning", event, fields)
-        self.log.warning(event, **fields)
+        self._write("warning", event, fields)
 
     def error(self, event: str, **fields: Any) -> None:
-        self._record("error", event, fields)
-        self.log.error(event, **fields)
+        self._write("error", event, fields)

@@ -1,10 +1,10 @@
 """What the daemon's events feed besides the log: Prometheus metrics, the user's hooks, D-Bus
 and Slurm; and the gauges the metrics show.
 
-The daemon logs one event per thing that happens; `EventTap` sees each one (through
-logsetup.RecordingLogger), reads the ones that matter into typed events once
-(observe/events.py), and hands those on, so no part of the daemon has to know about any
-consumer and no consumer reads log fields.
+The daemon publishes a typed event (observe/events.py) where a checkpoint, a restore, a kill
+or a freeze happens; logsetup.RecordingLogger writes its log line and hands it to `EventTap`,
+which hands it on, so no part of the daemon has to know about any consumer and no consumer
+reads log fields.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from oomguard.observe.events import (
     RestoreFailed,
     VictimFrozen,
     VictimKilled,
-    typed,
 )
 from oomguard.observe.hooks import HookRunner
 from oomguard.observe.slurm import SlurmError, SlurmNotifier
@@ -40,8 +39,8 @@ if TYPE_CHECKING:  # prometheus_client is imported only where metrics are wanted
 
 
 class EventTap:
-    """Sees every log event (logsetup.RecordingLogger calls it); the ones that are typed
-    events (observe/events.py) go to the metrics, the hooks, D-Bus and Slurm."""
+    """Takes every typed event the daemon publishes (logsetup.RecordingLogger calls `tell`)
+    to the metrics, the hooks, D-Bus and Slurm."""
 
     def __init__(self, metrics: Metrics | None = None, hooks: HookRunner | None = None,
                  emitter: SignalEmitter | None = None,
@@ -51,11 +50,6 @@ class EventTap:
         self.emitter = emitter
         self.slurm = slurm
         self.log: Any = None  # set once the logger that calls this tap exists
-
-    def __call__(self, level: str, event: str, fields: dict[str, Any]) -> None:
-        happened = typed(event, fields)
-        if happened is not None:
-            self.tell(happened)
 
     def tell(self, happened: Event) -> None:
         if isinstance(happened, CheckpointDone) and happened.slurm is not None:
@@ -108,7 +102,7 @@ class EventTap:
             m.restore("failed", happened.auto)
         elif isinstance(happened, VictimKilled):
             m.kill()
-        elif isinstance(happened, VictimFrozen) and happened.detect_to_frozen_s is not None:
+        elif isinstance(happened, VictimFrozen):
             m.detection(happened.detect_to_frozen_s)
 
 

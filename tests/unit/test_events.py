@@ -1,6 +1,9 @@
-"""oomguard.observe.events: the log events that feed more than the log, read into types once,
-and EventTap handing each typed event to the metrics, the hooks, D-Bus and Slurm (recorders
-stand in for the four consumers; their own tests drive the real ones)."""
+"""oomguard.observe.events: the typed events the daemon publishes, each with its log line (name,
+level, fields as they have always been logged); the publisher (logsetup.RecordingLogger) that
+writes the line from the event and hands the event to the tap, once; and EventTap handing each
+typed event to the metrics, the hooks, D-Bus and Slurm (recorders stand in for the four
+consumers; their own tests drive the real ones). Where the daemon makes them:
+test_event_sites.py."""
 
 from __future__ import annotations
 
@@ -9,69 +12,153 @@ from typing import Any
 
 import pytest
 
+from oomguard.lifecycle.checkpoint import CheckpointTimings
+from oomguard.lifecycle.restore import RestoreResult
+from oomguard.model.errors import FailedCheckpoint
 from oomguard.observe.events import (
     CheckpointDone,
     CheckpointFailed,
     CheckpointRefused,
+    Event,
+    LogSink,
     RestoreDone,
     RestoreFailed,
     VictimFrozen,
     VictimKilled,
-    typed,
 )
+from oomguard.observe.logsetup import RecordingLogger
 from oomguard.observe.telemetry import EventTap
 from oomguard.sense.owners import SlurmStep
+from tests.unit.test_store import make_meta
 
-DONE = {"id": "20261202-1-ab", "pid": 4242, "uid": 1000, "command": "python3 train.py",
-        "reason": "resident 340 MiB >= 85% of 400 MiB", "image_bytes": 356_000_000,
-        "seconds": 1.5, "rss": 350_000_000, "cgroup": "/sys/fs/cgroup/memory/jobs",
-        "scheduler": "slurm", "slurm_job_id": 42, "slurm_step": "batch", "slurm_uid": 1000,
-        "timings": {"dump": 1.2}}
-
-
-def test_a_checkpoint_done_reads_every_field_a_consumer_needs() -> None:
-    done = typed("checkpoint.done", DONE)
-    assert done == CheckpointDone(
-        id="20261202-1-ab", pid=4242, uid=1000, command="python3 train.py",
-        reason="resident 340 MiB >= 85% of 400 MiB", image_bytes=356_000_000, seconds=1.5,
-        freed_bytes=350_000_000, slurm=SlurmStep(42, "batch", 1000),
-        hook={k: v for k, v in DONE.items() if k != "timings"})  # scalars only
+OWNER = {"scheduler": "slurm", "slurm_job_id": 42, "slurm_step": "batch", "slurm_uid": 1000}
+META = make_meta("20261202-1-ab", image_bytes=356_000_000, rss_bytes=350_000_000,
+                 extra={**OWNER, "ttys": [{"key": "x"}]})
+TIMINGS = CheckpointTimings(freeze_s=0.01234, dump_s=1.23456, commit_s=0.05678, total_s=1.34567)
+VICTIM = {"cgroup": "/sys/fs/cgroup/memory/jobs", "pid": 4242, "comm": "python3",
+          "rss": 350_000_000, "tasks": 2, "reread_ms": 0.31}
+BY_RULE = CheckpointDone(META, TIMINGS, VICTIM, "/var/lib/oomguard/20261202-1-ab", 123 << 20)
+ON_REQUEST = CheckpointDone(META, TIMINGS, requested_by=0)
+RESTORED = RestoreResult(meta=make_meta("job-1", restored_cgroup="/jobs/build"), pid=777,
+                         seconds=0.123456, verify_s=0.0456, lazy=True, lazy_fallback=None)
+CRIU = {"error": "criu restore of job-1 failed", "criu_error": "Can't fork for 70: File exists"}
 
 
-@pytest.mark.parametrize(("event", "fields", "expected"), [
-    ("checkpoint.failed", {"outcome": "thawed", "error": "CRIU: no space"},
-     CheckpointFailed("thawed", "CRIU: no space")),
-    ("checkpoint.refused", {"reason": "store has 3 MiB free"},
-     CheckpointRefused("store has 3 MiB free")),
-    ("restore.done", {"id": "x", "pid": 7, "uid": 0, "command": "sleep", "auto": True},
-     RestoreDone("x", 7, 0, "sleep", True, {"id": "x", "pid": 7, "uid": 0,
-                                            "command": "sleep", "auto": True})),
-    ("restore.failed", {"id": "x", "error": "Error (criu/files.c:1): bad size"},
-     RestoreFailed("x", False, "Error (criu/files.c:1): bad size")),
-    ("victim.killed", {"pid": 9}, VictimKilled(9, {"pid": 9})),
-    ("victim.frozen", {"detect_to_frozen_ms": 4.5}, VictimFrozen(0.0045)),
-    ("victim.frozen", {}, VictimFrozen(None)),
-])
-def test_each_event_that_feeds_more_than_the_log(event: str, fields: dict[str, Any],
-                                                 expected: object) -> None:
-    assert typed(event, fields) == expected
+# -- each event's log line: the fields logged before the events were typed, in their order ---
+
+LINES: list[tuple[Event, str, str, list[tuple[str, Any]]]] = [
+    (BY_RULE, "warning", "checkpoint.done", [
+        ("id", "20261202-1-ab"), ("image_bytes", 356_000_000), ("image", "339.5MiB"),
+        ("seconds", 1.346), ("freeze_s", 0.012), ("dump_s", 1.235), ("commit_s", 0.057),
+        ("mb_per_s", 288.4), ("usage_after", 123 << 20),
+        ("path", "/var/lib/oomguard/20261202-1-ab"), ("uid", 1000),
+        ("command", "python3 train.py --epochs 3"), ("restore", "oomguard restore 20261202-1-ab"),
+        *OWNER.items(), *VICTIM.items()]),
+    (ON_REQUEST, "warning", "checkpoint.done", [
+        ("id", "20261202-1-ab"), ("pid", 4242), ("comm", "python3"), ("image_bytes", 356_000_000),
+        ("rss", 350_000_000), ("uid", 1000), ("command", "python3 train.py --epochs 3"),
+        ("requested_by", 0), ("restore", "oomguard restore 20261202-1-ab"), ("seconds", 1.346),
+        ("freeze_s", 0.0123), ("dump_s", 1.2346), ("commit_s", 0.0568)]),
+    (CheckpointFailed(FailedCheckpoint.THAWED, "CRIU: no space", VICTIM), "error",
+     "checkpoint.failed", [("outcome", "thawed"), ("error", "CRIU: no space"), *VICTIM.items()]),
+    (CheckpointRefused("store has 3 MiB free", VICTIM), "error", "checkpoint.refused",
+     [("reason", "store has 3 MiB free"), *VICTIM.items()]),
+    (RestoreDone(RESTORED, guard="/sys/fs/cgroup/memory/jobs"), "warning", "restore.done", [
+        ("id", "job-1"), ("pid", 777), ("auto", True), ("cgroup", "/sys/fs/cgroup/memory/jobs"),
+        ("seconds", 0.123), ("uid", 1000), ("command", "python3 train.py --epochs 3")]),
+    (RestoreDone(RESTORED, requested_by=1000), "warning", "restore.done", [
+        ("id", "job-1"), ("pid", 777), ("auto", False), ("seconds", 0.123), ("verify_s", 0.046),
+        ("lazy", True), ("lazy_fallback", None), ("uid", 1000),
+        ("command", "python3 train.py --epochs 3"), ("cgroup", "/jobs/build"),
+        ("requested_by", 1000)]),
+    (RestoreFailed("job-1", CRIU, "/jobs/a", retry_in_s=60.0), "error", "restore.failed", [
+        ("id", "job-1"), ("cgroup", "/jobs/a"), ("auto", True), ("retry_in_s", 60.0),
+        *CRIU.items()]),
+    (RestoreFailed("job-1", {"error": "no room"}, "/jobs/a", uid=1000, requested_by=0), "error",
+     "restore.failed", [("id", "job-1"), ("auto", False), ("cgroup", "/jobs/a"), ("uid", 1000),
+                        ("requested_by", 0), ("error", "no room")]),
+    (VictimKilled("usage 950MiB >= 85% of 1GiB", 1, VICTIM), "error", "victim.killed", [
+        ("reason", "usage 950MiB >= 85% of 1GiB"), ("sigkill", 1),
+        ("explanation", "the rule's last action: no checkpoint was possible"), *VICTIM.items()]),
+    (VictimFrozen(4.52, 0.8, {"freeze": "events", "forks_caught": 2}, VICTIM), "info",
+     "victim.frozen", [("detect_to_frozen_ms", 4.52), ("choose_ms", 0.8), ("freeze", "events"),
+                       ("forks_caught", 2), *VICTIM.items()]),
+]
 
 
-@pytest.mark.parametrize("event", ["guard.armed", "threshold.crossed", "victim.chosen",
-                                   "checkpoint.started", "control.call"])
-def test_events_only_for_the_log_are_not_typed(event: str) -> None:
-    assert typed(event, DONE) is None
+@pytest.mark.parametrize(("event", "level", "name", "fields"), LINES,
+                         ids=[f"{line[2]}-{i}" for i, line in enumerate(LINES)])
+def test_each_event_knows_its_log_line(event: Event, level: str, name: str,
+                                       fields: list[tuple[str, Any]]) -> None:
+    assert (event.level, event.name) == (level, name)
+    assert list(event.log_fields().items()) == fields
 
 
-def test_fields_of_the_wrong_kind_read_as_unknown_not_as_a_crash() -> None:
-    done = typed("checkpoint.done", {"id": "x", "pid": "?", "uid": True, "image_bytes": None,
-                                     "seconds": "slow", "rss": -5, "scheduler": "slurm",
-                                     "slurm_job_id": "nope"})
-    assert isinstance(done, CheckpointDone)
-    assert (done.pid, done.uid, done.image_bytes, done.seconds, done.freed_bytes, done.slurm) \
-        == (0, None, 0, 0.0, 0, None)
-    assert done.reason == "memory"  # what Slurm's AdminComment says when none was given
+def test_a_checkpoint_done_says_what_its_consumers_need() -> None:
+    done = BY_RULE
+    assert (done.id, done.pid, done.uid, done.command) == (
+        "20261202-1-ab", 4242, 1000, "python3 train.py --epochs 3")
+    assert (done.image_bytes, done.seconds, done.freed_bytes) == (356_000_000, 1.346,
+                                                                  350_000_000)
+    assert done.slurm == SlurmStep(42, "batch", 1000)
+    assert done.reason == "memory"  # what Slurm's AdminComment has always said
+    # The hook's environment: the log line's scalar fields (no None, no list).
+    assert done.hook == {k: v for k, v in done.log_fields().items()
+                         if isinstance(v, str | int | float | bool)}
+    assert "pid" in done.hook and "slurm_job_id" in done.hook and "ttys" not in done.hook
+    assert ON_REQUEST.slurm is None  # asked for over the socket: Slurm is not told
 
+
+def test_an_unknown_owner_is_none_and_a_freeze_time_is_never_negative() -> None:
+    assert CheckpointDone(make_meta(uid=-1), TIMINGS).uid is None
+    assert RestoreDone(RestoreResult(meta=make_meta(uid=-1), pid=1, seconds=0.1)).uid is None
+    assert VictimFrozen(4.5, 0.0).detect_to_frozen_s == pytest.approx(0.0045)
+    assert VictimFrozen(-3.0, 0.0).detect_to_frozen_s == 0.0
+    assert VictimKilled("why", 0, {"cgroup": "/jobs/a"}).pid == 0
+    assert RestoreFailed("x", {}).error == ""
+
+
+# -- the publisher --------------------------------------------------------------------------------
+
+class BaseLog:
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        self.calls = calls
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **fields: self.calls.append(("line", level, event, fields))
+
+
+@pytest.mark.parametrize(("event", "level", "name", "fields"), LINES,
+                         ids=[f"{line[2]}-{i}" for i, line in enumerate(LINES)])
+def test_the_publisher_taps_then_writes_the_line_once(event: Event, level: str, name: str,
+                                                      fields: list[tuple[str, Any]]) -> None:
+    calls: list[tuple[Any, ...]] = []
+    log = RecordingLogger(BaseLog(calls), tap=lambda e: calls.append(("tap", e)))
+    log.publish(event)
+    assert calls == [("tap", event), ("line", level, name, dict(fields))]
+    assert list(calls[1][3]) == [k for k, _ in fields]  # in that order
+    [recent] = log.recent  # for `oomguard status`: scalars, not the path
+    assert recent["event"] == name and recent["level"] == level
+    assert {k: v for k, v in recent.items() if k not in ("time", "level", "event")} == {
+        k: v for k, v in fields if isinstance(v, str | int | float | bool) and k != "path"}
+
+
+def test_a_log_line_alone_reaches_no_consumer() -> None:
+    """Only what is published goes on: a line is never read back into an event."""
+    calls: list[tuple[Any, ...]] = []
+    log = RecordingLogger(BaseLog(calls), tap=lambda e: calls.append(("tap", e)))
+    log.warning("checkpoint.done", **BY_RULE.log_fields())
+    log.error("restore.failed", id="x", auto=True, error="y")
+    assert [c[0] for c in calls] == ["line", "line"]
+
+
+def test_a_log_sink_writes_the_line_alone() -> None:
+    calls: list[tuple[Any, ...]] = []
+    LogSink(BaseLog(calls)).publish(ON_REQUEST)
+    assert calls == [("line", "warning", "checkpoint.done", ON_REQUEST.log_fields())]
+
+
+# -- the tap ----------------------------------------------------------------------------------------
 
 class Metrics:
     def __init__(self) -> None:
@@ -116,28 +203,62 @@ class Slurm:
 def test_the_tap_hands_a_checkpoint_to_all_four() -> None:
     metrics, hooks, emitter, slurm = Metrics(), Hooks(), Emitter(), Slurm()
     tap = EventTap(metrics, hooks, emitter, slurm)  # type: ignore[arg-type]
-    tap("warning", "checkpoint.done", DONE)
-    assert metrics.calls == [("checkpoint_done", 356_000_000, 1.5, 350_000_000)]
-    assert hooks.fired == [("on_checkpoint", {k: v for k, v in DONE.items()
-                                              if k != "timings"})]
-    assert emitter.sent == [("checkpointed", 1000, "20261202-1-ab", "python3 train.py", 4242)]
+    tap.tell(BY_RULE)
+    assert metrics.calls == [("checkpoint_done", 356_000_000, 1.346, 350_000_000)]
+    assert hooks.fired == [("on_checkpoint", BY_RULE.hook)]
+    assert emitter.sent == [("checkpointed", 1000, "20261202-1-ab",
+                             "python3 train.py --epochs 3", 4242)]
     assert slurm.done.wait(5)
-    assert slurm.calls == [(42, "batch", "20261202-1-ab", "resident 340 MiB >= 85% of 400 MiB")]
+    assert slurm.calls == [(42, "batch", "20261202-1-ab", "memory")]
 
 
-def test_the_tap_counts_failures_and_tells_no_one_else() -> None:
+def test_the_tap_counts_failures_refusals_kills_and_freezes() -> None:
     metrics, hooks, emitter = Metrics(), Hooks(), Emitter()
     tap = EventTap(metrics, hooks, emitter)  # type: ignore[arg-type]
-    tap("error", "checkpoint.failed", {"outcome": "thawed", "error": "x"})
-    tap("error", "restore.failed", {"id": "x", "auto": True, "error": "y"})
-    tap("info", "guard.armed", {"cgroup": "/x"})
-    assert metrics.calls == [("checkpoint_failed",), ("restore", "failed", True)]
+    tap.tell(CheckpointFailed("thawed", "x"))
+    tap.tell(CheckpointRefused("no room"))
+    tap.tell(RestoreFailed("x", {"error": "y"}, retry_in_s=60.0))
+    tap.tell(RestoreFailed("x", {"error": "y"}, requested_by=0))
+    tap.tell(VictimFrozen(4.5, 0.1))
+    assert metrics.calls == [("checkpoint_failed",), ("checkpoint_refused",),
+                             ("restore", "failed", True), ("restore", "failed", False),
+                             ("detection", pytest.approx(0.0045))]
     assert hooks.fired == [] and emitter.sent == []
+    tap.tell(VictimKilled("why", 0, {"pid": 9}))
+    assert metrics.calls[-1] == ("kill",)
+    assert hooks.fired == [("on_kill", {"reason": "why", "sigkill": 0, "explanation":
+                                        "the rule's last action: no checkpoint was possible",
+                                        "pid": 9})]
+
+
+def test_a_restore_goes_to_the_desktop_and_the_hook_and_counts_as_auto_or_not() -> None:
+    metrics, hooks, emitter = Metrics(), Hooks(), Emitter()
+    tap = EventTap(metrics, hooks, emitter)  # type: ignore[arg-type]
+    auto = RestoreDone(RESTORED, guard="/jobs")
+    tap.tell(auto)
+    tap.tell(RestoreDone(RESTORED, requested_by=1000))
+    assert metrics.calls == [("restore", "done", True), ("restore", "done", False)]
+    assert emitter.sent == [("restored", 1000, "job-1", "python3 train.py --epochs 3", 777)] * 2
+    assert hooks.fired[0] == ("on_restore", {"id": "job-1", "pid": 777, "auto": True,
+                                             "cgroup": "/jobs", "seconds": 0.123, "uid": 1000,
+                                             "command": "python3 train.py --epochs 3"})
 
 
 def test_no_uid_no_desktop_signal_but_the_hook_still_runs() -> None:
     hooks, emitter = Hooks(), Emitter()
     tap = EventTap(None, hooks, emitter)  # type: ignore[arg-type]
-    tap("info", "restore.done", {"id": "x", "pid": 7, "command": "sleep"})
+    tap.tell(RestoreDone(RestoreResult(meta=make_meta("x", uid=-1), pid=7, seconds=0.5),
+                         guard="/jobs"))
     assert emitter.sent == []
-    assert hooks.fired == [("on_restore", {"id": "x", "pid": 7, "command": "sleep"})]
+    assert [hook for hook, _ in hooks.fired] == ["on_restore"]
+
+
+def test_the_daemon_s_publisher_feeds_the_tap() -> None:
+    """As the daemon wires them (app.run_daemon): RecordingLogger(tap=EventTap.tell)."""
+    metrics, hooks = Metrics(), Hooks()
+    tap = EventTap(metrics, hooks)  # type: ignore[arg-type]
+    calls: list[tuple[Any, ...]] = []
+    log = RecordingLogger(BaseLog(calls), tap=tap.tell)
+    log.publish(VictimKilled("why", 1, VICTIM))
+    assert metrics.calls == [("kill",)] and [h for h, _ in hooks.fired] == ["on_kill"]
+    assert [c[2] for c in calls] == ["victim.killed"]

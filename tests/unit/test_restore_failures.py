@@ -20,6 +20,7 @@ from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.keeper import RESTORE_BACKOFF, StoreKeeper
 from oomguard.lifecycle.restore import failure_fields
 from oomguard.model.errors import CgroupGone, CriuError, RestoreFailed
+from oomguard.observe.events import LogSink
 from oomguard.store.checkpoints import CheckpointMeta, Store
 
 MiB = 1 << 20
@@ -79,7 +80,7 @@ def service_failing(tmp_path: Path, told: Told, error: BaseException) -> Service
 
     service = Service(stored(tmp_path / "store"), restorer=SimpleNamespace(restore=restore),  # type: ignore[arg-type]
                       checkpointer=SimpleNamespace(), layout=NO_CGROUPS)  # type: ignore[arg-type]
-    service.on_failure = told
+    service.events = LogSink(told)  # the lines the daemon logs
     return service
 
 

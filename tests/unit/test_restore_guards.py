@@ -23,6 +23,8 @@ from oomguard.daemon.guards import CgroupGuard, SystemGuard
 from oomguard.lifecycle.restorefit import RestoreGuard, check_fits, daemon_lookup, guard_for
 from oomguard.lifecycle.restorewait import restore_when_it_fits
 from oomguard.model.errors import NoRoom, RestoreFailed
+from oomguard.observe.events import LogSink
+from oomguard.observe.events import RestoreFailed as RestoreFailedEvent
 from oomguard.observe.metrics import Metrics
 from oomguard.observe.telemetry import EventTap
 from oomguard.policy.pressure import free_under_threshold, restore_fits
@@ -206,7 +208,8 @@ def call(service: Service, method: str, **parameters: Any) -> dict[str, Any]:
 
 def test_a_failed_restore_is_told_to_the_daemon_with_its_reason(service: Service) -> None:
     failures: list[tuple[str, dict[str, Any]]] = []
-    service.on_failure = lambda event, **fields: failures.append((event, fields))
+    told = SimpleNamespace(error=lambda event, **fields: failures.append((event, fields)))
+    service.events = LogSink(told)  # the lines the daemon logs
 
     def restore(checkpoint_id: str, **_: Any) -> Any:
         raise RestoreFailed("criu restore of job-1 failed; the checkpoint is intact: "
@@ -243,8 +246,7 @@ def test_the_guard_check_uses_the_target_and_force_skips_it(service: Service) ->
 def test_restore_failed_events_count_in_the_metric() -> None:
     metrics = Metrics()
     tap = EventTap(metrics)
-    tap("error", "restore.failed", {"id": "job-1", "auto": False, "error": "no room"})
-    tap("warning", "restore.exited", {"id": "job-1", "exit_status": 3})  # not a restore
+    tap.tell(RestoreFailedEvent("job-1", {"error": "no room"}, requested_by=0))
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value
               for family in text_string_to_metric_families(metrics.render().decode())
               for s in family.samples if s.name == "oomguard_restores_total"}

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.lifecycle.checkpoint import CheckpointTimings
+from oomguard.observe.events import CheckpointDone
 from oomguard.observe.slurm import SlurmError, SlurmNotifier, admin_comment, find_scontrol
+from tests.unit.test_store import make_meta
 
 FAKE = """#!{python}
 import json, os, sys
@@ -118,6 +121,10 @@ class _Recorder:
         return "requeue"
 
 
+SLURM_OWNER = {"scheduler": "slurm", "slurm_job_id": 42, "slurm_step": "0", "slurm_uid": 1000}
+TIMINGS = CheckpointTimings(freeze_s=0.01, dump_s=1.2, commit_s=0.05, total_s=1.3)
+
+
 @pytest.mark.parametrize("guard_name", [
     "system",  # a system rule's checkpoint
     "/sys/fs/cgroup/memory/slurm/uid_1000/job_42 (GPU)",  # a GPU rule's
@@ -127,9 +134,8 @@ def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> Non
     from oomguard.observe.telemetry import EventTap
     recorder = _Recorder()
     tap = EventTap(slurm=recorder)  # type: ignore[arg-type]
-    tap("warning", "checkpoint.done", {"cgroup": guard_name, "id": "20261201-1-ab",
-                                       "scheduler": "slurm", "slurm_job_id": 42,
-                                       "slurm_step": "0", "slurm_uid": 1000})
+    tap.tell(CheckpointDone(make_meta("20261201-1-ab", extra=dict(SLURM_OWNER)), TIMINGS,
+                            {"cgroup": guard_name}))
     assert recorder.done.wait(5)
     assert recorder.calls == [(42, "0", "20261201-1-ab")]
 
@@ -138,8 +144,12 @@ def test_no_owner_fields_no_slurm_call() -> None:
     from oomguard.observe.events import slurm_owner
     from oomguard.observe.telemetry import EventTap
     recorder = _Recorder()
-    EventTap(slurm=recorder)("warning", "checkpoint.done",  # type: ignore[arg-type]
-                             {"cgroup": "/sys/fs/cgroup/memory/slurm/uid_1/job_7", "id": "x"})
+    tap = EventTap(slurm=recorder)  # type: ignore[arg-type]
+    tap.tell(CheckpointDone(make_meta("x"), TIMINGS,
+                            {"cgroup": "/sys/fs/cgroup/memory/slurm/uid_1/job_7"}))
+    # A checkpoint asked for over the socket is no OOM saved: Slurm is not told.
+    tap.tell(CheckpointDone(make_meta("y", extra=dict(SLURM_OWNER)), TIMINGS,
+                            requested_by=1000))
     assert not recorder.done.wait(0.2) and recorder.calls == []
     assert slurm_owner({"scheduler": "kubernetes", "pod_uid": "p"}) is None
     assert slurm_owner({"scheduler": "slurm", "slurm_job_id": "nope"}) is None
