@@ -22,7 +22,7 @@ from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone
 from oomguard.model.patterns import compile_patterns
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.observe.events import CheckpointDone, EventSink, LogSink, VictimFrozen
+from oomguard.observe.events import CheckpointDone, EventSink, VictimFrozen, sink_for
 from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.victims import ProcessTree
 
@@ -127,7 +127,7 @@ class Actor:
         self.priority = priority
         self.on_done = on_done  # called (from the action's thread) when an action has ended
         self.log = log
-        self.events = events if events is not None else LogSink(log)  # frozen, checkpointed
+        self.events = sink_for(log, events)  # frozen, checkpointed
         self.dry_run = dry_run
         self.decisions = decisions or DecisionLog(clock)  # a dry run's repeated decisions
         self.on_checkpoint = on_checkpoint

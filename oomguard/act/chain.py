@@ -31,7 +31,7 @@ from oomguard.act.steps import Step
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import ProcessGone
-from oomguard.observe.events import EventSink, LogSink, VictimKilled
+from oomguard.observe.events import EventSink, VictimKilled, sink_for
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
 
@@ -60,7 +60,7 @@ class ChainRunner:
         self.freezer = freezer
         self.proc = proc
         self.log = log
-        self.events = events if events is not None else LogSink(log)  # refused, failed, killed
+        self.events = sink_for(log, events)  # refused, failed, killed
         self.clock = clock
         self.sleep = sleep
         self.free = free

@@ -14,7 +14,7 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.model.errors import OomguardError, StoreError
-from oomguard.observe.events import EventSink, LogSink, RestoreDone, RestoreFailed
+from oomguard.observe.events import EventSink, RestoreDone, RestoreFailed, sink_for
 from oomguard.policy.forecast import DEFAULT_THROUGHPUT, updated_throughput
 from oomguard.policy.pressure import restore_fits
 from oomguard.policy.retention import Stored, choose_prunes
@@ -36,7 +36,7 @@ class StoreKeeper:
         self.ledger = ledger
         self.config = config
         self.log = log
-        self.events = events if events is not None else LogSink(log)  # auto-restores
+        self.events = sink_for(log, events)  # auto-restores
         self.restorer = restorer
         self.clock = clock
         self.wall_clock = wall_clock

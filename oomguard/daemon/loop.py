@@ -49,7 +49,7 @@ from oomguard.lifecycle.restore import Restorer
 from oomguard.lifecycle.selfguard import ancestors_of, own_family
 from oomguard.model.errors import ConfigError, ConfigIssue
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.observe.events import EventSink, LogSink
+from oomguard.observe.events import EventSink, sink_for
 from oomguard.policy.preferences import Preferences
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
@@ -82,7 +82,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.checkpointer = checkpointer
         self.layout = layout
         self.log = log
-        self.events = events if events is not None else LogSink(log)  # app: RecordingLogger
+        self.events = sink_for(log, events)  # app: RecordingLogger
         self.proc = proc or ProcReader()
         self.clock = clock
         self.self_pid = self_pid if self_pid is not None else os.getpid()

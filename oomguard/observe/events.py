@@ -310,3 +310,14 @@ class LogSink:
 
     def publish(self, event: Event) -> None:
         getattr(self.log, event.level)(event.name, **event.log_fields())
+
+
+def sink_for(log: Any, events: EventSink | None = None) -> EventSink:
+    """The sink a part publishes to: the one it was given, else its log where that is a sink
+    too (the daemon's RecordingLogger: nothing is lost to a wiring that forgot `events`),
+    else the line alone (LogSink)."""
+    from oomguard.observe.logsetup import RecordingLogger
+
+    if events is not None:
+        return events
+    return log if isinstance(log, RecordingLogger) else LogSink(log)

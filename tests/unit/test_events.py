@@ -8,6 +8,7 @@ test_event_sites.py."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -262,3 +263,21 @@ def test_the_daemon_s_publisher_feeds_the_tap() -> None:
     log.publish(VictimKilled("why", 1, VICTIM))
     assert metrics.calls == [("kill",)] and [h for h, _ in hooks.fired] == ["on_kill"]
     assert [c[2] for c in calls] == ["victim.killed"]
+
+
+def test_a_part_given_the_daemons_logger_publishes_to_it_without_being_told() -> None:
+    """sink_for: the sink given, else the log where it is one (the daemon's RecordingLogger:
+    a wiring that forgot `events` still feeds the metrics, hooks, D-Bus and Slurm), else the
+    line alone."""
+    from oomguard.observe.events import LogSink, sink_for
+    from oomguard.observe.logsetup import RecordingLogger
+
+    told: list[object] = []
+    recording = RecordingLogger(SimpleNamespace(warning=lambda *a, **k: None,
+                                                error=lambda *a, **k: None,
+                                                info=lambda *a, **k: None), tap=told.append)
+    assert sink_for(recording) is recording
+    given = LogSink(None)
+    assert sink_for(recording, given) is given
+    plain = SimpleNamespace(info=lambda *a, **k: None)
+    assert isinstance(sink_for(plain), LogSink) and sink_for(plain).log is plain  # type: ignore[attr-defined]
