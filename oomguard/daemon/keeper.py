@@ -1,54 +1,46 @@
 """Keeping the checkpoint store: finishing or discarding what a crashed run left, thawing what
-it left stopped, pruning by age and size, and bringing checkpoints back once they fit."""
+it left stopped, pruning by age and size, its listing, and the dump throughput this machine's
+checkpoints show (bringing checkpoints back once they fit: autorestore.py)."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from oomguard.cgroup.base import MemorySnapshot
 from oomguard.config.loading import DaemonConfig
-from oomguard.daemon.guards import CgroupGuard
-from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
-from oomguard.model.errors import OomguardError, StoreError
-from oomguard.observe.events import EventSink, RestoreDone, RestoreFailed, sink_for
+from oomguard.model.errors import StoreError
 from oomguard.policy.forecast import DEFAULT_THROUGHPUT, updated_throughput
-from oomguard.policy.pressure import restore_fits
 from oomguard.policy.retention import Stored, choose_prunes
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
 
 PRUNE_INTERVAL = 60.0
 LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often
-RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long
 
 
 class StoreKeeper:
     def __init__(self, store: Store, ledger: FrozenLedger, config: DaemonConfig, log: Any, *,
-                 restorer: Restorer | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time,
-                 events: EventSink | None = None) -> None:
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.store = store
         self.ledger = ledger
         self.config = config
         self.log = log
-        self.events = sink_for(log, events)  # auto-restores
-        self.restorer = restorer
         self.clock = clock
         self.wall_clock = wall_clock
         self._next_prune = 0.0
-        self._restoring: threading.Thread | None = None
-        self._restore_backoff: dict[str, float] = {}
         self._partials_busy = False
         self._next_partials = 0.0  # incomplete checkpoints (a failed commit) are retried then
         self._skipped_warned: set[str] = set()  # store entries already warned about
         self._busy_logged: set[str] = set()  # partials being written, already logged once
         self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
         self._listing: tuple[tuple[int, int] | None, float, list[CheckpointMeta]] | None = None
+
+    def forget_listing(self) -> None:
+        """A checkpoint's state changed inside its own directory (a restore): read it again."""
+        self._listing = None
 
     def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
         self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
@@ -148,43 +140,3 @@ class StoreKeeper:
             except StoreError:
                 continue
             self.log.warning("store.pruned", id=prune.id, bytes=prune.size, reason=prune.reason)
-
-    def consider_restore(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
-        """Bring back this cgroup's oldest checkpoint once it fits under the threshold with a
-        margin, for `restore_quiet` without interruption; one restore at a time."""
-        if self._restoring is not None and self._restoring.is_alive():
-            return
-        now = self.clock()
-        waiting = [m for m in self.store.list()
-                   if m.state == "checkpointed" and m.cgroup == guard.cgroup.rel_path
-                   and self._restore_backoff.get(m.id, 0.0) <= now]
-        if not waiting or self.restorer is None:
-            guard.quiet_since = None
-            return
-        meta = waiting[0]
-        need = memory_pages_bytes(self.store, meta.id)
-        if not restore_fits(snap, need, guard.spec.restore_margin, guard.spec.threshold):
-            guard.quiet_since = None
-            return
-        if guard.quiet_since is None:
-            guard.quiet_since = now
-        if now - guard.quiet_since < guard.spec.restore_quiet:
-            return
-        guard.quiet_since = None
-        self.log.info("restore.auto", id=meta.id, cgroup=guard.name, image_bytes=need,
-                      usage=snap.usage_bytes, limit=snap.limit_bytes)
-        self._restoring = threading.Thread(target=self._auto_restore, args=(guard, meta.id),
-                                           name="oomguard-restore", daemon=True)
-        self._restoring.start()
-
-    def _auto_restore(self, guard: CgroupGuard, checkpoint_id: str) -> None:
-        assert self.restorer is not None
-        try:
-            result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
-        except (OomguardError, OSError) as exc:  # whatever it was, said and retried later
-            self._restore_backoff[checkpoint_id] = self.clock() + RESTORE_BACKOFF
-            self.events.publish(RestoreFailed(checkpoint_id, failure_fields(exc), guard.name,
-                                              retry_in_s=RESTORE_BACKOFF))
-            return
-        self._listing = None  # its state changed inside its own directory
-        self.events.publish(RestoreDone(result, guard=guard.name))

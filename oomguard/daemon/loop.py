@@ -33,6 +33,7 @@ from oomguard.cgroup.watch import consume
 from oomguard.config.checks import check_config, config_warnings
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
+from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin
 from oomguard.daemon.gpuwatch import GpuWatch
@@ -110,8 +111,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
-                                  restorer=restorer, clock=clock, wall_clock=wall_clock,
-                                  events=self.events)
+                                  clock=clock, wall_clock=wall_clock)
+        self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
+                                         events=self.events, clock=clock,
+                                         restored=self.keeper.forget_listing)
         self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
         self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
                                        clock=clock, containers=containers, events=self.events),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.keeper import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
@@ -23,6 +24,7 @@ class SettlingMixin:
     log: Any
     checkpointer: Checkpointer
     keeper: StoreKeeper
+    auto_restore: AutoRestorer
     clock: Callable[[], float]
     _limit_busy: set[str]  # cgroups whose lifted limit could not be put back yet
     _next_settle: float | None  # None: nothing waits to be settled
@@ -57,7 +59,7 @@ class SettlingMixin:
                     snap = guard.cgroup.snapshot()
                     guard.last_snapshot = snap
                 if snap is not None:
-                    self.keeper.consider_restore(guard, snap)
+                    self.auto_restore.consider(guard, snap)
         self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
 
     def _settle_lifts(self) -> None:

@@ -16,9 +16,9 @@ from oomguard.act.acting import Actor, Request, rule_parts
 from oomguard.act.chain import ChainOutcome, ChainResult
 from oomguard.act.criu import Criu
 from oomguard.act.freezer import BY_EVENTS, Frozen, SigstopFreezer
-from oomguard.config.loading import DaemonConfig, GuardConfig, load_config_text
+from oomguard.config.loading import GuardConfig, load_config_text
 from oomguard.control.service import Service
-from oomguard.daemon.keeper import RESTORE_BACKOFF, StoreKeeper
+from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.loop import Daemon
 from oomguard.lifecycle.checkpoint import Checkpointer, CheckpointResult, CheckpointTimings
 from oomguard.lifecycle.restore import RestoreResult
@@ -121,21 +121,19 @@ def test_the_chain_publishes_a_failure_then_the_kill(tmp_path: Path) -> None:
     assert rig.log.events == []
 
 
-# -- the keeper's auto-restore ------------------------------------------------------------------
+# -- the daemon's auto-restore ------------------------------------------------------------------
 
-def keeper(tmp_path: Path, restore: Any, sink: Published) -> tuple[StoreKeeper, Lines]:
+def keeper(tmp_path: Path, restore: Any, sink: Published) -> tuple[AutoRestorer, Lines]:
     store, lines = stored(tmp_path / "store"), Lines()
-    return StoreKeeper(store, SimpleNamespace(),  # type: ignore[arg-type]
-                       DaemonConfig(source="test", store=store.root), lines,
-                       restorer=SimpleNamespace(restore=restore),  # type: ignore[arg-type]
-                       clock=lambda: 100.0, events=sink), lines
+    return AutoRestorer(store, SimpleNamespace(restore=restore),  # type: ignore[arg-type]
+                        lines, clock=lambda: 100.0, events=sink), lines
 
 
 def test_an_auto_restore_publishes_restore_done_as_auto(tmp_path: Path) -> None:
     result = RestoreResult(meta=make_meta("job-1"), pid=777, seconds=0.4)
     sink = Published()
     keeping, lines = keeper(tmp_path, lambda checkpoint_id, **_: result, sink)
-    keeping._auto_restore(SimpleNamespace(name="/sys/fs/cgroup/memory/jobs",  # type: ignore[arg-type]
+    keeping.restore(SimpleNamespace(name="/sys/fs/cgroup/memory/jobs",  # type: ignore[arg-type]
                                           cgroup=None), "job-1")
     [done] = sink.events
     assert isinstance(done, RestoreDone) and done.auto and done.result is result
@@ -149,7 +147,7 @@ def test_a_failed_auto_restore_publishes_restore_failed_with_its_retry(tmp_path:
 
     sink = Published()
     keeping, lines = keeper(tmp_path, restore, sink)
-    keeping._auto_restore(SimpleNamespace(name="/jobs", cgroup=None), "job-1")  # type: ignore[arg-type]
+    keeping.restore(SimpleNamespace(name="/jobs", cgroup=None), "job-1")  # type: ignore[arg-type]
     assert sink.events == [RestoreFailed("job-1", {"error": "criu restore of job-1 failed"},
                                          "/jobs", retry_in_s=RESTORE_BACKOFF)]
     assert lines.events == []
@@ -208,10 +206,10 @@ def test_the_daemon_hands_its_sink_to_every_site(tmp_path: Path) -> None:
     wired = daemon(tmp_path / "wired", events=sink)
     bare = daemon(tmp_path / "bare")  # a log and no sink: the lines alone, through that log
     try:
-        assert wired.keeper.events is sink and wired.actor.events is sink
+        assert wired.auto_restore.events is sink and wired.actor.events is sink
         assert wired.actor.runner.events is sink
         assert isinstance(bare.events, LogSink) and bare.events.log is bare.log
-        assert bare.keeper.events is bare.events and bare.actor.runner.events is bare.events
+        assert bare.auto_restore.events is bare.events and bare.actor.runner.events is bare.events
     finally:
         wired.close()
         bare.close()

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.config.loading import DaemonConfig, GuardConfig
+from oomguard.config.loading import GuardConfig
 from oomguard.control.server import dispatch
 from oomguard.control.service import PermissionDenied, Service
+from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.daemon.keeper import RESTORE_BACKOFF, StoreKeeper
 from oomguard.lifecycle.restore import failure_fields
 from oomguard.model.errors import CgroupGone, CriuError, RestoreFailed
 from oomguard.observe.events import LogSink
@@ -148,13 +148,12 @@ def test_a_failed_auto_restore_is_told_whatever_the_error(tmp_path: Path, told: 
 
     store = stored(tmp_path / "store")
     now = [100.0]
-    keeper = StoreKeeper(store, SimpleNamespace(), DaemonConfig(source="test", store=store.root), told,  # type: ignore[arg-type]
-                         restorer=SimpleNamespace(restore=restore),  # type: ignore[arg-type]
-                         clock=lambda: now[0])
+    keeper = AutoRestorer(store, SimpleNamespace(restore=restore), told,  # type: ignore[arg-type]
+                          clock=lambda: now[0])
     guard = CgroupGuard(spec=GuardConfig(cgroups=("/jobs/a",)),
                         cgroup=SimpleNamespace(path=Path("/jobs/a")),  # type: ignore[arg-type]
                         pattern="")
-    keeper._auto_restore(guard, "job-1")
+    keeper.restore(guard, "job-1")
     assert [e for e, _ in told.events] == ["restore.failed"]
     fields = told.events[0][1]
     assert fields["auto"] is True and fields["id"] == "job-1"
