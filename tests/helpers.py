@@ -89,6 +89,19 @@ def last_count(log: Path) -> int:
     return counts[-1] if counts else 0
 
 
+class KeptLog:
+    """A logger that keeps what it is told, (event, fields), for a daemon object in a test."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **fields: self.seen.append((event, fields))
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.seen if name == event]
+
+
 @dataclass
 class CgroupFactory:
     """Creates memory cgroups beneath the test's own; removes them (and kills what is left in

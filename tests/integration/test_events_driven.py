@@ -17,7 +17,16 @@ from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
 from oomguard.daemon.wiring import build_checkpointer, build_criu
 from oomguard.sense.procfs import ProcReader
-from tests.helpers import EMULATION_FACTOR, CgroupFactory, MiB, daemon, hog_argv, start_in_cgroup, wait_until
+from tests.helpers import (
+    EMULATION_FACTOR,
+    CgroupFactory,
+    KeptLog,
+    MiB,
+    daemon,
+    hog_argv,
+    start_in_cgroup,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 NO_RESCAN = '[daemon]\nrescan_interval = "1h"\n\n'
@@ -142,18 +151,6 @@ def test_a_limit_written_after_the_cgroup_was_made_arms_it_at_that_limit(
         armed_with(guard, job.path, 192 * MiB)
 
 
-class _Events:
-    """The daemon's log, kept: (event, fields)."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **fields: self.seen.append((event, fields))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [fields for name, fields in self.seen if name == event]
-
 
 def test_a_limit_written_while_the_guard_is_being_armed_is_not_missed(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
@@ -170,7 +167,7 @@ def test_a_limit_written_while_the_guard_is_being_armed_is_not_missed(
     config = load_config(path)
     layout = read_layout()
     checkpointer = build_checkpointer(config, build_criu(config.criu, layout, ProcReader()))
-    log = _Events()
+    log = KeptLog()
     guard_daemon = Daemon(config, checkpointer, layout, log)
     read = guard_daemon.armer.own_snapshot
     written: list[int] = []

@@ -19,23 +19,12 @@ from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
 from oomguard.daemon.wiring import build_checkpointer, build_criu
 from oomguard.sense.procfs import ProcReader
-from tests.helpers import EMULATION_FACTOR, CgroupFactory, MiB
+from tests.helpers import EMULATION_FACTOR, CgroupFactory, KeptLog, MiB
 
 pytestmark = pytest.mark.integration
 
 
-class _Events:
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-
-    def __getattr__(self, level: str) -> Any:
-        return lambda event, **fields: self.seen.append((event, fields))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [fields for name, fields in self.seen if name == event]
-
-
-def _daemon(paths: list[Path], store: Path, tmp_path: Path) -> tuple[Daemon, _Events]:
+def _daemon(paths: list[Path], store: Path, tmp_path: Path) -> tuple[Daemon, KeptLog]:
     config_file = tmp_path / "marks.toml"
     cgroups = ", ".join(f'"{p}"' for p in paths)
     config_file.write_text(f'[daemon]\nrescan_interval = "1h"\nstore = "{store}"\nnice = 0\n\n'
@@ -43,7 +32,7 @@ def _daemon(paths: list[Path], store: Path, tmp_path: Path) -> tuple[Daemon, _Ev
     config = load_config(config_file)
     layout = read_layout()
     checkpointer = build_checkpointer(config, build_criu(config.criu, layout, ProcReader()))
-    log = _Events()
+    log = KeptLog()
     daemon = Daemon(config, checkpointer, layout, log)
     daemon.max_sleep = 0.2  # a loop turn never waits long, whatever happens
     return daemon, log
