@@ -33,8 +33,19 @@ from oomguard.model.errors import CgroupGone
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
 from oomguard.store.ledger import SavedLimits
 
-SWEEP_SLICES = 10  # with inotify, each safety rescan stats this share of the guards
+# With inotify at work, each safety rescan stats a slice of the guards' limit files: a tenth
+# of them, and never more than SWEEP_MOST (beyond 160 guards each is looked at every
+# guards/16 rescans: an idle daemon guarding 1000 cgroups costs what guarding one does).
+SWEEP_SLICES = 10
+SWEEP_MOST = 16
 ARM_ROUNDS = 3  # a limit written while arming: armed again, at most this many times in all
+
+
+def sweep_slice(guards: list[CgroupGuard], turn: int) -> tuple[list[CgroupGuard], int]:
+    """The guards one safety rescan looks at (inotify at work), and the next turn."""
+    slices = max(SWEEP_SLICES, -(-len(guards) // SWEEP_MOST))
+    turn = (turn + 1) % slices
+    return guards[turn::slices], turn
 
 
 class CgroupGuardsMixin:
@@ -52,6 +63,7 @@ class CgroupGuardsMixin:
     files: CgroupFiles
     park_watch: ParkWatchdog
     _fd_owner: dict[int, tuple[Guard, str]]
+    _timed: dict[int, CgroupGuard]  # id -> the guard, for those with a due_at
     _globs: list[tuple[GuardConfig, str]]
     _examine_on_arm: bool
     _rule_parts: dict[int, Any]  # id(rule) -> its compiled parts (acting.RuleParts)
@@ -102,6 +114,8 @@ class CgroupGuardsMixin:
         """Arm these guards together (concurrently: see arming.py), then register and report
         each, and look at each that is over its threshold already; their marks beyond the
         threshold follow from beside the loop (_add_later_marks)."""
+        if not guards:  # a rescan that found nothing: the directories watched stand
+            return
         armed: list[Prepared] = []
         for round_ in range(ARM_ROUNDS):
             if not guards:
@@ -179,7 +193,7 @@ class CgroupGuardsMixin:
             if guard.poll_only:
                 polled = f"polling every {self.config.poll_interval * 1000:.0f}ms"
                 guard.detection = f"{guard.detection} + {polled}" if guard.fds else polled
-                guard.due_at = self.clock()
+                self._set_due(guard, self.clock())
             self._register(guard)
             parking = watch.parks_at_limit(guard)
             if parking is not None:
@@ -202,6 +216,15 @@ class CgroupGuardsMixin:
             return guard.cgroup.limit() != armed
         except (CgroupGone, OSError):
             return False  # gone: the directory watch and the rescan say so
+
+    def _set_due(self, guard: CgroupGuard, at: float | None) -> None:
+        """When to look at `guard` without an event (None: only on events), in the
+        timetable the loop's GuardPolls reads."""
+        guard.due_at = at
+        if at is None:
+            self._timed.pop(id(guard), None)
+        else:
+            self._timed[id(guard)] = guard
 
     def _register(self, guard: Guard) -> None:
         for fd, kind in guard.fds.items():
@@ -266,17 +289,17 @@ class CgroupGuardsMixin:
     def _safety_rescan(self, everything: bool = False) -> None:
         """Every rescan_interval (and, for `everything`, when inotify lost events): what
         notifications could have missed. Each guard looked at costs one stat(2) of its limit
-        file unless it changed; with inotify at work a tenth of the guards is looked at each
-        time (all of them every SWEEP_SLICES rescans), without it all of them."""
+        file unless it changed; with inotify at work a slice of the guards is looked at each
+        time (see SWEEP_SLICES), without it all of them."""
         rearm = self._glob_matches() if self._globs else []
         guards = self._cgroup_guards()
         if self.files.available and not everything:
-            self._sweep_turn = (self._sweep_turn + 1) % SWEEP_SLICES
-            guards = guards[self._sweep_turn::SWEEP_SLICES]
+            guards, self._sweep_turn = sweep_slice(guards, self._sweep_turn)
+        new = {id(guard) for guard in rearm}
         for guard in guards:
-            if guard in rearm:
+            if id(guard) in new:
                 continue
-            now = stamp(guard.cgroup.path / guard.cgroup.limit_file)
+            now = stamp(f"{guard.name}/{guard.cgroup.limit_file}")  # (no Path made: 8 us each)
             if now is None:
                 if guard.present and not guard.cgroup.exists():
                     self._cgroup_gone(guard)
@@ -316,7 +339,7 @@ class CgroupGuardsMixin:
             self.files.unwatch_limit(guard.name)
             self.saved_high.forget_many(self._put_back(guard))  # the cgroup is gone: forgets
             guard.present = False
-            guard.due_at = None
+            self._set_due(guard, None)
             guard.limit_stamp = None
             self._dirs_stale = True  # watch where it would be made again
 

@@ -60,6 +60,8 @@ class ExaminingMixin:
     if TYPE_CHECKING:  # Daemon's (never defined here: they would shadow the real ones)
         def _cgroup_gone(self, guard: CgroupGuard) -> None: ...
 
+        def _set_due(self, guard: CgroupGuard, at: float | None) -> None: ...
+
         def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None: ...
 
         def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]: ...
@@ -99,7 +101,7 @@ class ExaminingMixin:
         else:
             guard.samples = None
         if snap.under_oom:  # parked at the limit: never left waiting for an event
-            guard.due_at = min(guard.due_at or 1e18, self.clock() + PARKED_RETRY)
+            self._set_due(guard, min(guard.due_at or 1e18, self.clock() + PARKED_RETRY))
         if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock()):
             return
         self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
@@ -124,7 +126,7 @@ class ExaminingMixin:
         else:
             guard.watch_sample = None
             guard.watch_interval = 0.0
-        guard.due_at = due
+        self._set_due(guard, due)
 
     def _act_on_cgroup(self, guard: CgroupGuard, snap: MemorySnapshot, woke: float, reason: str,
                        acting: bool) -> None:

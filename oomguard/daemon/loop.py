@@ -92,6 +92,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock,
                                                  newcomers=self.newcomers.since)
         self.guards: list[Guard] = []
+        self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
+        self._timed: dict[int, CgroupGuard] = {}  # the cgroup guards with a due_at
         self.epoll = poller()  # select.epoll's register/unregister/poll/close (a test's fake)
         self._fd_owner: dict[int, tuple[Guard, str]] = {}
         self._stopping = False
@@ -188,6 +190,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                 system = SystemGuard(spec=spec)
                 system.parts = rule_parts(spec)
                 self.guards.append(system)
+                self._system_guards.append(system)
                 arm_system(system, self.psi_trigger)
                 self._register(system)
                 self.log.info("guard.armed", cgroup="system", detection=system.detection,
@@ -236,6 +239,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._warn_config(warnings)
         self._release_guards()
         self.guards = []
+        self._system_guards = []
+        self._timed = {}
         self._globs = []
         self._rule_parts = {}
         self.config = replace(new, store=self.config.store, socket=self.config.socket,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.keeper import StoreKeeper
@@ -22,6 +23,7 @@ class SettlingMixin:
     """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
 
     log: Any
+    config: DaemonConfig
     checkpointer: Checkpointer
     keeper: StoreKeeper
     auto_restore: AutoRestorer
@@ -46,7 +48,8 @@ class SettlingMixin:
             self._settle_lifts()
             waiting = waiting or self.checkpointer.lifts.pending() or bool(self._limit_busy)
         waiting = self.keeper.tick() or waiting
-        restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present]
+        restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present] \
+            if any(rule.auto_restore for rule in self.config.guards) else []
         if restoring:
             wanted = self.keeper.waiting_cgroups()
             for guard in restoring:

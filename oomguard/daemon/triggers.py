@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
-from oomguard.daemon.guards import Guard, SystemGuard
+from oomguard.daemon.guards import Guard
 
 if TYPE_CHECKING:
     from oomguard.daemon.loop import Daemon
@@ -42,24 +42,28 @@ class MarksIn:
 
 
 class GuardPolls:
-    """Guards looked at on a schedule rather than on events."""
+    """Guards looked at on a schedule rather than on events: the system rule's, and the cgroup
+    guards that have a time set (the daemon's timetable, `_timed`: never all of them, so a
+    turn of the loop costs the same whatever the number of guards)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
-    def _due_at(self, guard: Guard) -> float | None:
-        if isinstance(guard, SystemGuard):
-            return self.daemon._next_system_poll
-        return guard.due_at if guard.present else None
+    def _scheduled(self) -> list[tuple[Guard, float]]:
+        daemon = self.daemon
+        found: list[tuple[Guard, float]] = [(g, daemon._next_system_poll)
+                                            for g in daemon._system_guards]
+        found += [(g, g.due_at) for g in daemon._timed.values()
+                  if g.present and g.due_at is not None]
+        return found
 
     def due_in(self, now: float) -> float | None:
-        due = [at for at in map(self._due_at, self.daemon.guards) if at is not None]
+        due = [at for _guard, at in self._scheduled()]
         return min(due) - now if due else None
 
     def fire(self, now: float, fired: Collection[Guard]) -> None:
-        for guard in self.daemon.guards:
-            at = self._due_at(guard)
-            if guard not in fired and at is not None and now >= at:
+        for guard, at in self._scheduled():
+            if now >= at and not any(guard is f for f in fired):
                 self.daemon._examine(guard, now, "poll")
 
 

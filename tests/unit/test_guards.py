@@ -146,3 +146,20 @@ def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Pa
     assert (v1 / "kept" / "memory.oom_control").read_text() == "1"  # the armed guard's
     assert (v2 / "kept" / "memory.high").read_text() == "200"
     assert saved.items() == {str(v1 / "kept") + OOM_KILL_KEY: 0, str(v2 / "kept"): 300}
+
+
+@pytest.mark.parametrize("count", [1, 9, 10, 160, 161, 1000, 5000])
+def test_the_safety_rescan_looks_at_every_guard_a_few_at_a_time(count: int) -> None:
+    """With inotify at work: at most SWEEP_MOST limit files stat'ed per rescan, each guard
+    within max(SWEEP_SLICES, count / SWEEP_MOST) rescans."""
+    from oomguard.daemon.cgroupguards import SWEEP_MOST, SWEEP_SLICES, sweep_slice
+
+    guards = list(range(count))
+    rounds = max(SWEEP_SLICES, -(-count // SWEEP_MOST))
+    seen: list[int] = []
+    turn = 0
+    for _ in range(rounds):
+        looked, turn = sweep_slice(guards, turn)  # type: ignore[arg-type]
+        assert len(looked) <= SWEEP_MOST
+        seen += looked  # type: ignore[arg-type]
+    assert sorted(seen) == guards

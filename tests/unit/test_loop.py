@@ -246,3 +246,38 @@ def test_every_trigger_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing
     assert rescan.due_in(clock.now) == pytest.approx(30.0)
     daemon._action_done("x")  # an action ended (from an Actor thread): settled at once
     assert settling.due_in(clock.now) == 0.0
+
+
+def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> None:
+    """A cgroup guard is polled when it has a time set (_set_due) and is present, not by a
+    scan of every guard; taken off the timetable, it is no longer due."""
+    from types import SimpleNamespace
+
+    from oomguard.config.loading import GuardConfig
+    from oomguard.daemon.guards import CgroupGuard
+    from oomguard.daemon.triggers import GuardPolls
+
+    daemon, clock, _epoll, _log, _memory = make_daemon(tmp_path, rescan="1h")
+    closing(daemon)
+    daemon.arm()
+    polls = next(t for t in daemon.triggers if isinstance(t, GuardPolls))
+    quiet, timed = (CgroupGuard(spec=GuardConfig(cgroups=("x",)),
+                                cgroup=SimpleNamespace(path=Path(f"/x/{n}")))  # type: ignore[arg-type]
+                    for n in ("quiet", "timed"))
+    daemon.guards += [quiet, timed]
+    examined: list[str] = []
+    daemon._examine = lambda guard, now, source: examined.append(guard.name)  # type: ignore[method-assign]
+    assert polls.due_in(clock.now) is None
+    daemon._set_due(timed, clock.now + 5)
+    assert polls.due_in(clock.now) == pytest.approx(5.0)
+    polls.fire(clock.now, [])
+    assert examined == []
+    polls.fire(clock.now + 5, [timed])  # examined on its own event this turn: not again
+    assert examined == []
+    polls.fire(clock.now + 5, [])
+    assert examined == ["/x/timed"]
+    timed.present = False
+    assert polls.due_in(clock.now) is None
+    timed.present = True
+    daemon._set_due(timed, None)
+    assert polls.due_in(clock.now) is None and daemon._timed == {}
