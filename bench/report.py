@@ -122,7 +122,7 @@ def ratios(results: dict[str, Any]) -> list[str]:
             versus = (f" = {row['cpu_s'] / peer['cpu_s']:.1f} x earlyoom's {peer['cpu_s']:.3f} s"
                       f" and {row['rss_mib'] / peer['rss_mib']:.0f} x its RSS "
                       f"({peer['rss_mib']:.1f} MiB)" if peer and peer["cpu_s"] > 0 else "")
-            lines.append(f"- Idle, {label}: {row['cpu_s']:.3f} CPU s per {row['seconds']:.0f} s, "
+            lines.append(f"- Idle, {label}: {row['cpu_s']:.4f} CPU s per {row['seconds']:.0f} s, "
                          f"{row['rss_mib']:.1f} MiB RSS{versus}.")
     scale = results.get("scale")
     if scale and latency:
@@ -382,10 +382,12 @@ def write_report(results: dict[str, Any], out: Path) -> None:
                          for r in packed_summary(packed)])
     idle = results.get("idle")
     if idle:
-        lines += ["## 4. Idle cost", "", "The same window for all, side by side.", ""]
+        lines += ["## 4. Idle cost", "", "The same windows for all, side by side: CPU seconds "
+                  "per window, the median of consecutive windows (each window's in results.json: "
+                  "on this VM the host's steal lands in some, for every process alike).", ""]
         lines += _table(["process", "seconds", "CPU s", "CPU s (ticks)", "RSS MiB",
                          "peak RSS MiB", "threads", "start-up s", "start-up CPU s"],
-                        [[k, _f(v["seconds"]), _f(v["cpu_s"], 3), _f(v["cpu_s_ticks"], 2),
+                        [[k, _f(v["seconds"]), _f(v["cpu_s"], 4), _f(v["cpu_s_ticks"], 2),
                           _f(v["rss_mib"]), _f(v["peak_rss_mib"]), str(v["threads"]),
                           _f(v.get("startup_s"), 2), _f(v.get("startup_cpu_s"), 2)]
                          for k, v in idle.items()])
