@@ -273,15 +273,29 @@ class Clients(threading.Thread):
             self.done.wait(0.003)
 
 
+def queued_connections(port: int) -> int:
+    """The accept queue of the listener on 127.0.0.1:`port` (/proc/net/tcp's rx_queue of a
+    LISTEN socket is its count of connections waiting to be accepted)."""
+    local = f"0100007F:{port:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[3] == "0A":
+            return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on port {port}")
+
+
 def test_a_server_under_connection_load_checkpoints_and_answers_again(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
-    """Connections waiting in the listening socket's accept queue (the server is stopped, the
-    kernel completes their handshakes) are dropped from the dump (--skip-in-flight): CRIU
-    would refuse the dump otherwise ("In-flight connection (l)")."""
+    """Connections waiting in the listening socket's accept queue (the kernel completed their
+    handshakes, the server has not accepted them) are dropped from the dump (--skip-in-flight):
+    CRIU would refuse the dump otherwise ("In-flight connection (l)"). The server stalls (accepts
+    nothing) before the checkpoint so that some are surely queued: left to the freeze, whether
+    one is depends on where the client's 3 ms loop is (CI once found none)."""
     cg = cgroups.make("server", None)
     port_file = tmp_path / "port"
+    stall = tmp_path / "stall"
     server = start_in_cgroup(cg, [sys.executable, str(SERVER), "--port-file", str(port_file),
-                                  "--hold", "64"])
+                                  "--hold", "64", "--stall-file", str(stall)])
     restored = 0
     clients: Clients | None = None
     try:
@@ -289,7 +303,12 @@ def test_a_server_under_connection_load_checkpoints_and_answers_again(
         port = int(port_file.read_text())
         clients = Clients(port)
         clients.start()
-        assert wait_until(lambda: len(clients.answers) > 50, 20)  # type: ignore[union-attr]
+        assert wait_until(lambda: len(clients.answers) > 50, 20)
+        stall.touch()
+        failed = clients.failures
+        # A connection the client gave up on (0.3 s) stays queued until the server accepts it.
+        assert wait_until(lambda: clients.failures > failed, 10)
+        assert queued_connections(port) > 0
         done = run_oomguard(store, "checkpoint", str(server.pid))
         assert done.returncode == 0, done.stderr
         assert server.wait(timeout=10) == -signal.SIGKILL
@@ -297,6 +316,7 @@ def test_a_server_under_connection_load_checkpoints_and_answers_again(
         dump_log = (Store(store).images_of(done.stdout.strip()) / "dump.log").read_text()
         assert "skipping in-flight connection" in dump_log.lower(), "nothing was in flight"
 
+        stall.unlink()
         back = run_oomguard(store, "restore", done.stdout.strip())
         assert back.returncode == 0, back.stderr
         restored = int(back.stdout.strip())

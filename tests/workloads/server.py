@@ -2,6 +2,8 @@
 
 Listens on 127.0.0.1 (an ephemeral port, written to `--port-file`), holds `--hold` MiB, and
 answers each connection with the number of connections it has accepted so far, then closes it.
+While the file `--stall-file` names exists it accepts nothing (a server busy elsewhere), so the
+kernel queues the clients' connections in its accept queue: in flight at a checkpoint.
 After a checkpoint and restore it must listen on the same port and go on counting.
 """
 
@@ -11,12 +13,14 @@ import argparse
 import os
 import socket
 import sys
+import time
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--hold", type=int, default=0, help="MiB to hold")
+    parser.add_argument("--stall-file", default="", help="accept nothing while it exists")
     args = parser.parse_args()
     held = [bytes([i % 251]) * (1 << 20) for i in range(args.hold)]
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -29,6 +33,8 @@ def main() -> int:
     os.replace(tmp, args.port_file)
     served = 0
     while True:
+        while args.stall_file and os.path.exists(args.stall_file):
+            time.sleep(0.005)
         conn, _ = listener.accept()
         served += 1
         try:
