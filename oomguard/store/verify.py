@@ -76,8 +76,10 @@ class RestoreVerifier:
     """`expected`: name -> digest from the checkpoint's sums file (`sums_name`)."""
 
     def __init__(self, images: Path, algorithm: str, expected: dict[str, str], sums_name: str,
-                 *, clock: Callable[[], float] = time.monotonic) -> None:
+                 *, ahead: int = AHEAD,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.images = images
+        self.ahead = ahead  # bytes asked for past the hash's position (0: none)
         self.algorithm = algorithm
         self.expected = expected
         self.sums_name = sums_name
@@ -169,7 +171,8 @@ class RestoreVerifier:
             while pending and not stop():
                 moved = False
                 for item in pending:
-                    if item.offset and item.advised < min(item.offset + AHEAD, item.size):
+                    if self.ahead and item.offset \
+                            and item.advised < min(item.offset + self.ahead, item.size):
                         os.posix_fadvise(item.fd, item.advised, AHEAD_STEP,
                                          os.POSIX_FADV_WILLNEED)
                         item.advised += AHEAD_STEP

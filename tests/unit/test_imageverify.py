@@ -151,3 +151,74 @@ def test_a_verifier_that_breaks_never_says_ok(tmp_path: Path,
     verdict = answer(reply, 10.0)
     assert verdict is not None and verdict != REPLY_OK and "not verified" in verdict
     assert verifier.finish().problems
+
+
+def _cached(path: Path, offset: int) -> bool:
+    """Is the block at `offset` in the page cache (a read that may not wait for the disk)?"""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(4096)], offset, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _half_cached(tmp_path: Path) -> Path:
+    """A pages file of 3 MiB whose first MiB alone is in the page cache."""
+    images = _images(tmp_path)
+    (images / "pages-2.img").unlink()  # one file is enough
+    path = images / "pages-1.img"
+    _uncache(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past what is read
+        os.pread(fd, 1 << 20, 0)
+    finally:
+        os.close(fd)
+    if _cached(path, len(PAGES) - 4096):
+        pytest.skip("the page cache kept what was dropped (a file system without a disk)")
+    return path
+
+
+def _follow_until_stuck(verifier: RestoreVerifier) -> None:
+    looks = iter(range(200))  # 200 looks, about 0.2 s: no page comes in by itself meanwhile
+    verifier.follow_pages(lambda: next(looks, None) is None, lambda: False)
+
+
+def test_reads_are_asked_for_ahead_of_what_criu_read(tmp_path: Path) -> None:
+    """The eager restore's verifier asks for the pages past its position (CRIU reads them
+    next): the rest of the file comes into the cache without CRIU."""
+    path = _half_cached(tmp_path)
+    images = path.parent
+    verifier = RestoreVerifier(images, XXH3, compute(images, XXH3), "XXH128SUMS")
+    _follow_until_stuck(verifier)
+    deadline = time.monotonic() + 10
+    while not _cached(path, len(PAGES) - 4096) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _cached(path, len(PAGES) - 4096)
+
+
+def test_with_no_reads_ahead_nothing_is_asked_for(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lazy keeper's verifier (ahead=0) asks for no reads past its position while CRIU's
+    lazy-pages daemon serves the job (reads queued ahead of the daemon's delay the job's
+    faults); it still hashes every page (a miss starts at most the kernel's own readahead)."""
+    path = _half_cached(tmp_path)
+    images = path.parent
+    asked: list[int] = []
+    fadvise = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append(offset)
+        fadvise(fd, offset, length, advice)
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    verifier = RestoreVerifier(images, XXH3, compute(images, XXH3), "XXH128SUMS", ahead=0)
+    assert verifier.follow_pages(lambda: False, lambda: True) == []
+    assert verifier.pages_bytes == len(PAGES) and asked == []
+    default = RestoreVerifier(images, XXH3, compute(images, XXH3), "XXH128SUMS")
+    _uncache(path)
+    assert default.follow_pages(lambda: False, lambda: True) == []
+    assert asked  # the eager restore's verifier does ask
