@@ -4,12 +4,12 @@ restored job and the lazy-pages daemon do.
 
 It holds LOCK_FD (the checkpoint's restore lock, an flock inherited from the restore) for as
 long as pages stream in, verifies the pages files meanwhile (hashing them from the page cache
-behind the lazy-pages daemon), is told on stdin which tree was restored (`go ROOT LAZYPID`, or `abort LAZYPID`: the
-restore failed; end of file: its parent died), and ends once the lazy-pages daemon has ended
-(every page is in, or the job is gone) and the pages are verified. A mismatch kills the restored
-tree and the lazy-pages daemon, and sets the checkpoint back to "checkpointed" (an eager restore
-will refuse it, naming the file). Its account goes to CHECKPOINT_DIR/lazy.json; its messages to
-lazy-keeper.log beside it.
+behind the lazy-pages daemon), is told on stdin which tree was restored (`go ROOT LAZYPID`,
+or `abort LAZYPID`: the restore failed; end of file: its parent died), and ends once the
+lazy-pages daemon has ended (every page is in, or the job is gone) and the pages are verified.
+A mismatch kills the restored tree and the lazy-pages daemon, and sets the checkpoint back to
+"checkpointed" (an eager restore will refuse it, naming the file). Its account goes to
+CHECKPOINT_DIR/lazy.json; its messages to lazy-keeper.log beside it.
 """
 
 from __future__ import annotations
