@@ -11,7 +11,6 @@ nothing but the model (the CLI finds the daemon's socket in it before anything e
 from __future__ import annotations
 
 import tomllib
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +219,13 @@ def load_config_text(text: str, source: str) -> DaemonConfig:
 
 
 def embedded_config_text() -> str:
+    # Beside this package on disk (an installed or editable package): read as a file, as
+    # importlib.resources would, without its imports (9 ms of every CLI start here).
+    beside = Path(__file__).parent.parent / "data" / "oomguard.toml"
+    if beside.is_file():
+        return beside.read_text()
+    from importlib import resources  # from a zip or another loader
+
     return resources.files("oomguard").joinpath("data/oomguard.toml").read_text()
 
 

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 from oomguard.act.criu_hook import drop_cache, tree_pids
-from oomguard.lifecycle.lazyrestore import LAZY_STATUS
 from oomguard.model.errors import StoreError
 from oomguard.sense.fdwait import wait_readable
 from oomguard.store.checkpoints import IMAGES, STATE_CHECKPOINTED, Store
 from oomguard.store.integrity import find_sums, read_sums
 from oomguard.store.verify import RestoreVerifier
 
+LAZY_STATUS = "lazy.json"  # the keeper's account, written when it ends
 GIVE_UP_AFTER = 7 * 86400.0  # a job that never touches its last pages: the daemon waits, we too
 
 

@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import IO
 
 from oomguard.act.criu import Criu
+from oomguard.lifecycle.lazykeeper import LAZY_STATUS
 from oomguard.model.errors import CriuError
 
 LAZY_SOCKET = "lazy-pages.socket"  # CRIU's name, in the work dir
 LAZY_PID = "lazy-pages.pid"
 LAZY_LOG = "lazy-pages.log"
 KEEPER_LOG = "lazy-keeper.log"
-LAZY_STATUS = "lazy.json"  # the keeper's account, written when it ends
 LAZY_LOG_LEVEL = 3  # 4 logs every page copied: a line per 4 KiB
 # The keepers this process started, reaped as they end. A lazily restored job needs its
 # lazy-pages daemon until every page is in: were that daemon killed first, the kernel would

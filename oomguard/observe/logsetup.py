@@ -1,11 +1,11 @@
 """structlog set-up for the daemon and the CLI: JSON lines when not on a TTY, console on a TTY.
 
-structlog (and asyncio, which it loads) is imported at the first logger asked for, not before:
-the CLI asks the daemon first and logs what came back (a restore's job runs 30 ms sooner)."""
+structlog (and asyncio, which it loads, and logging) is imported at the first logger asked
+for, not before: the CLI asks the daemon first and logs what came back (a restore's job runs
+30 ms sooner)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -30,6 +30,8 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
         _pending = (fmt, level, stream)
         return
     _pending = None
+    import logging
+
     import structlog
 
     from oomguard.observe.journal import syslog_prefix_renderer

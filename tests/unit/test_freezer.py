@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.act.criu import KEEP_STOPPED_ENV, hook_script_text
 from oomguard.act.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
 from oomguard.act.freezer import Frozen, SigstopFreezer
 from oomguard.sense.procfs import ProcReader
@@ -131,6 +132,61 @@ def test_continue_tree_leaves_the_users_tasks_stopped(family: tuple[int, list[in
     assert inner is not None
     count, kept = continue_tree(root, {inner})
     assert (count, kept) == (2, [keep])
+    assert _until(lambda: _state(root) != "T" and _state(other) != "T")
+    assert _state(keep) == "T"
+
+
+def _post_resume(script: Path, root: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(script)], capture_output=True, text=True, timeout=10,
+                          env={"PATH": "/usr/bin:/bin", "CRTOOLS_SCRIPT_ACTION": "post-resume",
+                               "CRTOOLS_INIT_PID": root, **env})
+
+
+def _hook(tmp_path: Path, python: str) -> Path:
+    script = tmp_path / "hook"
+    script.write_text(hook_script_text(python))
+    script.chmod(0o700)
+    return script
+
+
+def test_the_hook_continues_a_whole_tree_without_python(tmp_path: Path) -> None:
+    """With no task to keep stopped, the action script's shell continues the tree itself (a
+    root, its children and a grandchild, all stopped): its Python here is /bin/false, which
+    would fail the action had it run."""
+    root = subprocess.Popen(["/bin/sh", "-c", "sleep 60 & (sleep 60 & wait) & wait"],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = ProcReader()
+    try:
+        assert _until(lambda: len(proc.descendants(root.pid)) == 4)
+        tree = proc.descendants(root.pid)
+        for pid in tree:
+            os.kill(pid, signal.SIGSTOP)
+        assert _until(lambda: all(_state(p) == "T" for p in tree))
+        done = _post_resume(_hook(tmp_path, "/bin/false"), str(root.pid))
+        assert (done.returncode, done.stderr) == (0, "")
+        assert _until(lambda: not any(_state(p) == "T" for p in tree))
+    finally:
+        for pid in reversed(proc.descendants(root.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        root.wait()
+
+
+def test_the_hook_leaves_no_stopped_task_to_the_shell(family: tuple[int, list[int]],
+                                                      tmp_path: Path) -> None:
+    """Tasks the user had stopped: the action script hands the continue to the hook's Python,
+    which leaves them so; a pid that is not a number, or gone, continues nothing and fails
+    nothing."""
+    root, (keep, other) = family
+    for pid in (root, keep, other):
+        os.kill(pid, signal.SIGSTOP)
+    assert _until(lambda: all(_state(p) == "T" for p in (root, keep, other)))
+    script = _hook(tmp_path, sys.executable)
+    for bad in ("", "1; kill -STOP 1", "999999999"):
+        assert _post_resume(script, bad).returncode == 0
+    assert all(_state(p) == "T" for p in (root, keep, other))
+    done = _post_resume(script, str(root), **{KEEP_STOPPED_ENV: str(ns_pid(keep))})
+    assert done.returncode == 0, done.stderr
     assert _until(lambda: _state(root) != "T" and _state(other) != "T")
     assert _state(keep) == "T"
 
