@@ -225,7 +225,8 @@ def cmd_restore(args: argparse.Namespace) -> int:
     log = get_logger()  # structlog loads now: the job runs already
     log.info("restore.done", id=result["id"], pid=result["pid"], seconds=result["seconds"],
              verify_s=result.get("verify_s"), total_s=result.get("total_s"),
-             lazy=result.get("lazy"), cgroup=result.get("cgroup"),
+             lazy=result.get("lazy"), warmed_bytes=result.get("warmed_bytes") or None,
+             cgroup=result.get("cgroup"),
              gpu_pids=result.get("gpu_pids") or None)
     if result.get("lazy_fallback"):
         print(f"oomguard: restored eagerly, not lazily: {result['lazy_fallback']}",

@@ -32,7 +32,7 @@ method List() -> (checkpoints: []object, skipped: []object)
 method Show(id: string) -> (checkpoint: object)
 method Restore(id: string, cgroup: ?string, force: ?bool, lazy: ?bool)
   -> (id: string, pid: int, seconds: float, verify_s: float, total_s: float, lazy: bool,
-      lazy_fallback: ?string, cgroup: ?string)
+      lazy_fallback: ?string, warmed_bytes: int, cgroup: ?string)
 method Forget(id: string) -> (id: string)
 method Checkpoint(pid: int, reason: ?string) -> (checkpoint: object)
 method GpuResume(pid: int) -> (pid: int)

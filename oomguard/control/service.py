@@ -178,6 +178,7 @@ class Service:
                  "seconds": round(result.seconds, 3),
                  "verify_s": round(result.verify_s, 3), "total_s": round(result.total_s, 3),
                  "lazy": result.lazy, "lazy_fallback": result.lazy_fallback,
+                 "warmed_bytes": result.warmed_bytes,
                  "cgroup": result.meta.restored_cgroup}
         if result.gpu_pids or result.gpu_error:
             found.update(gpu_pids=list(result.gpu_pids), gpu_error=result.gpu_error)

@@ -9,6 +9,9 @@ the CLI like the daemon, holds the checkpoint's restore lock meanwhile (no secon
 forget, no pruning of images still being read), verifies the pages, and finally drops their
 page cache and writes `lazy.json` (when every page was in, what verification found).
 
+Before CRIU starts, the restore warms the page cache with the job's small runs of memory
+(oomguard/store/pagemap.py), what it touches first; the bulk is left to the lazy-pages daemon.
+
 What is verified when: every image but the pages before CRIU starts, as for an eager restore;
 the pages while they stream in (the keeper reads them ahead of the lazy daemon, which then finds
 them in the page cache). A job that touched a damaged page has run with it until the keeper

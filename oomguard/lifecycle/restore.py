@@ -25,12 +25,17 @@ from oomguard.model.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, 
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name
+from oomguard.store.pagemap import small_runs, warm
 from oomguard.store.verify import RestoreVerifier
 from oomguard.terminal.client import HolderError
 from oomguard.terminal.external import TTYS
 from oomguard.terminal.restore import TtyLease, criu_tty_hint, gid_of, lease_ttys
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
+# A lazy restore warms the page cache with up to this much of the job's smallest runs of memory
+# (warm_small_runs). 1 GiB job on this VM, 8 restores each way: the first beat came 8-50 ms
+# (median 14) after CRIU returned, 20-110 ms (median 43) without.
+WARM_BUDGET = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class RestoreResult:
     total_s: float = 0.0  # from the first check to the tree running
     lazy: bool = False  # its memory streams in after it runs (oomguard/lifecycle/lazyrestore.py)
     lazy_fallback: str | None = None  # asked to be lazy, restored eagerly: why
+    warmed_bytes: int = 0  # lazily: the job's small runs asked into the page cache first
     gpu_pids: tuple[int, ...] = ()  # host pids whose CUDA state was put back on the GPU
     gpu_error: str | None = None  # ...or why it could not be (the process runs, CUDA locked)
     stopped_pids: tuple[int, ...] = ()  # host pids left stopped, as the user had stopped them
@@ -91,6 +97,18 @@ def failure_fields(exc: BaseException) -> dict[str, str]:
 def cgroup_root_arg(cgroup: MemoryCgroup) -> str:
     """CRIU's --cgroup-root for the memory controller (v1 names it; v2 has one hierarchy)."""
     return f"memory:{cgroup.rel_path}" if cgroup.version == 1 else cgroup.rel_path
+
+
+def warm_small_runs(images: Path, budget: int = WARM_BUDGET) -> int:
+    """Before a lazy restore: the job's small runs of memory (stacks, heap, libraries' data,
+    checked with the other images just before) are asked into the page cache while CRIU and
+    the lazy-pages daemon start, so the job's first faults find them there; the bulk comes from
+    the lazy-pages daemon. Best effort: returns the bytes asked for (0 where the pagemaps
+    cannot be read: the daemon reads those pages anyway)."""
+    try:
+        return warm(images, small_runs(images, budget))
+    except StoreError:
+        return 0
 
 
 class Restorer:
@@ -194,6 +212,7 @@ class Restorer:
         # the keeper checks the pages as they stream in.)
         verifier = self._start_verifier(checkpoint_id, images, work_dir,
                                         pages=not lazy and not packed)
+        warmed = warm_small_runs(images) if lazy else 0
         session: LazySession | None = None
         expanded: list[Path] = []
         try:
@@ -247,7 +266,7 @@ class Restorer:
         if session is not None:
             session.hand_over(pid)  # the keeper holds the lock from here until all is in
         return RestoreResult(meta=meta, pid=pid, seconds=seconds, lazy=lazy,
-                             lazy_fallback=lazy_fallback,
+                             lazy_fallback=lazy_fallback, warmed_bytes=warmed,
                              verify_s=report.upfront_s + report.pages_s,
                              total_s=running - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,

@@ -208,7 +208,8 @@ class RestoreDone:
                     "seconds": round(r.seconds, 3), "uid": meta.uid, "command": meta.command}
         return {"id": meta.id, "pid": r.pid, "auto": False, "seconds": round(r.seconds, 3),
                 "verify_s": round(r.verify_s, 3), "lazy": r.lazy,
-                "lazy_fallback": r.lazy_fallback, "uid": meta.uid, "command": meta.command,
+                "lazy_fallback": r.lazy_fallback, "warmed_bytes": r.warmed_bytes or None,
+                "uid": meta.uid, "command": meta.command,
                 "cgroup": meta.restored_cgroup, "requested_by": self.requested_by}
 
 

@@ -17,9 +17,12 @@ from typing import Any
 import pytest
 
 from oomguard.act.criu import find_criu
+from oomguard.act.criu_hook import drop_cache
+from oomguard.lifecycle.restore import WARM_BUDGET, warm_small_runs
 from oomguard.model.errors import StoreError
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
+from oomguard.store.pagemap import small_runs
 from tests.helpers import (
     REPO,
     CgroupFactory,
@@ -79,6 +82,7 @@ def test_the_job_runs_at_once_and_its_memory_follows_intact(
     try:
         done = _event(restored.stderr, "restore.done")
         assert done["lazy"] is True, done  # how soon it runs: bench part 'lazy'
+        assert 0 < done["warmed_bytes"] <= WARM_BUDGET, done  # the interpreter, not the buffer
         # While pages stream in, the restore lock is the keeper's: no forget, no restore.
         try:
             Store(store).forget(checkpoint_id)
@@ -102,6 +106,41 @@ def test_the_job_runs_at_once_and_its_memory_follows_intact(
             pass
     finally:
         kill_pid(pid)
+
+
+def test_the_jobs_small_runs_of_memory_are_warmed_and_its_bulk_is_not(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """On a real checkpoint of a 256 MiB hog: the pagemaps account for every byte of the pages
+    images; what a lazy restore warms first is the interpreter's small runs, not the hog's
+    buffer, and they are in the page cache soon after."""
+    checkpoint_id, _ = _checkpoint(cgroups, store, tmp_path, "lazywarm")
+    images = store / checkpoint_id / "images"
+    pages = {p.name: p.stat().st_size for p in images.glob("pages-*.img")}
+    every = small_runs(images, 1 << 40)
+    assert sum(r.length for r in every) == sum(pages.values())
+    for name, size in pages.items():  # each file's runs tile it, in order
+        spans = sorted((r.offset, r.length) for r in every if r.pages_file == name)
+        assert [o for o, _ in spans] == [0, *[o + n for o, n in spans][:-1]]
+        assert spans[-1][0] + spans[-1][1] == size
+    buffer = max(every, key=lambda r: r.length)
+    assert buffer.length >= 256 << 20
+    warmed = small_runs(images, WARM_BUDGET)
+    assert warmed and buffer not in warmed and sum(r.length for r in warmed) <= WARM_BUDGET
+    drop_cache([str(images / name) for name in pages])
+    assert warm_small_runs(images) == sum(r.length for r in warmed)
+
+    def cached() -> bool:
+        for run in warmed:
+            fd = os.open(images / run.pages_file, os.O_RDONLY)
+            try:
+                os.preadv(fd, [bytearray(run.length)], run.offset, os.RWF_NOWAIT)
+            except BlockingIOError:
+                return False
+            finally:
+                os.close(fd)
+        return True
+    assert wait_until(cached, 10)
+    drop_cache([str(images / name) for name in pages])
 
 
 def test_damaged_pages_found_while_streaming_kill_the_job_and_keep_the_checkpoint(

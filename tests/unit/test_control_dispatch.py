@@ -250,7 +250,7 @@ def test_restore_own_reaches_restorer(service: Service) -> None:
                 lazy: bool) -> Any:
         seen.append((checkpoint_id, target, original, force, lazy))
         return SimpleNamespace(pid=4321, seconds=0.12345, verify_s=0.0456, total_s=0.2,
-                               lazy=True, lazy_fallback=None,
+                               lazy=True, lazy_fallback=None, warmed_bytes=6 << 20,
                                gpu_pids=(), gpu_error=None,
                                meta=SimpleNamespace(restored_cgroup="/jobs/a"))
 
@@ -259,7 +259,7 @@ def test_restore_own_reaches_restorer(service: Service) -> None:
                 lazy=True) == {
         "parameters": {"id": "alice-2", "pid": 4321, "was_pid": 7000 + ALICE, "seconds": 0.123,
                        "verify_s": 0.046, "total_s": 0.2, "lazy": True, "lazy_fallback": None,
-                       "cgroup": "/jobs/a"}}
+                       "warmed_bytes": 6 << 20, "cgroup": "/jobs/a"}}
     assert seen == [("alice-2", None, None, True, True)]
 
 

@@ -41,7 +41,8 @@ VICTIM = {"cgroup": "/sys/fs/cgroup/memory/jobs", "pid": 4242, "comm": "python3"
 BY_RULE = CheckpointDone(META, TIMINGS, VICTIM, "/var/lib/oomguard/20261202-1-ab", 123 << 20)
 ON_REQUEST = CheckpointDone(META, TIMINGS, requested_by=0)
 RESTORED = RestoreResult(meta=make_meta("job-1", restored_cgroup="/jobs/build"), pid=777,
-                         seconds=0.123456, verify_s=0.0456, lazy=True, lazy_fallback=None)
+                         seconds=0.123456, verify_s=0.0456, lazy=True, lazy_fallback=None,
+                         warmed_bytes=6 << 20)
 CRIU = {"error": "criu restore of job-1 failed", "criu_error": "Can't fork for 70: File exists"}
 
 
@@ -69,7 +70,7 @@ LINES: list[tuple[Event, str, str, list[tuple[str, Any]]]] = [
         ("seconds", 0.123), ("uid", 1000), ("command", "python3 train.py --epochs 3")]),
     (RestoreDone(RESTORED, requested_by=1000), "warning", "restore.done", [
         ("id", "job-1"), ("pid", 777), ("auto", False), ("seconds", 0.123), ("verify_s", 0.046),
-        ("lazy", True), ("lazy_fallback", None), ("uid", 1000),
+        ("lazy", True), ("lazy_fallback", None), ("warmed_bytes", 6 << 20), ("uid", 1000),
         ("command", "python3 train.py --epochs 3"), ("cgroup", "/jobs/build"),
         ("requested_by", 1000)]),
     (RestoreFailed("job-1", CRIU, "/jobs/a", retry_in_s=60.0), "error", "restore.failed", [
