@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import cli_result, disk_read, disk_read_into_new_memory, disk_write
+from oomguard.store.pagemap import message_fields, message_numbers
 from tests.helpers import HOG, CgroupFactory, MiB, kill_pid, wait_until
 
 MB = 1_000_000
@@ -32,41 +33,15 @@ HOOK_LINE = re.compile(r"oomguard criu hook: (\d+) bytes, fdatasync ([\d.]+) s, 
 BASELINE_RUNS = 2  # of each disk baseline, before every checkpoint
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, pos
-
-
-def _fields(data: bytes) -> dict[int, Any]:
-    """A protobuf message's varint and length-delimited fields (what stats-dump holds)."""
-    found: dict[int, Any] = {}
-    pos = 0
-    while pos < len(data):
-        key, pos = _varint(data, pos)
-        number, kind = key >> 3, key & 7
-        if kind == 0:
-            found[number], pos = _varint(data, pos)
-        elif kind == 2:
-            length, pos = _varint(data, pos)
-            found[number] = data[pos:pos + length]
-            pos += length
-        else:
-            raise ValueError(f"unexpected protobuf wire type {kind}")
-    return found
-
-
 def criu_stats(images: Path) -> dict[str, float]:
     """memdump/memwrite seconds and pages written, from CRIU's stats-dump (8 bytes of magic,
     a 4-byte size, then a stats_entry whose field 1 is the dump_stats_entry)."""
     data = (images / "stats-dump").read_bytes()
     size = int.from_bytes(data[8:12], "little")
-    dump = _fields(_fields(data[12:12 + size])[1])
+    entry = message_fields(data[12:12 + size]).get(1)
+    if not isinstance(entry, bytes):
+        raise ValueError("stats-dump holds no dump_stats_entry")
+    dump = message_numbers(entry)
     return {"freezing_s": dump[1] / 1e6, "frozen_s": dump[2] / 1e6,
             "memdump_s": dump[3] / 1e6, "memwrite_s": dump[4] / 1e6,
             "pages_written": dump.get(7, 0)}

@@ -40,7 +40,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
-            raise StoreError("pagemap: a number runs past its record")
+            raise StoreError("protobuf: a number runs past its message")
         byte = data[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
@@ -49,9 +49,10 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def _numbers(message: bytes) -> dict[int, int]:
-    """The varint fields of a protobuf message (the others are skipped)."""
-    found: dict[int, int] = {}
+def message_fields(message: bytes) -> dict[int, int | bytes]:
+    """A protobuf message's varint fields (numbers) and length-delimited ones (bytes: strings
+    and nested messages); fixed-width ones are skipped. Raises StoreError."""
+    found: dict[int, int | bytes] = {}
     pos = 0
     while pos < len(message):
         key, pos = _varint(message, pos)
@@ -60,14 +61,21 @@ def _numbers(message: bytes) -> dict[int, int]:
             found[key >> 3], pos = _varint(message, pos)
         elif kind == 2:
             size, pos = _varint(message, pos)
+            found[key >> 3] = message[pos:pos + size]
             pos += size
         elif kind in (1, 5):
             pos += 8 if kind == 1 else 4
         else:
-            raise StoreError(f"pagemap: a field of unknown wire type {kind}")
+            raise StoreError(f"protobuf: a field of unknown wire type {kind}")
     if pos != len(message):
-        raise StoreError("pagemap: a field runs past its record")
+        raise StoreError("protobuf: a field runs past its message")
     return found
+
+
+def message_numbers(message: bytes) -> dict[int, int]:
+    """The varint fields of a protobuf message. Raises StoreError."""
+    return {key: value for key, value in message_fields(message).items()
+            if isinstance(value, int)}
 
 
 def read_pagemap(path: Path) -> list[PageRun]:
@@ -89,7 +97,10 @@ def read_pagemap(path: Path) -> list[PageRun]:
         pos += 4
         if pos + size > len(data):
             raise StoreError(f"pagemap {path.name}: cut short")
-        records.append(_numbers(data[pos:pos + size]))
+        try:
+            records.append(message_numbers(data[pos:pos + size]))
+        except StoreError as exc:
+            raise StoreError(f"pagemap {path.name}: {exc}") from None
         pos += size
     if not records or 1 not in records[0]:
         raise StoreError(f"pagemap {path.name}: no head")
