@@ -18,7 +18,8 @@ from typing import Any
 
 from oomguard.model.errors import OomguardError
 
-HOLDER_SCRIPT = Path(__file__).with_name("holder.py")
+HOLDER_MODULE = "oomguard.terminal.holder"
+LEADER_MODULE = "oomguard.terminal.leader"
 SYSTEM_DIR = Path("/run/oomguard/tty")
 SOCKET_NAME = re.compile(r"tty-[0-9a-f]{8}\.sock")
 DEFAULT_GRACE = 30.0  # seconds a vacated terminal waits for a checkpoint to claim it
@@ -99,7 +100,9 @@ def spawn_holder(master: int, listener: socket.socket, *, grace: float = DEFAULT
                  uid: int | None = None, gid: int | None = None) -> None:
     """Start a holder for `master`, serving `listener`; it detaches at once. As `uid` when given
     (a restore run by root for a user's job: the user attaches to it)."""
-    argv = [sys.executable, "-I", str(HOLDER_SCRIPT), "--master-fd", str(master),
+    # -I: isolated (no environment, no user site, no current directory on the path: a holder
+    # started from a directory someone else controls imports nothing from there).
+    argv = [sys.executable, "-I", "-m", HOLDER_MODULE, "--master-fd", str(master),
             "--listen-fd", str(listener.fileno()), "--grace", str(grace)]
     if pinned:
         argv += ["--pinned", pinned]
@@ -169,10 +172,11 @@ def request_slave(path: Path | str, timeout: float = 5.0) -> tuple[int, dict[str
 
 
 def connect_attach(path: Path | str) -> tuple[socket.socket, dict[str, Any]]:
-    """An attached connection (the holder's info read off it; output follows)."""
+    """An attached connection (the holder's info read off it; frames follow where the
+    holder's info says "frames", else its raw output)."""
     sock = _connect(path, 5.0)
     try:
-        sock.sendall(b'{"op": "attach"}\n')
+        sock.sendall(b'{"op": "attach", "frames": true}\n')
         info = _read_line(sock)
     except (OSError, HolderError) as exc:
         sock.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -13,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.model.errors import OomguardError
-from oomguard.terminal.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
+from oomguard.terminal.attach import ENDED, GONE, HANGUP, PINNED, attach_session
 from oomguard.terminal.client import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
-from oomguard.terminal.execwrap import ExecJob
+from oomguard.terminal.execwrap import EXIT_CHECKPOINTED, ExecJob
 from oomguard.terminal.external import SOCKET_ENV, TTYS, environ_value
+from oomguard.terminal.wire import describe_end, shell_status
 
 Call = Callable[..., dict[str, Any]]
 CHECKPOINT_WAIT = 15.0  # CRIU kills the tree, then the checkpoint is committed
@@ -79,19 +79,28 @@ def holder_of_pid(pid: int) -> str | None:
     return None
 
 
-def attach_to(path: str) -> int:
-    """Relay this terminal to the holder until the job ends or the user detaches."""
-    sock, _info = connect_attach(path)
+def attach_to(path: str, say: Callable[[str], None] | None = None) -> int:
+    """Show the job's terminal here until the job ends (its exit status is ours, as a shell's
+    `fg`), is checkpointed, or the user detaches (0)."""
+    tell = say or (lambda text: print(f"oomguard: {text}", file=sys.stderr, flush=True))
+    sock, info = connect_attach(path)
     stdin_fd = 0 if os.isatty(0) else None
-    out_fd = 1
-    with sock, raw_terminal(stdin_fd), \
-            signal_wakeups((signal.SIGHUP, signal.SIGTERM, signal.SIGINT)) as wake:
-        why = Relay(sock, stdin_fd, out_fd, wake, lambda _sig: DETACHED).run()
+    with sock:
+        why, client = attach_session(sock, info, stdin_fd, 1)
+    state = client.state
     if why == ENDED:
-        print("\noomguard: the job's terminal closed", file=sys.stderr)
-    else:
-        print(f"\noomguard: detached; `oomguard attach` again any time ({path})",
-              file=sys.stderr)
+        tell(f"the job {describe_end(state)}")
+        return shell_status(state)
+    if why == PINNED:
+        tell(f"the job was checkpointed as {state.pinned}; `oomguard restore {state.pinned}` "
+             "brings it back")
+        return EXIT_CHECKPOINTED
+    if why == GONE:
+        tell("the job's terminal closed")
+        return 0
+    if why == HANGUP:
+        return 0
+    tell(f"detached; `oomguard attach` again any time ({path})")
     return 0
 
 

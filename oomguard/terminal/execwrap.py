@@ -21,7 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.sense.fdwait import wait_readable
-from oomguard.terminal.attach import DETACHED, ENDED, Relay, raw_terminal, signal_wakeups
+from oomguard.terminal.attach import (
+    CLIENT_SIGNALS,
+    DETACHED,
+    ENDED,
+    GONE,
+    HANGUP,
+    PINNED,
+    JobClient,
+    in_foreground,
+    signal_wakeups,
+)
 from oomguard.terminal.client import (
     connect_attach,
     listen_at,
@@ -148,40 +158,54 @@ class ExecJob:
             os.close(master)
             listener.close()
         env = {**os.environ, SOCKET_ENV: str(path)}
-        sock, _info = connect_attach(path)
+        sock, info = connect_attach(path)
         stdin_fd = 0 if 0 in tty_fds else None
         out_fd = next(fd for fd in (1, 2, 0) if fd in tty_fds)
-        message: str | None = None
-        with sock, raw_terminal(stdin_fd), \
-                signal_wakeups((signal.SIGCHLD, signal.SIGHUP, *FORWARD)) as wake:
+        with sock, signal_wakeups((*CLIENT_SIGNALS, signal.SIGCHLD, *FORWARD)) as wake:
             proc = self._spawn({fd: slave for fd in tty_fds}, env, slave)
             os.close(slave)
 
             def on_signal(sig: int) -> str | None:
                 if sig == signal.SIGCHLD:
-                    return CHILD if proc.poll() is not None else None
+                    return CHILD if proc.poll() is not None else ""
                 if sig == signal.SIGHUP:
-                    return DETACHED
-                _forward(proc, sig)
+                    return DETACHED  # our terminal is gone; the job's is the holder's
+                if sig == signal.SIGQUIT and in_foreground(stdin_fd):
+                    return None  # Ctrl-\ on the user's terminal: the client detaches
+                if sig in FORWARD and sig != signal.SIGTSTP:
+                    _forward(proc, sig)
+                    return ""
                 return None
 
-            relay = Relay(sock, stdin_fd, out_fd, wake, on_signal)
-            why = relay.run()
-            if why == CHILD or (why == ENDED and proc.poll() is not None):
+            client = JobClient(sock, info, stdin_fd, out_fd, wake, on_signal, say=self.say)
+            why = client.run()
+            if why == PINNED and client.state.pinned:
+                proc.wait()
+                self.say(f"job {proc.pid} checkpointed as {client.state.pinned}; "
+                         f"bring it back with `oomguard restore {client.state.pinned}`")
+                return EXIT_CHECKPOINTED
+            if why in (ENDED, GONE):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=2.0)  # the holder went first: the job's end follows
+            if proc.poll() is not None:
                 status, checkpoint_id, message = self._ended(proc)
                 if checkpoint_id is not None:
                     notify(str(path), "pin", id=checkpoint_id)
                 else:
-                    notify(str(path), "done")
-                    relay.drain()
-        if why == ENDED and message is None and proc.returncode is None:
+                    code = proc.returncode
+                    notify(str(path), "done", **({"signal": -code} if code < 0
+                                                  else {"status": code}))
+                    client.drain()
+                if message:
+                    self.say(message)
+                return status
+        if why == HANGUP:
+            self.say(f"the terminal hung up; the job runs on (pid {proc.pid}): "
+                     f"`oomguard attach {proc.pid}`")
+        elif why in (ENDED, GONE):
             self.say(f"the job's terminal holder ended; the job (pid {proc.pid}) is on its own")
-            return EXIT_DETACHED
-        if why in (CHILD, ENDED):
-            if message:
-                self.say(message)
-            return status
-        self.say(f"detached; the job runs on (pid {proc.pid}): `oomguard attach {proc.pid}`")
+        else:
+            self.say(f"detached; the job runs on (pid {proc.pid}): `oomguard attach {proc.pid}`")
         return EXIT_DETACHED
 
 

@@ -2,17 +2,24 @@
 job's process tree, keeps a scrollback, serves `oomguard attach` clients on a UNIX socket, and
 hands a slave fd to a restorer (SCM_RIGHTS) so CRIU can give the restored job its terminal back.
 
-Run as a script (`python -I holder.py --master-fd N --listen-fd N ...`): stdlib only. It
-leaves its session at once (setsid, SIGHUP ignored), so closing the terminal that started the
-job does not end it. Requests are one JSON line; see oomguard/terminal/client.py for the client side.
-After an `attach` request the client sends frames (1 byte kind, 4 bytes length, payload): `d`
-input for the job, `w` a window size (rows, cols as two u16); the holder sends raw output.
+Run as `python -I -m oomguard.terminal.holder --master-fd N --listen-fd N ...` (stdlib and
+oomguard.terminal.wire only). It leaves its session at once (setsid, SIGHUP ignored), so
+closing the terminal that started the job does not end it. Requests are one JSON line (see
+oomguard/terminal/client.py); an `attach` is followed by frames (oomguard/terminal/wire.py).
 
-States: the job holds the slave (output is relayed). When every slave is closed (the job exited
-or was checkpointed) the holder opens a slave itself (TIOCGPTPEER) and waits `--grace` seconds
-for a `pin` (a checkpoint names it); pinned, it waits for a restorer; `unpin` after a restore
-lets go of its own slave. `done` (the job's exit seen by `oomguard exec`) or the grace running
-out with nothing pinned ends it.
+The job's state comes from the pty itself: the master is in packet mode, and the session's
+leader (the namespace's init of `oomguard exec`) stops and restarts the terminal's output after
+each job-control change (the job took the foreground to read, stopped, went on), which the
+master reports as status bytes (TIOCPKT_STOP/START; the keys Ctrl-C, Ctrl-Z, Ctrl-S report
+too); the holder then reads the foreground process group and the job's state and tells its
+clients. (After a restore of a job typed at a shell prompt the holder is that leader itself:
+oomguard/terminal/leader.py.)
+
+Vacancy: when every slave is closed (the job exited or was checkpointed) the holder opens a
+slave itself (TIOCGPTPEER). Pinned by a checkpoint (`pin`), it waits for a restorer; told a
+dump is under way (`dumping`), it waits `--grace` seconds for the pin; otherwise the job is
+over: it waits a moment for `done` (with the exit status, from `oomguard exec` or the daemon)
+and ends, telling its clients.
 """
 
 from __future__ import annotations
@@ -29,47 +36,195 @@ import struct
 import sys
 import termios
 import time
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from oomguard.terminal.wire import (
+    CONTROL,
+    INPUT,
+    OUTPUT,
+    STATE,
+    WINDOW,
+    FrameReader,
+    JobState,
+    frame,
+    json_frame,
+)
 
 TIOCGPTPEER = 0x5441
+TIOCGSID = 0x5429
 SCROLLBACK = 64 * 1024
-FRAME = struct.Struct(">cI")
+LINGER = 1.5  # a vacated, unpinned terminal waits this long for `done` and its status
+
+
+class Leader(Protocol):
+    """The holder as the job's session leader and reaper (oomguard/terminal/leader.py)."""
+
+    def wake_fd(self) -> int: ...
+
+    def reap(self, holder: Holder) -> None: ...
+
+    def job_pgrp(self) -> int | None: ...
+
+    def give_terminal(self, pid: int) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def outcome(self) -> tuple[int | None, int | None]: ...
+
+
+@dataclass
+class Client:
+    framed: bool
+    reader: FrameReader = field(default_factory=FrameReader)
+
+
+def session_of(master: int) -> int | None:
+    try:
+        sid = struct.unpack("i", fcntl.ioctl(master, TIOCGSID, b"\0" * 4))[0]
+    except OSError:
+        return None
+    return int(sid) if sid > 0 else None
+
+
+def foreground_of(master: int) -> int | None:
+    try:
+        pgrp = os.tcgetpgrp(master)
+    except OSError:
+        return None
+    return pgrp if pgrp > 0 else None
+
+
+def proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()[0]
+
+
+def first_child_pgrp(pid: int) -> int | None:
+    """The process group of `pid`'s first child: the job an init started."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = f.read().split()
+        return os.getpgid(int(children[0])) if children else None
+    except (OSError, ValueError):
+        return None
 
 
 class Holder:
     def __init__(self, master: int, listener: socket.socket, grace: float,
-                 pinned: str | None, origin: list[str]) -> None:
+                 pinned: str | None, origin: list[str], leader: Leader | None = None) -> None:
         self.master = master
         self.listener = listener
         self.grace = grace
-        self.pinned = pinned
         self.origin = origin  # keys of the terminal(s) this pty stands in for (after a restore)
+        self.leader = leader
+        self.state = JobState(pinned=pinned)
         self.own_slave: int | None = None
         self.vacant_since: float | None = None
         self.scrollback = b""
-        self.clients: dict[socket.socket, bytes] = {}  # attached client -> unparsed input
+        self.clients: dict[socket.socket, Client] = {}
         self.sel = selectors.DefaultSelector()
         self.finished = False
         os.set_blocking(master, False)
+        with contextlib.suppress(OSError):  # job-control changes reach us as status bytes
+            fcntl.ioctl(master, termios.TIOCPKT, struct.pack("i", 1))
         slave = self._open_slave()
         st = os.fstat(slave)
         os.close(slave)
         self.key = f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
         self.sel.register(master, selectors.EVENT_READ, "master")
         self.sel.register(listener, selectors.EVENT_READ, "listen")
+        if leader is not None:
+            self.sel.register(leader.wake_fd(), selectors.EVENT_READ, "leader")
 
     def _open_slave(self) -> int:
         return int(fcntl.ioctl(self.master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY))
 
+    # -- the job's state -----------------------------------------------------------------------
+
+    def job_pgrp(self) -> int | None:
+        """The job's process group: the terminal's foreground when the job has it, else the
+        first child of the session's leader (an init's job), or what the leader knows."""
+        if self.leader is not None:
+            return self.leader.job_pgrp()
+        sid, fg = session_of(self.master), foreground_of(self.master)
+        if sid is None:
+            return None
+        if fg is not None and fg != sid:
+            return fg
+        return first_child_pgrp(sid)
+
+    def observe(self, stop_told: bool = False) -> None:
+        """Read the job's state off the pty and /proc; tell the clients when it changed. A
+        stopped job counts as stopped by job control only when the session's leader said so
+        (`stop_told`: it flushes the terminal's input for job-control changes alone): a job
+        oomguard freezes for a checkpoint is stopped too, and no client should act on that."""
+        if self.state.ended:
+            return
+        sid, fg = session_of(self.master), foreground_of(self.master)
+        has_terminal = sid is not None and fg is not None and fg != sid
+        pgrp = self.job_pgrp()
+        in_t = pgrp is not None and proc_state(pgrp) == "T"
+        stopped = in_t and (stop_told or self.state.stopped)
+        self.set_state(replace(self.state, terminal=has_terminal and not stopped,
+                               stopped=stopped))
+
+    def set_state(self, state: JobState) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        for client, info in list(self.clients.items()):
+            if info.framed:
+                self.send(client, json_frame(STATE, state.as_dict()))
+
+    def end(self, status: int | None = None, sig: int | None = None) -> None:
+        """The job is over: clients are told (with its status where known), then EOF."""
+        self.drain_master()
+        if not self.state.ended:
+            self.set_state(replace(self.state, ended=True, terminal=False, stopped=False,
+                                   status=status if status is not None else self.state.status,
+                                   signal=sig if sig is not None else self.state.signal))
+        self.finished = True
+
+    def job_control(self, op: str, sig: int | None = None) -> None:
+        """`cont` (as fg), `stop` (as Ctrl-Z), `signal`, or `want` (the user typed a line for
+        a job that never read its terminal: it may wait in select(2), which does not stop a
+        job in the background; it gets the terminal as if it had read it): to the job's
+        process group."""
+        pgrp = self.job_pgrp()
+        if pgrp is None:
+            return
+        if op == "want":
+            if self.state.terminal:
+                return
+            if self.leader is not None:
+                self.leader.give_terminal(pgrp)
+                self.observe()
+                return
+            sig = signal.SIGTTIN  # its init hands it the terminal, as for a read
+        number = {"cont": signal.SIGCONT, "stop": signal.SIGTSTP}.get(op, sig)
+        if number is None:
+            return
+        with contextlib.suppress(OSError):
+            os.killpg(pgrp, number)
+        # The session's leader sees the group stop or go on, and says so (a status byte).
+
     # -- output --------------------------------------------------------------------------------
+
+    def send(self, client: socket.socket, data: bytes) -> None:
+        try:
+            client.sendall(data)
+        except OSError:
+            self.drop(client)
 
     def broadcast(self, data: bytes) -> None:
         self.scrollback = (self.scrollback + data)[-SCROLLBACK:]
-        for client in list(self.clients):
-            try:
-                client.sendall(data)
-            except OSError:
-                self.drop(client)
+        for client, info in list(self.clients.items()):
+            self.send(client, frame(OUTPUT, data) if info.framed else data)
 
     def note(self, text: str) -> None:
         self.broadcast(f"\r\n[oomguard: {text}]\r\n".encode())
@@ -83,12 +238,46 @@ class Holder:
             if exc.errno != errno.EIO:
                 raise
             data = b""
-        if data:
-            self.broadcast(data)
+        if len(data) > 1 or data == b"\0":
+            self.broadcast(data[1:])  # packet mode: a 0 byte, then the job's output
             return
-        # Every slave is closed: the job ended or was checkpointed. Hold one ourselves.
-        self.own_slave = self._open_slave()
-        self.vacant_since = time.monotonic()
+        if data:  # a status byte: the session's leader announced a job-control change
+            self.observe(stop_told=True)
+            return
+        self.vacate()
+
+    def drain_master(self) -> None:
+        with contextlib.suppress(OSError):
+            while data := os.read(self.master, 65536):
+                if len(data) > 1:
+                    self.broadcast(data[1:])
+
+    def vacate(self) -> None:
+        """Every slave is closed: the job ended or was checkpointed. Hold one ourselves."""
+        if self.own_slave is None:
+            self.own_slave = self._open_slave()
+        if self.vacant_since is None:
+            self.vacant_since = time.monotonic()
+
+    def vacancy_over(self) -> bool:
+        """Whether the job is over for this terminal. As the job's leader: once every child
+        is reaped (after a dump under way, once pinned or after the grace: a restore gives
+        the job a new terminal). Otherwise once every slave is closed: never while pinned,
+        after the grace while a dump is under way, else after a moment for its status."""
+        if self.leader is not None:
+            if self.leader.alive():
+                return False
+            if self.state.dumping and not self.state.pinned:
+                return self._waited() > self.grace
+            return True
+        if self.vacant_since is None or self.state.pinned:
+            return False
+        return self._waited() > (self.grace if self.state.dumping else LINGER)
+
+    def _waited(self) -> float:
+        if self.vacant_since is None:
+            self.vacant_since = time.monotonic()
+        return time.monotonic() - self.vacant_since
 
     # -- clients -------------------------------------------------------------------------------
 
@@ -113,21 +302,30 @@ class Holder:
                     break
                 line += chunk
             request = json.loads(line or b"{}")
-            self.handle(conn, request)
+            self.handle(conn, request if isinstance(request, dict) else {})
         except (OSError, ValueError):
             conn.close()
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "key": self.key, "origin": self.origin,
-                "pinned": self.pinned, "vacant": self.own_slave is not None}
+                "pinned": self.state.pinned, "vacant": self.own_slave is not None,
+                "frames": True, "state": self.state.as_dict()}
 
     def handle(self, conn: socket.socket, request: dict[str, Any]) -> None:
         op = request.get("op")
         if op == "attach":
-            conn.sendall(json.dumps(self.info()).encode() + b"\n" + self.scrollback)
-            if self.pinned:
-                conn.sendall(f"\r\n[oomguard: checkpointed as {self.pinned}]\r\n".encode())
-            self.clients[conn] = b""
+            framed = request.get("frames") is True
+            self.observe()
+            conn.sendall(json.dumps(self.info()).encode() + b"\n")
+            if framed:
+                conn.sendall(frame(OUTPUT, self.scrollback)
+                             + json_frame(STATE, self.state.as_dict()))
+            else:
+                conn.sendall(self.scrollback)
+                if self.state.pinned:
+                    conn.sendall(f"\r\n[oomguard: checkpointed as {self.state.pinned}]\r\n"
+                                 .encode())
+            self.clients[conn] = Client(framed)
             self.sel.register(conn, selectors.EVENT_READ, "client")
             return
         if op == "slave":
@@ -136,22 +334,34 @@ class Holder:
                 socket.send_fds(conn, [json.dumps(self.info()).encode() + b"\n"], [slave])
             finally:
                 os.close(slave)
-        elif op == "pin":
-            self.pinned = str(request.get("id") or "?")
-            self.note(f"job checkpointed as {self.pinned}; `oomguard restore {self.pinned}` "
-                      "brings it back")
+        elif op in ("pin", "dumping"):
+            checkpoint_id = str(request.get("id") or "?")
+            if op == "pin":
+                self.set_state(replace(self.state, pinned=checkpoint_id, dumping=None))
+                self.note(f"job checkpointed as {checkpoint_id}; `oomguard restore "
+                          f"{checkpoint_id}` brings it back")
+            else:
+                self.set_state(replace(self.state, dumping=checkpoint_id))
             conn.sendall(b"{}\n")
-        elif op == "unpin":
-            self.pinned = None
+        elif op == "unpin":  # restored (or its dump failed): the job runs on this terminal
+            self.set_state(replace(self.state, pinned=None, dumping=None))
             if self.own_slave is not None:
                 os.close(self.own_slave)
                 self.own_slave = None
                 self.vacant_since = None
-            self.note("job restored")
+            if request.get("restored", True):
+                self.note("job restored")
             conn.sendall(b"{}\n")
         elif op == "done":
             conn.sendall(b"{}\n")
-            self.finish()
+            if not (self.state.pinned or self.state.dumping) or request.get("force"):
+                status, sig = request.get("status"), request.get("signal")
+                self.end(status if isinstance(status, int) else None,
+                         sig if isinstance(sig, int) else None)
+        elif op in ("cont", "stop", "signal", "want"):
+            sig = request.get("signal")
+            self.job_control(op, sig if isinstance(sig, int) else None)
+            conn.sendall(json.dumps({"state": self.state.as_dict()}).encode() + b"\n")
         else:
             conn.sendall(json.dumps(self.info()).encode() + b"\n")
         conn.close()
@@ -164,80 +374,104 @@ class Holder:
         if not data:
             self.drop(client)
             return
-        buf = self.clients[client] + data
-        while len(buf) >= FRAME.size:
-            kind, length = FRAME.unpack_from(buf)
-            if len(buf) < FRAME.size + length:
-                break
-            payload = buf[FRAME.size:FRAME.size + length]
-            buf = buf[FRAME.size + length:]
-            if kind == b"d":
+        try:
+            frames = self.clients[client].reader.feed(data)
+        except ValueError:
+            self.drop(client)
+            return
+        for kind, payload in frames:
+            if kind == INPUT:
                 with contextlib.suppress(OSError):
                     os.write(self.master, payload)
-            elif kind == b"w" and length == 4:
+            elif kind == WINDOW and len(payload) == 4:
                 rows, cols = struct.unpack(">HH", payload)
                 with contextlib.suppress(OSError):
                     fcntl.ioctl(self.master, termios.TIOCSWINSZ,
                                 struct.pack("HHHH", rows, cols, 0, 0))
-        self.clients[client] = buf
+            elif kind == CONTROL:
+                with contextlib.suppress(ValueError):
+                    request = json.loads(payload)
+                    if isinstance(request, dict) and request.get("op") in (
+                            "cont", "stop", "signal", "want"):
+                        sig = request.get("signal")
+                        self.job_control(str(request["op"]), sig if isinstance(sig, int) else None)
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def finish(self) -> None:
-        """Pass on what the job wrote last, then end: clients see EOF."""
-        with contextlib.suppress(OSError):
-            while data := os.read(self.master, 65536):
-                self.broadcast(data)
-        self.finished = True
-
     def run(self) -> None:
         while not self.finished:
-            if (self.vacant_since is not None and self.pinned is None
-                    and time.monotonic() - self.vacant_since > self.grace):
+            if self.vacancy_over():
+                self.end(*(self.leader.outcome() if self.leader is not None else (None, None)))
                 return
-            for key, _ in self.sel.select(timeout=0.5):
+            waiting = self.vacant_since is not None or (
+                self.leader is not None and not self.leader.alive())
+            for key, _ in self.sel.select(timeout=0.25 if waiting else 1.0):
                 if key.data == "master":
                     self.read_master()
                 elif key.data == "listen":
                     self.accept()
+                elif key.data == "leader":
+                    assert self.leader is not None
+                    self.leader.reap(self)
                 else:
                     self.client_input(key.fileobj)  # type: ignore[arg-type]
                 if self.finished:
                     return
 
+    def close(self, path: Any) -> None:
+        """Leave nothing behind: clients see EOF, the socket file goes (if still ours)."""
+        inode = os.stat(path).st_ino if isinstance(path, str) and path else None
+        with contextlib.suppress(OSError):
+            if inode is not None and os.stat(path).st_ino == inode:
+                os.unlink(path)
+        for client in list(self.clients):
+            self.drop(client)
 
-def main(argv: list[str]) -> int:
+
+def parse_options(argv: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
+    """--name value pairs (--origin repeats) up to `--`; then the command after it."""
     opts: dict[str, str] = {}
     origin: list[str] = []
-    while argv:
-        name = argv.pop(0)
-        value = argv.pop(0)
+    rest = list(argv)
+    while rest and rest[0] != "--":
+        name = rest.pop(0)
+        value = rest.pop(0)
         if name == "--origin":
             origin.append(value)
         else:
             opts[name] = value
-    if os.fork():  # the caller does not wait for us (and a daemon gets no zombie)
-        os._exit(0)
-    os.setsid()
+    return opts, origin, rest[1:]
+
+
+def detach_stdio() -> None:
     os.chdir("/")  # hold no mount busy
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    listener = socket.socket(fileno=int(opts["--listen-fd"]))
+    if null > 2:
+        os.close(null)
+
+
+def serve(holder: Holder, listener: socket.socket) -> None:
     path = listener.getsockname()
-    inode = os.stat(path).st_ino if isinstance(path, str) and path else None
-    holder = Holder(int(opts["--master-fd"]), listener, float(opts.get("--grace", "30")),
-                    opts.get("--pinned"), origin)
     try:
         holder.run()
     finally:
-        with contextlib.suppress(OSError):
-            if inode is not None and os.stat(path).st_ino == inode:
-                os.unlink(path)  # still ours (a restorer may have bound a new holder there)
-        for client in list(holder.clients):
-            holder.drop(client)
+        holder.close(path)
+
+
+def main(argv: list[str]) -> int:
+    opts, origin, _ = parse_options(argv)
+    if os.fork():  # the caller does not wait for us (and a daemon gets no zombie)
+        os._exit(0)
+    os.setsid()
+    detach_stdio()
+    listener = socket.socket(fileno=int(opts["--listen-fd"]))
+    holder = Holder(int(opts["--master-fd"]), listener, float(opts.get("--grace", "30")),
+                    opts.get("--pinned"), origin)
+    serve(holder, listener)
     return 0
 
 

@@ -93,7 +93,7 @@ def runtime_env() -> Iterator[dict[str, str]]:
     yield {**os.environ, "XDG_RUNTIME_DIR": str(directory), "PYTHONPATH": str(REPO)}
     for sock in (directory / "oomguard").glob("*.sock"):
         with contextlib.suppress(Exception):
-            request(sock, "done", timeout=2)
+            request(sock, "done", timeout=2, force=True)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -357,5 +357,7 @@ def test_holder_keeps_a_vacated_terminal_only_when_pinned(runtime_env: dict[str,
         assert answer["key"] == pinned[1] == f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
     finally:
         os.close(fd)
-    assert request(pinned[0], "done") == {}
+    assert request(pinned[0], "done") == {}  # a pinned terminal waits for its restore...
+    assert request(pinned[0], "info")["pinned"] == "cp-1"
+    assert request(pinned[0], "done", force=True) == {}  # ...unless told to end
     assert wait_until(lambda: not pinned[0].exists(), 30)
