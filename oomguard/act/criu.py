@@ -28,6 +28,11 @@ HOOK_MODULE = Path(__file__).with_name("criu_hook.py")
 # The hook's post-resume leaves these tasks stopped (pids in the tree's own PID namespace,
 # comma-separated): CRIU passes its environment on to its action scripts.
 KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"
+# The hook's post-resume continues nothing: the restore runs under the job's session leader
+# (oomguard/terminal/leader.py), which takes the terminal's foreground once CRIU is done, and
+# then the restorer continues the tree (a job continued earlier could read the terminal first).
+CONTINUE_LATER_ENV = "OOMGUARD_CONTINUE_LATER"
+RESTORE_PIDFILE = "restore.pid"
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -130,7 +135,8 @@ def hook_script_text(python: str) -> str:
     # Only post-dump, post-resume and (with a verification gate) post-restore have work to do:
     # no Python for the other actions, nor for a post-resume with no task kept stopped.
     return ('#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump) ;;'
-            f' post-resume) [ -n "${KEEP_STOPPED_ENV}" ] || {{\n{CONTINUE_TREE_SH}}} ;;'
+            f' post-resume) [ -z "${CONTINUE_LATER_ENV}" ] || exit 0;'
+            f' [ -n "${KEEP_STOPPED_ENV}" ] || {{\n{CONTINUE_TREE_SH}}} ;;'
             f' post-restore) [ -n "${VERIFY_GATE_ENV}" ] || exit 0 ;; *) exit 0 ;;'
             f' esac\nexec "{python}" -I -S "{HOOK_MODULE}"\n')
 
@@ -183,14 +189,17 @@ class Criu:
     def restore(self, images_dir: Path, work_dir: Path, cgroup_root: str | None,
                 hook: Path | None = None, extra_args: Sequence[str] = (),
                 pass_fds: Sequence[int] = (), keep_stopped: Sequence[int] = (),
-                env: Mapping[str, str] | None = None, lazy: bool = False) -> int:
+                env: Mapping[str, str] | None = None, lazy: bool = False,
+                wrapper: Sequence[str] = ()) -> int:
         """Restore detached; returns the restored root's PID (host namespace). `hook` (the
         action script) continues the tree at post-resume, while CRIU still lives: a tree
         dumped stopped comes back stopped, and when CRIU, its parent, exits, a stopped process
         group it leaves orphaned in its session gets SIGHUP from the kernel, and dies.
         `keep_stopped`: namespace pids of tasks the user had stopped; the hook leaves them so.
-        `env`: more for the action script (the verification gate). `lazy`: --lazy-pages."""
-        pidfile = work_dir / "restore.pid"
+        `env`: more for the action script (the verification gate). `lazy`: --lazy-pages.
+        `wrapper`: CRIU runs under it (the session leader of a job typed at a shell prompt:
+        it continues nothing at post-resume; the caller continues the tree)."""
+        pidfile = work_dir / RESTORE_PIDFILE
         # CRIU opens these with O_CREAT (following a symlink): whatever is there goes first.
         pidfile.unlink(missing_ok=True)
         (work_dir / RESTORE_LOG).unlink(missing_ok=True)
@@ -199,7 +208,9 @@ class Criu:
         script_env = dict(env or {})
         if keep_stopped:
             script_env[KEEP_STOPPED_ENV] = ",".join(map(str, keep_stopped))
-        result = self.runner.run(self.confined(argv), timeout=self.options.timeout,
+        if wrapper:
+            script_env[CONTINUE_LATER_ENV] = "1"
+        result = self.runner.run([*wrapper, *self.confined(argv)], timeout=self.options.timeout,
                                  env=script_env or None, pass_fds=pass_fds)
         if result.timed_out or result.returncode != 0:
             what = "timed out" if result.timed_out else f"exited with status {result.returncode}"

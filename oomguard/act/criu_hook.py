@@ -242,6 +242,8 @@ def main() -> int:
     if action == "post-resume":
         # Never fail a restore from here: the tree is restored; at worst it stays stopped
         # and oomguard continues it (and CRIU's exit may then hang it up).
+        if os.environ.get("OOMGUARD_CONTINUE_LATER"):
+            return 0  # the restore runs under the job's session leader: continued after it
         root = os.environ.get("CRTOOLS_INIT_PID", "")
         keep = parse_keep(os.environ.get("OOMGUARD_KEEP_STOPPED", ""))
         if root.isdigit():

@@ -46,7 +46,7 @@ from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed
 from oomguard.store.ledger import FrozenLedger
-from oomguard.terminal.external import TTYS, dump_args, external_ttys, pin_holders
+from oomguard.terminal.checkpointing import DumpTerminals, terminal_refusal
 
 FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"
@@ -136,6 +136,12 @@ class Checkpointer:
                 f"of pid(s) {', '.join(map(str, outside))} is outside oomguard's PID namespace, "
                 "which CRIU cannot dump (start the job with setsid, or run oomguard in the "
                 "job's PID namespace)", OUTCOME_UNTOUCHED)
+        members = set(tree.pids)
+        if any(p.session not in members for p in tree.members):  # typed at a shell prompt
+            problem = terminal_refusal(self.proc.root, tree.pids)
+            if problem is not None:
+                raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
+                                       f"it: {problem}", OUTCOME_UNTOUCHED)
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -170,6 +176,7 @@ class Checkpointer:
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         began = dumped = False
         lock_fd: int | None = None
+        terminals = DumpTerminals(tree.root.uid)
         try:
             room = self.headroom if headroom is None else headroom
             if cgroup is not None and room > 0:
@@ -202,9 +209,8 @@ class Checkpointer:
             # the one chosen before the freeze, whose short-lived children may have been
             # replaced meanwhile (a shell's `sleep`s).
             meta.pids = list(pids)
-            ttys = external_ttys(self.proc.root, pids)
-            if ttys:
-                meta.extra[TTYS] = [tty.as_dict() for tty in ttys]
+            terminals = DumpTerminals.of(self.proc.root, pids, tree.root.uid)
+            terminals.record(meta.extra)
             meta.stopped_nspids = self._ns_pids(frozen.user_stopped)
             if hold is not None:
                 meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
@@ -221,9 +227,10 @@ class Checkpointer:
                 packer = self._packer(images)
                 digester = ImageDigester.following(images, self.store.algorithm,
                                                    drop_behind=packer is None)
+                terminals.dumping(checkpoint_id)
                 try:
-                    self.criu.dump(tree.root.pid, images, hook, lock_fd, dump_args(ttys),
-                                   env=digester.env())
+                    self.criu.dump(tree.root.pid, images, hook, lock_fd,
+                                   terminals.dump_args(), env=digester.env())
                 except BaseException:
                     digester.abandon()
                     if packer is not None:
@@ -239,17 +246,18 @@ class Checkpointer:
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta, digests)
             done = self.clock()
-            pin_holders(ttys, meta.id, meta.uid)
+            terminals.committed(meta.id, meta.command, tree.root.pid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if dumped:
                 # Never deleted: the partial stays, listed as incomplete, completed at the next
                 # start (or restore) once the store can take the commit.
-                pin_holders(ttys, checkpoint_id, tree.root.uid)
+                terminals.committed(checkpoint_id, tree.root.command, tree.root.pid)
                 raise CheckpointFailed(
                     f"checkpoint of {tree.root.pid}: the process was dumped and is gone, but "
                     f"the commit failed ({exc}); its images are intact and it is listed as "
                     f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
                     "or when restored", OUTCOME_INCOMPLETE) from exc
+            terminals.failed()
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)

@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from oomguard.act.criu import Criu
+from oomguard.act.criu import RESTORE_PIDFILE, Criu
 from oomguard.act.criu_hook import drop_cache
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.cgroup.base import MemoryCgroup
@@ -29,7 +30,8 @@ from oomguard.store.pagemap import small_runs, warm
 from oomguard.store.verify import RestoreVerifier
 from oomguard.terminal.client import HolderError
 from oomguard.terminal.external import TTYS
-from oomguard.terminal.restore import TtyLease, criu_tty_hint, gid_of, lease_ttys
+from oomguard.terminal.restore import TtyLease, gid_of, lease_ttys
+from oomguard.terminal.shelljob import SHELL_TTY, images_hold_shell_terminal
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 # A lazy restore warms the page cache with up to this much of the job's smallest runs of memory
@@ -222,7 +224,8 @@ class Restorer:
             start = self.clock()
             since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
             try:
-                ttys = lease_ttys(meta.extra, meta.id, meta.uid, gid_of(meta.uid))
+                ttys = lease_ttys(self._terminals(meta, images), meta.id, meta.uid,
+                                  gid_of(meta.uid))
             except (HolderError, OSError, ValueError, KeyError) as exc:
                 raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
                                     f"({exc}); the checkpoint is intact") from exc
@@ -241,6 +244,8 @@ class Restorer:
         ttys.succeeded()
         if ttys.entries:
             meta.extra[TTYS] = ttys.entries
+        if ttys.shell_entry() is not None:
+            meta.extra[SHELL_TTY] = ttys.shell_entry()
         restored = self.proc.descendants(pid)
         keep = self._user_stopped(meta, restored)
         self.freezer.thaw([p for p in restored if p not in keep])
@@ -320,9 +325,10 @@ class Restorer:
             hook = self.criu.install_hook(self.store.root / ".hooks")
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
-                                    hook, ttys.args, ttys.fds,
+                                    hook, ttys.args, ttys.pass_fds(),
                                     keep_stopped=meta.stopped_nspids,
-                                    env=verifier.gate_env(), lazy=session is not None)
+                                    env=verifier.gate_env(), lazy=session is not None,
+                                    wrapper=ttys.wrapper(work_dir / RESTORE_PIDFILE))
         except CriuError as exc:
             ttys.failed()
             if session is not None:
@@ -333,10 +339,8 @@ class Restorer:
                     f"refusing to restore {meta.id}: {verifier.damage(report)} (found while "
                     "CRIU read it: the restored tree was killed before it ran); the checkpoint "
                     "is untouched") from exc
-            hint = criu_tty_hint(str(exc))
             raise RestoreFailed(f"criu restore of {meta.id} failed; the checkpoint is "
-                                f"intact: {hint + ' (' + one_line(exc) + ')' if hint else one_line(exc)}"
-                                ) from exc
+                                f"intact: {one_line(exc)}") from exc
         report = verifier.finish()
         if report.problems:  # the gate cannot have said yes: never let such a tree run on
             kill_tree(self.proc.descendants(pid))
@@ -344,6 +348,15 @@ class Restorer:
             raise RestoreFailed(f"refusing to restore {meta.id}: "
                                 f"{verifier.damage(report)}; the restored tree was killed")
         return pid
+
+    @staticmethod
+    def _terminals(meta: CheckpointMeta, images: Path) -> dict[str, Any]:
+        """The terminals to give the job: as meta.json records them; a checkpoint of a job
+        typed at a shell prompt taken before it recorded one is found in its images."""
+        if SHELL_TTY in meta.extra or meta.extra.get(TTYS) \
+                or not images_hold_shell_terminal(images):
+            return meta.extra
+        return {**meta.extra, SHELL_TTY: {"key": None, "index": None, "socket": None}}
 
     def _user_stopped(self, meta: CheckpointMeta, restored: list[int]) -> set[int]:
         """Host pids of the restored tasks the user had stopped (the hook continues one whose

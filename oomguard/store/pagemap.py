@@ -78,30 +78,40 @@ def message_numbers(message: bytes) -> dict[int, int]:
             if isinstance(value, int)}
 
 
-def read_pagemap(path: Path) -> list[PageRun]:
-    """The present runs of one pagemap image, adjacent entries merged. Raises StoreError for
-    an image it cannot read."""
+def image_records(path: Path, limit: int = MAX_PAGEMAP) -> list[dict[int, int]]:
+    """The varint fields of each record of a CRIU image (after its magic: a 4-byte
+    little-endian length, then a protobuf message). Raises StoreError."""
     try:
         with open(path, "rb") as handle:
-            data = handle.read(MAX_PAGEMAP + 1)
+            data = handle.read(limit + 1)
     except OSError as exc:
-        raise StoreError(f"pagemap {path.name}: {exc}") from exc
-    if len(data) > MAX_PAGEMAP:
-        raise StoreError(f"pagemap {path.name}: larger than {MAX_PAGEMAP} bytes")
+        raise StoreError(f"image {path.name}: {exc}") from exc
+    if len(data) > limit:
+        raise StoreError(f"image {path.name}: larger than {limit} bytes")
     pos = MAGIC_BYTES
     records: list[dict[int, int]] = []
     while pos < len(data):
         if pos + 4 > len(data):
-            raise StoreError(f"pagemap {path.name}: cut short")
+            raise StoreError(f"image {path.name}: cut short")
         size = int.from_bytes(data[pos:pos + 4], "little")
         pos += 4
         if pos + size > len(data):
-            raise StoreError(f"pagemap {path.name}: cut short")
+            raise StoreError(f"image {path.name}: cut short")
         try:
             records.append(message_numbers(data[pos:pos + size]))
         except StoreError as exc:
-            raise StoreError(f"pagemap {path.name}: {exc}") from None
+            raise StoreError(f"image {path.name}: {exc}") from None
         pos += size
+    return records
+
+
+def read_pagemap(path: Path) -> list[PageRun]:
+    """The present runs of one pagemap image, adjacent entries merged. Raises StoreError for
+    an image it cannot read."""
+    try:
+        records = image_records(path)
+    except StoreError as exc:
+        raise StoreError(str(exc).replace("image ", "pagemap ", 1)) from None
     if not records or 1 not in records[0]:
         raise StoreError(f"pagemap {path.name}: no head")
     pages_file = f"pages-{records[0][1]}.img"

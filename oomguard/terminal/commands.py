@@ -16,6 +16,7 @@ from oomguard.terminal.attach import ENDED, GONE, HANGUP, PINNED, attach_session
 from oomguard.terminal.client import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
 from oomguard.terminal.execwrap import EXIT_CHECKPOINTED, ExecJob
 from oomguard.terminal.external import SOCKET_ENV, TTYS, environ_value
+from oomguard.terminal.shelljob import SHELL_TTY
 from oomguard.terminal.wire import describe_end, shell_status
 
 Call = Callable[..., dict[str, Any]]
@@ -44,7 +45,13 @@ def run_exec(command: list[str], cgroup_procs: Path | None, call: Call) -> int:
 
 
 def holder_of_checkpoint(meta: dict[str, Any]) -> str | None:
-    ttys = (meta.get("extra") or {}).get(TTYS) or []
+    """The socket of the holder of the job's terminal: `oomguard exec`'s, or the one a
+    restore of a job typed at a shell prompt gave it."""
+    extra = meta.get("extra") or {}
+    shell = extra.get(SHELL_TTY)
+    if isinstance(shell, dict) and shell.get("socket") and meta.get("state") == "restored":
+        return str(shell["socket"])
+    ttys = extra.get(TTYS) or []
     return next((t["socket"] for t in ttys if t.get("socket")), None)
 
 

@@ -185,13 +185,3 @@ def external_ttys(proc_root: Path | str, pids: Iterable[int]) -> list[ExternalTt
         return TtySensor(proc_root).external_ttys(pids)
     except OSError:
         return []
-
-
-def pin_holders(ttys: Iterable[ExternalTty], checkpoint_id: str, uid: int) -> None:
-    """Tell each terminal's holder (when the tree named one, and it is a holder's socket of
-    the job's user) that the job is checkpointed: it keeps the terminal for the restore."""
-    from oomguard.terminal.client import notify, trusted_socket
-
-    for socket in {tty.socket for tty in ttys if tty.socket}:
-        if trusted_socket(socket, uid):
-            notify(socket, "pin", id=checkpoint_id)

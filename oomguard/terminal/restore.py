@@ -1,16 +1,21 @@
 """Terminals for a restore: for each external terminal a checkpoint recorded, a slave fd from
 its holder when that still lives, else a new pty with a new holder (owned by the job's user,
-listening where the old one did when it can); CRIU gets each as `--inherit-fd`."""
+listening where the old one did when it can); CRIU gets each as `--inherit-fd`. A job typed
+at a shell prompt (its terminal's session was led outside the tree) gets a new pty whose holder
+leads the job's session and runs CRIU (oomguard/terminal/leader.py): `TtyLease.wrapper`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from oomguard.terminal.client import (
+    LEADER_MODULE,
     SOCKET_NAME,
     SYSTEM_DIR,
     HolderError,
@@ -22,6 +27,59 @@ from oomguard.terminal.client import (
     trusted_socket,
 )
 from oomguard.terminal.external import TTYS, inherit_args, parse_key
+from oomguard.terminal.shelljob import SHELL_TTY
+
+
+@dataclass
+class LeaderLease:
+    """A new pty and the socket its holder will serve, for a job typed at a shell prompt:
+    the leader (a child of the runner) gets the three fds and runs CRIU."""
+
+    master: int
+    slave: int
+    listener: socket.socket
+    path: Path
+    uid: int
+    gid: int
+    origin: str | None = None  # the key of the terminal it stands in for
+
+    def fds(self) -> list[int]:
+        return [self.master, self.slave, self.listener.fileno()]
+
+    def argv(self, pidfile: Path) -> list[str]:
+        argv = [sys.executable, "-I", "-m", LEADER_MODULE, "--master-fd", str(self.master),
+                "--slave-fd", str(self.slave), "--listen-fd", str(self.listener.fileno()),
+                "--uid", str(self.uid), "--gid", str(self.gid), "--pidfile", str(pidfile)]
+        if self.origin:
+            argv += ["--origin", self.origin]
+        return [*argv, "--"]
+
+    def close(self) -> None:
+        for fd in (self.master, self.slave):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.listener.close()
+
+    def abandon(self) -> None:
+        """The restore failed: the leader (if it ran) has ended; its socket goes too."""
+        self.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+
+def lease_leader(uid: int, gid: int, origin: str | None) -> LeaderLease:
+    master, slave = os.openpty()
+    for fd in (master, slave):
+        os.set_inheritable(fd, True)
+    try:
+        path = new_socket_path(SYSTEM_DIR / str(uid))
+        listener = listen_at(path, uid, gid)
+    except BaseException:
+        os.close(master)
+        os.close(slave)
+        raise
+    listener.set_inheritable(True)
+    return LeaderLease(master, slave, listener, path, uid, gid, origin)
 
 
 @dataclass
@@ -30,6 +88,20 @@ class TtyLease:
     args: list[str] = field(default_factory=list)
     entries: list[dict[str, Any]] = field(default_factory=list)  # updated: where each is served
     new_holders: list[str] = field(default_factory=list)
+    leader: LeaderLease | None = None  # a job typed at a shell prompt: CRIU runs under it
+
+    def pass_fds(self) -> list[int]:
+        return [*self.fds, *(self.leader.fds() if self.leader is not None else [])]
+
+    def wrapper(self, pidfile: Path) -> list[str]:
+        """What CRIU's command line is run under (the leader), if anything."""
+        return self.leader.argv(pidfile) if self.leader is not None else []
+
+    def shell_entry(self) -> dict[str, Any] | None:
+        """meta.extra's record of the job's new terminal, after a restore under a leader."""
+        if self.leader is None:
+            return None
+        return {"key": self.leader.origin, "socket": str(self.leader.path)}
 
     def close_fds(self) -> None:
         for fd in self.fds:
@@ -39,14 +111,18 @@ class TtyLease:
 
     def succeeded(self) -> None:
         self.close_fds()
+        if self.leader is not None:
+            self.leader.close()  # the leader has its own copies
         for entry in self.entries:
             notify(entry.get("socket"), "unpin")
 
     def failed(self) -> None:
         """The old holders stay as they were (pinned to the checkpoint); new ones end."""
         self.close_fds()
+        if self.leader is not None:
+            self.leader.abandon()
         for path in self.new_holders:
-            notify(path, "done")
+            notify(path, "done", force=True)
 
 
 def _replacement_path(recorded: str | None, uid: int) -> Path:
@@ -105,6 +181,10 @@ def lease_ttys(extra: dict[str, Any], checkpoint_id: str, uid: int, gid: int) ->
             lease.entries.append(entry)
         lease.args = inherit_args(zip(lease.fds, (e["key"] for e in lease.entries),
                                       strict=True))
+        shell = extra.get(SHELL_TTY)
+        if isinstance(shell, dict):
+            origin = shell.get("key")
+            lease.leader = lease_leader(uid, gid, origin if isinstance(origin, str) else None)
     except BaseException:
         lease.failed()
         raise
@@ -120,11 +200,7 @@ def gid_of(uid: int) -> int:
         return uid
 
 
-def criu_tty_hint(criu_error: str) -> str | None:
-    """One line saying why CRIU could not give a job its terminal back, when that is it."""
-    if "tty to inherit session" in criu_error or "No task found with sid" in criu_error:
-        return ("the job's terminal belongs to a session led outside the checkpointed tree (a "
-                "job started from an interactive shell): CRIU restores it only under that same "
-                "terminal session, which is gone; jobs started with `oomguard exec` on a "
-                "terminal restore anywhere")
-    return None
+def wants_shell_terminal(criu_error: str) -> bool:
+    """CRIU needs a terminal to give the job (a job typed at a shell prompt, checkpointed
+    before oomguard recorded its terminal): restored under a leader, it gets a new one."""
+    return "tty to inherit session" in criu_error
