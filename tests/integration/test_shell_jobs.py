@@ -1,0 +1,181 @@
+"""Jobs typed at a plain shell prompt, no `oomguard exec` (issue 25, item 1): in a real terminal
+(tmux, an interactive bash), the job moves itself into a guarded cgroup as cgexec would, is
+checkpointed by a real daemon at the threshold, and `oomguard restore` typed at a prompt brings
+it back onto a new terminal held by oomguard, where it goes on from where it was; `attach` finds
+it from anywhere; what CRIU could not restore is refused before the job is stopped."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from oomguard.store.checkpoints import Store
+from oomguard.terminal.shelljob import SHELL_TTY
+from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, run_cli, wait_until
+from tests.terminals import pids_running, tmux_shell, wait_gone
+
+pytestmark = pytest.mark.integration
+TTY_JOB = REPO / "tests" / "workloads" / "tty_job.py"
+
+
+def job_command(log: Path, cgroup: Path, *, target: int = 160, count: int = 300,
+                redirect: str = "") -> str:
+    """What a person types: the job joins the cgroup (as cgexec does) and runs."""
+    return (f"sh -c 'echo $$ > {cgroup}/cgroup.procs && exec {sys.executable} {TTY_JOB} "
+            f"--log {log} --target {target} --rate 60 --count {count} --tick 0.05'{redirect}")
+
+
+def counts(log: Path) -> list[int]:
+    return [int(line) for line in log.read_text().splitlines() if line.isdigit()]
+
+
+def done_line(log: Path) -> str | None:
+    return next((x for x in log.read_text().splitlines() if x.startswith("done")), None)
+
+
+def write_config(path: Path, store: Path, socket: Path, cgroup: Path,
+                 actions: str = '["checkpoint"]') -> Path:
+    path.write_text(f'[daemon]\nstore = "{store}"\nsocket = "{socket}"\n\n'
+                    f'[[guard]]\ncgroups = ["{cgroup}"]\nthreshold = "85%"\n'
+                    f"actions = {actions}\n")
+    return path
+
+
+@pytest.fixture
+def setup(cgroups: CgroupFactory, store: Path, tmp_path: Path) -> Iterator[dict[str, Path]]:
+    small = cgroups.make("shell", 128 * MiB)
+    big = cgroups.make("shellbig", 512 * MiB)
+    socket = Path("/tmp") / f"ogsh-{tmp_path.name[-12:]}.sock"
+    config = write_config(tmp_path / "oomguard.toml", store, socket, small.path)
+    yield {"small": small.path, "big": big.path, "config": config, "socket": socket,
+           "store": store, "log": tmp_path / "job.log", "dir": tmp_path}
+    for pid in pids_running(str(tmp_path / "job.log")):
+        kill_pid(pid)
+
+
+def shell_env(config: Path) -> dict[str, str]:
+    import os
+
+    return {**os.environ, "OOMGUARD_CONFIG": str(config)}
+
+
+def test_a_job_typed_at_a_prompt_is_restored_onto_a_new_terminal_and_goes_on(
+        setup: dict[str, Path]) -> None:
+    log = setup["log"]
+    with daemon(setup["store"], setup["dir"] / "daemon.log", config=setup["config"],
+                socket=setup["socket"]) as guard, \
+            tmux_shell("typed", setup["dir"], shell_env(setup["config"])) as shell:
+        guard.wait_event("guard.armed")
+        shell.type(job_command(log, setup["small"]))
+        shell.wait_for("count 3")
+        shell.type("before")  # the job reads its terminal: the shell's, for now
+        shell.wait_for("echo: before")
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        job_pid = int(done["pid"])
+        assert wait_gone(job_pid), "the dumped job is still there"
+        meta = Store(setup["store"]).get(done["id"])
+        # The terminal it was typed at is recorded, and the prompt says how to bring it back.
+        assert meta.extra[SHELL_TTY]["index"] == int(shell.tty().rsplit("/", 1)[1])
+        shell.wait_for(f"was checkpointed as {done['id']}")
+        shell.wait_prompt(2)  # the shell is back at its prompt (the job was killed by CRIU)
+        before = counts(log)
+        assert before == list(range(1, len(before) + 1))
+        usage = (setup["small"] / "memory.usage_in_bytes").read_text()
+        assert int(usage) < 32 * MiB, "the job's memory was not freed"
+
+        # The same prompt: restore it (through the daemon). It comes back on a new terminal,
+        # shown here, and goes on counting from where it was.
+        shell.type(f"oomguard restore {done['id']} --cgroup {setup['big']}")
+        shell.wait_for(re.compile(rf"restored {done['id']} as PID \d+"))
+        shell.wait_for(f"count {before[-1] + 3}")
+        shell.type("after")  # a line typed here reaches the restored job
+        shell.wait_for("echo: after")
+        shell.wait_for("the job exited with status 0", timeout=60)
+        assert "status 0" in shell.run('echo "status $?"')  # restore ended with the job
+    assert done_line(log) == "done 300 ok"
+    assert counts(log) == list(range(1, 301)), "the count restarted or skipped"
+    text = log.read_text()
+    assert "input before" in text and "input after" in text
+    assert text.count("start tty=1") == 1  # one process all along
+
+
+def test_restored_from_no_terminal_then_attached_stopped_and_continued(
+        setup: dict[str, Path]) -> None:
+    """The daemon restores (asked from no terminal); `attach ID` typed at a prompt shows the
+    job; Ctrl-Z stops it and the shell gets the prompt back; `fg` continues it; the attach
+    ends with the job. A checkpoint taken before meta.json recorded the terminal restores
+    too (found in its images)."""
+    log = setup["log"]
+    with daemon(setup["store"], setup["dir"] / "daemon.log", config=setup["config"],
+                socket=setup["socket"]) as guard, \
+            tmux_shell("first", setup["dir"], shell_env(setup["config"])) as first:
+        guard.wait_event("guard.armed")
+        first.type(job_command(log, setup["small"], count=400))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        first.wait_prompt(2)
+        store = Store(setup["store"])
+        meta = store.get(done["id"])
+        del meta.extra[SHELL_TTY]  # as a checkpoint of an older oomguard
+        store.update(meta)
+        result = run_cli("--config", str(setup["config"]), "restore", done["id"], "--cgroup",
+                         str(setup["big"]), env=shell_env(setup["config"]))
+        assert result.returncode == 0, result.stderr
+        pid = int(result.stdout.strip())
+        assert guard.wait_event("restore.done")
+        holder = Store(setup["store"]).get(done["id"]).extra[SHELL_TTY]["socket"]
+        assert holder and Path(holder).exists()
+        with tmux_shell("viewer", setup["dir"], shell_env(setup["config"])) as viewer:
+            seen = len(counts(log))
+            viewer.type(f"oomguard attach {done['id']}")
+            viewer.wait_for(f"count {seen + 3}")
+            viewer.keys("C-z")
+            viewer.wait_for("Stopped")
+            viewer.wait_prompt(2)
+            assert wait_until(lambda: _state(pid) == "T", 10), "Ctrl-Z did not stop the job"
+            stopped_at = len(counts(log))
+            viewer.run("sleep 0.5")
+            assert len(counts(log)) == stopped_at, "the job went on while stopped"
+            viewer.type("fg")
+            viewer.wait_for(f"count {stopped_at + 3}")
+            viewer.wait_for("the job exited with status 0", timeout=90)
+            assert "status 0" in viewer.run('echo "status $?"')
+    assert done_line(log) == "done 400 ok"
+    assert counts(log) == list(range(1, 401))
+
+
+def test_a_tree_criu_could_not_restore_is_refused_before_it_is_stopped(
+        setup: dict[str, Path]) -> None:
+    """A job holding the terminals of two sessions led outside it (its stderr sent to another
+    window): CRIU restores one. The checkpoint step is refused before the job is stopped,
+    with the reason, and the chain's next action (kill) runs, once."""
+    config = write_config(setup["dir"] / "kill.toml", setup["store"], setup["socket"],
+                          setup["small"], actions='["checkpoint", "kill"]')
+    log = setup["log"]
+    with daemon(setup["store"], setup["dir"] / "daemon.log", config=config,
+                socket=setup["socket"]) as guard, \
+            tmux_shell("two", setup["dir"], shell_env(config)) as shell, \
+            tmux_shell("other", setup["dir"], shell_env(config)) as other:
+        guard.wait_event("guard.armed")
+        shell.type(job_command(log, setup["small"], redirect=f" 2>{other.tty()}"))
+        failed = guard.wait_event("checkpoint.failed", timeout=60)[0]
+        assert "refused before stopping it" in failed["error"], failed
+        assert "2 terminals of sessions led outside it" in failed["error"], failed
+        assert failed["outcome"] == "untouched"
+        assert not guard.events("victim.frozen"), "the job was stopped before the refusal"
+        killed = guard.wait_event("victim.killed", timeout=30)[0]
+        assert killed["pid"] == failed["pid"]
+        shell.wait_prompt(2)
+    assert len(guard.events("checkpoint.failed")) == 1
+    assert not list(Path(setup["store"]).glob("2*")), "a checkpoint was taken anyway"
+
+
+def _state(pid: int) -> str | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()[0]
