@@ -71,10 +71,16 @@ class TmuxShell:
         """Everything the terminal has shown (its history too), wrapped lines joined."""
         return self.tmux("capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", self.target)
 
-    def wait_for(self, needle: str | re.Pattern[str], timeout: float = 30) -> str:
-        """Wait until `needle` (text or a pattern) is on the screen; returns the screen."""
+    def mark(self) -> int:
+        """Where the screen ends now: wait_for(..., since=mark) looks only after it."""
+        return len(self.screen())
+
+    def wait_for(self, needle: str | re.Pattern[str], timeout: float = 30,
+                 since: int = 0) -> str:
+        """Wait until `needle` (text or a pattern) is on the screen (after `since`); returns
+        the screen."""
         def seen() -> str | None:
-            text = self.screen()
+            text = self.screen()[since:]
             found = needle.search(text) if isinstance(needle, re.Pattern) else needle in text
             return text if found else None
 

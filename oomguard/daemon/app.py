@@ -27,6 +27,7 @@ from oomguard.daemon.wiring import (
     remove_criu_cgroup,
 )
 from oomguard.lifecycle.restorefit import daemon_lookup
+from oomguard.model.errors import StoreError
 from oomguard.observe.dbus import SignalEmitter
 from oomguard.observe.hooks import HookRunner
 from oomguard.observe.logsetup import RecordingLogger
@@ -37,6 +38,7 @@ from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
+from oomguard.terminal.restore import job_ended
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
     from oomguard.observe.metrics import Metrics, TextfileWriter
@@ -117,6 +119,11 @@ def _exit_recorder(store: Store, log: Any, why_unknown: Callable[[], str | None]
     def exited(checkpoint_id: str, pid: int, exited_at: float,
                status: ProcessExit | None) -> None:
         fields = record_exit(store, checkpoint_id, pid, exited_at, status)
+        with contextlib.suppress(StoreError):
+            meta = store.get(checkpoint_id)
+            if meta.restored_pid == pid:
+                job_ended(meta.extra, meta.uid, status.exit_code if status else None,
+                          status.signal if status else None)
         if status is None:
             fields["explanation"] = why_unknown() or (
                 "the kernel's exit event was not seen (it ended before it was watched, or "

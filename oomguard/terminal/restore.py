@@ -204,3 +204,20 @@ def wants_shell_terminal(criu_error: str) -> bool:
     """CRIU needs a terminal to give the job (a job typed at a shell prompt, checkpointed
     before oomguard recorded its terminal): restored under a leader, it gets a new one."""
     return "tty to inherit session" in criu_error
+
+
+def job_ended(extra: dict[str, Any], uid: int, status: int | None, sig: int | None) -> None:
+    """A restored job's root exited (the daemon saw it): its terminal's holder tells the
+    people attached how, and ends (a holder whose job is being dumped ignores it)."""
+    sockets = [entry.get("socket") for entry in extra.get(TTYS) or []]
+    shell = extra.get(SHELL_TTY)
+    if isinstance(shell, dict):
+        sockets.append(shell.get("socket"))
+    fields: dict[str, int] = {}
+    if sig is not None:
+        fields["signal"] = sig
+    elif status is not None:
+        fields["status"] = status
+    for path in {s for s in sockets if isinstance(s, str) and s}:
+        if trusted_socket(path, uid):
+            notify(path, "done", **fields)

@@ -2,7 +2,7 @@
 counting; every step prints "count N" on stdout (a terminal, or a redirected log) and appends
 "N" to `--log`. A line typed on stdin is answered "echo: LINE" (and logged "input LINE").
 `--daemonize` forks, the parent exits 0 and the child carries on (a daemon under exec).
-Ends with "done N ok" (memory intact) on stdout and in the log."""
+Ends with "done N ok" (memory intact) on stdout and in the log, and status `--exit` (0)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--tick", type=float, default=0.05)
     parser.add_argument("--daemonize", action="store_true")
+    parser.add_argument("--exit", type=int, default=0, help="the status to end with")
     args = parser.parse_args()
     if args.daemonize and os.fork() > 0:
         return 0
@@ -54,7 +55,7 @@ def main() -> int:
     line = f"done {args.count} {'ok' if intact else 'CORRUPT'}"
     print(line, flush=True)
     log.write(line + "\n")
-    return 0 if intact else 1
+    return args.exit if intact else 1
 
 
 if __name__ == "__main__":
