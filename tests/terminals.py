@@ -69,11 +69,14 @@ class TmuxShell:
 
     def screen(self) -> str:
         """Everything the terminal has shown (its history too), wrapped lines joined."""
-        return self.tmux("capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", self.target)
+        text = self.tmux("capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", self.target)
+        return text.rstrip("\n") + "\n"  # not the empty rows below the cursor
 
     def mark(self) -> int:
-        """Where the screen ends now: wait_for(..., since=mark) looks only after it."""
-        return len(self.screen())
+        """Where the screen's last line (the prompt being typed at) begins: wait_for(...,
+        since=mark) looks from there on."""
+        text = self.screen().rstrip("\n")
+        return text.rfind("\n") + 1
 
     def wait_for(self, needle: str | re.Pattern[str], timeout: float = 30,
                  since: int = 0) -> str:

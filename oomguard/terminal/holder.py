@@ -114,6 +114,38 @@ def first_child_pgrp(pid: int) -> int | None:
         return None
 
 
+POLL_WAITS = ("poll_schedule_timeout", "do_epoll_wait", "ep_poll", "do_select",
+              "core_sys_select", "do_sys_poll")
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid`'s descendants (not itself), from /proc/PID/task/TID/children."""
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        parent = queue.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+                found += kids
+                queue += kids
+    return found
+
+
+def waiting_in_poll(pids: list[int]) -> bool:
+    """Whether a thread of these processes sleeps in select(2), poll(2) or epoll_wait(2): a
+    job that may be waiting for its terminal without reading it (a job in the background that
+    read would have been stopped by the kernel instead)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/wchan") as f:
+                    if f.read().startswith(POLL_WAITS):
+                        return True
+    return False
+
+
 class Holder:
     def __init__(self, master: int, listener: socket.socket, grace: float,
                  pinned: str | None, origin: list[str], leader: Leader | None = None) -> None:
@@ -192,15 +224,17 @@ class Holder:
 
     def job_control(self, op: str, sig: int | None = None) -> None:
         """`cont` (as fg), `stop` (as Ctrl-Z), `signal`, or `want` (the user typed a line for
-        a job that never read its terminal: it may wait in select(2), which does not stop a
-        job in the background; it gets the terminal as if it had read it): to the job's
-        process group."""
+        a job that never read its terminal: if it waits in select(2), poll(2) or epoll, which
+        do not stop a job in the background as a read does, it gets the terminal as if it had
+        read it; otherwise the line stays for the user's shell): to the job's process group."""
         pgrp = self.job_pgrp()
         if pgrp is None:
             return
         if op == "want":
-            if self.state.terminal:
-                return
+            leader = os.getpid() if self.leader is not None else session_of(self.master)
+            if self.state.terminal or leader is None \
+                    or not waiting_in_poll(descendants(leader)):
+                return  # it does not wait for input: the line stays for the user's shell
             if self.leader is not None:
                 self.leader.give_terminal(pgrp)
                 self.observe()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO, CgroupFactory, read_counts
+from tests.helpers import REPO, CgroupFactory, kill_pid, read_counts, wait_until
 
 BEGIN, END = "<!-- first-ten-minutes:begin -->", "<!-- first-ten-minutes:end -->"
 README_CGROUP = "/sys/fs/cgroup/memory/demo"
@@ -82,3 +82,67 @@ def test_readme_first_ten_minutes_as_written(cgroups: CgroupFactory, tmp_path: P
                for k, v in metrics.items()), shown
     assert any(k.startswith("oomguard_restores_total") and "failed" not in k and float(v) >= 1
                for k, v in metrics.items()), shown
+
+
+def readme_blocks(script: str) -> list[str]:
+    """The walkthrough's numbered blocks (`# 1. ...` up to the next), as a person pastes them
+    one at a time."""
+    blocks: list[list[str]] = []
+    for line in script.splitlines():
+        if re.match(r"# \d+\. ", line) or not blocks:
+            blocks.append([])
+        blocks[-1].append(line)
+    return ["\n".join(block).strip() + "\n" for block in blocks if "".join(block).strip()]
+
+
+def test_readme_first_ten_minutes_pasted_block_by_block_into_a_terminal(
+        cgroups: CgroupFactory, tmp_path: Path) -> None:
+    """The same walkthrough pasted into a real terminal (tmux, an interactive bash), one
+    block at a time, each run to its end: nothing the shell should run is read by a job
+    (`echo "exit status $?"` runs right after exec), restore attaches and ends with the job,
+    and the daemon started in the background is stopped by the last block's `kill %1`."""
+    from tests.terminals import pids_running, tmux_shell
+
+    demo = cgroups.make("pasted", None)
+    etc, work = tmp_path / "etc-oomguard", tmp_path / "home"
+    work.mkdir()
+    port = free_port()
+    script = moved(readme_walkthrough(), {
+        README_CGROUP: str(demo.path),
+        "/etc/oomguard": str(etc),
+        "/var/lib/oomguard": str(tmp_path / "store"),
+        "/run/oomguard/control.sock": str(tmp_path / "control.sock"),
+        "/var/log/oomguard-demo.log": str(tmp_path / "daemon.log"),
+        "9464": str(port),
+    })
+    env = {**os.environ, "OOMGUARD_CONFIG": str(etc / "oomguard.toml"),
+           "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("OOMGUARD_SOCKET", None)
+    try:
+        with tmux_shell("readme", work, env) as shell:
+            for number, block in enumerate(readme_blocks(script), start=1):
+                since = shell.mark()
+                shell.paste(block)
+                # Typed after the paste: the shell runs it once the whole block has run.
+                shell.type(f"echo block-done-$(( {number} * 1000 ))")
+                shell.wait_for(f"\nblock-done-{number * 1000}\n", timeout=120, since=since)
+            out = shell.screen()
+            stopped = wait_until(lambda: '"guard.stopped"' in (tmp_path / "daemon.log")
+                                 .read_text(), 30)  # by the last block's `kill %1`
+    finally:
+        for pid in pids_running(str(etc / "oomguard.toml")):
+            kill_pid(pid)
+    shown = f"terminal:\n{out[-6000:]}\ndaemon log:\n" + (
+        (tmp_path / "daemon.log").read_text() if (tmp_path / "daemon.log").exists() else "")
+    assert "OK (1 guard rule(s))" in out, shown
+    assert "daemon: running" in out, shown
+    assert "exit status 75" in out, shown
+    ids = set(re.findall(r"\b(\d{8}-\d{6}-\d+-[0-9a-f]+)\b", out))
+    assert len(ids) == 1, shown
+    assert re.search(r"restored \S+ as PID \d+ \(was \d+\)", out), shown
+    assert "the job exited with status 0" in out, shown  # restore attached, ended with it
+    log = work / "demo.log"
+    assert read_counts(log) == list(range(100)), log.read_text()
+    assert log.read_text().rstrip().endswith("done"), log.read_text()
+    assert re.search(r"^oomguard_checkpoints_total\{[^}]*\} [1-9]", out, re.M), shown
+    assert stopped, shown

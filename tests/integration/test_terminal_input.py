@@ -68,6 +68,12 @@ def test_lines_pasted_after_exec_run_in_the_shell(tmp_path: Path, env: dict[str,
         shell.wait_for("exit status 0")
         shell.wait_for("second-line\n")
         shell.wait_prompt(4)
+        # Typed while a job runs that does not read: the line is the shell's, afterwards.
+        since = shell.mark()
+        shell.type("oomguard exec -- python3 -c 'import time; time.sleep(2)'")
+        shell.wait_for("oomguard exec", since=since)
+        shell.type("echo typed-$((6*7))")
+        shell.wait_for("\ntyped-42\n", since=since)
     assert (tmp_path / "out.log").read_text() == "job ran\n"
 
 
