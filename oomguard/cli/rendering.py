@@ -144,15 +144,15 @@ def restored_line(result: Mapping[str, Any]) -> str:
 
 
 def taken_line(meta: Mapping[str, Any], asked: int, width: int = DEFAULT_WIDTH) -> str:
-    """Which tree `oomguard checkpoint PID` took, for people: the whole `oomguard exec` job
-    when the PID asked for was inside one."""
+    """Which tree `oomguard checkpoint PID` took, for people (its id goes to stdout): the
+    whole `oomguard exec` job when the PID asked for was inside one."""
     root, count = meta["pid"], len(meta.get("pids") or []) or 1
     tasks = f"{count} process{'es' if count > 1 else ''}"
     if asked != root:
-        head = (f"oomguard: process {asked} is in the job of {root} (the init of its PID "
-                f"namespace): checkpointed the whole job as {meta['id']}, {tasks}: ")
+        head = (f"oomguard: process {asked} is in the job of {root} (its PID namespace's "
+                f"init): checkpointed the whole job, {tasks}: ")
     else:
-        head = f"oomguard: checkpointed the tree of {root} as {meta['id']}, {tasks}: "
+        head = f"oomguard: checkpointed the tree of {root}, {tasks}: "
     return head + one_line(meta_command(meta), max(width - len(head), MIN_COMMAND_WIDTH))
 
 

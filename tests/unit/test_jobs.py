@@ -290,3 +290,40 @@ def test_job_fields_name_cmd_and_its_host_pid() -> None:
     left = ProcessTree(root=procs[INIT], members=(procs[INIT], orphan))
     assert main_process(left) is orphan
     assert asdict(make_meta("x", 1, 1.0, [1], **job_fields(tree)))["job_pid"] == CMD
+
+
+def test_a_system_rule_reading_its_ranking_reads_the_jobs_init_too(tmp_path: Path) -> None:
+    """With a standing ranking only the largest processes are read in full at the crossing:
+    the init of a chosen process's job is read too, and the tree taken is the init's."""
+    from oomguard.daemon.examining import ExaminingMixin
+    from oomguard.sense.ranking import ProcessRanking
+
+    small = [FakeProc(pid, 1, rss_kib=20 << 10) for pid in range(900, 940)]
+    procs = [FakeProc(WRAPPER, 1, rss_kib=20 << 10, children={WRAPPER: [INIT]}),
+             FakeProc(INIT, WRAPPER, nspid=(INIT, 1), cmdline=NSINIT_CMDLINE, rss_kib=9 << 10,
+                      children={INIT: [CMD]}),
+             FakeProc(CMD, INIT, nspid=(CMD, 2), rss_kib=300 << 10, children={CMD: [CMD_CHILD]}),
+             FakeProc(CMD_CHILD, CMD, nspid=(CMD_CHILD, 3), rss_kib=50 << 10), *small]
+    root = fake_proc_tree(tmp_path / "proc", procs)
+    for p in procs:
+        pages = (p.rss_kib or 0) // 4
+        (root / str(p.pid) / "statm").write_text(f"{pages * 2} {pages} 10 1 0 {pages} 0\n")
+
+    class Examiner(ExaminingMixin):
+        def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
+            return frozenset()
+
+    examiner = Examiner()
+    examiner.proc = ProcReader(root)
+    examiner.ranking = ProcessRanking(root, page_size=4096)
+    examiner.ranking.refresh()
+    ranking = examiner.ranking.current()
+    assert ranking is not None and INIT not in ranking.top()  # too small to be read in full
+    processes = examiner._ranked_processes()
+    (init,) = [p for p in processes if p.pid == INIT]
+    assert init.is_pidns_init  # read in full, not a stand-in
+    trees = lift_to_jobs(system_candidates(processes, frozenset()), processes, frozenset())
+    assert trees[0].root.pid == INIT and set(trees[0].pids) == {INIT, CMD, CMD_CHILD}
+    fresh = examiner._refresh_tree(trees[0])
+    assert fresh is not None and fresh.root.pid == INIT
+    assert set(fresh.pids) == {INIT, CMD, CMD_CHILD}

@@ -282,7 +282,9 @@ def test_console_log_of_a_checkpoint_is_one_line() -> None:
 def test_the_checkpoint_says_which_tree_it_took() -> None:
     taken = exec_meta(id="cid", job_command="python3 train.py", job_pid=4243)
     assert taken_line(taken, 4243) == (
-        "oomguard: process 4243 is in the job of 4242 (the init of its PID namespace): "
-        "checkpointed the whole job as cid, 3 processes: python3 train.py")
+        "oomguard: process 4243 is in the job of 4242 (its PID namespace's init): "
+        "checkpointed the whole job, 3 processes: python3 train.py")
     assert taken_line(meta(id="cid", pids=[4242]), 4242) == (
-        "oomguard: checkpointed the tree of 4242 as cid, 1 process: python3 train.py")
+        "oomguard: checkpointed the tree of 4242, 1 process: python3 train.py")
+    cut = taken_line(exec_meta(), 4243, width=140)
+    assert 138 <= len(cut) <= 140 and cut.endswith("3 processes: python3 -c \\nimport time\u2026")
