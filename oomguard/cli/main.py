@@ -162,9 +162,16 @@ def _call(args: argparse.Namespace, method: str, **parameters: Any) -> dict[str,
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from oomguard.lifecycle.jobroot import job_root
+    from oomguard.sense.procfs import ProcReader
+
     log = get_logger()
+    try:  # the tree CRIU dumps: a process inside an exec job stands for the job, from its init
+        root = job_root(ProcReader(), args.pid)
+    except ProcessGone:
+        root = args.pid  # the daemon says so
     try:
-        with progress(f"checkpoint of {args.pid}", lambda: dump_bytes(args.pid), sys.stderr):
+        with progress(f"checkpoint of {args.pid}", lambda: dump_bytes(root), sys.stderr):
             meta = _call(args, "Checkpoint", pid=args.pid, reason=args.reason)["checkpoint"]
     except CheckpointFailed as exc:
         log.error("checkpoint.failed", pid=args.pid, outcome=exc.outcome, error=str(exc))

@@ -23,6 +23,7 @@ ELLIPSIS = "\u2026"
 DEFAULT_WIDTH = 120  # the width of output that goes to no terminal (unless $COLUMNS says)
 LOG_COMMAND_WIDTH = 60  # a command in a console log line, among the event's other fields
 MIN_COMMAND_WIDTH = 20
+STR_SHOWN = 4096  # a field's text (a CRIU error) escaped onto one line before the line is cut
 VISIBLE_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
 
@@ -51,7 +52,7 @@ def one_line(text: str, width: int, *, escape: bool = True) -> str:
     for ch in text:
         piece = _visible(ch) if escape else ch
         if length + len(piece) > width:
-            while pieces and length + len(ELLIPSIS) > width:
+            while pieces and (length + len(ELLIPSIS) > width or pieces[-1] in (" ", ELLIPSIS)):
                 length -= len(pieces.pop())
             return "".join(pieces) + ELLIPSIS
         pieces.append(piece)
@@ -115,19 +116,29 @@ def _job_command_only(fields: MutableMapping[str, Any], width: int, *,
         fields["command"] = one_line(whole, width, escape=escape)
 
 
+STATUS_LEAD = ("cgroup", "id", "pid", "job_pid")  # what an event is about, before the rest
+
+
 def event_fields(event: Mapping[str, Any], skip: tuple[str, ...] = ("event", "time", "level"),
                  width: int = DEFAULT_WIDTH) -> str:
-    """'cgroup=/jobs/a usage=380.0MiB ... command=python3 train.py': an event's fields for a
-    line of `status`, the job's command last, on what is left of `width`."""
+    """'cgroup=/jobs/a id=... command=python3 train.py usage=380.0MiB ...': an event's fields
+    for a line of `status`, on one line of at most `width` characters: what it is about first,
+    then the job's command (at most half the line), then the rest, cut with an ellipsis."""
     fields = {k: v for k, v in event.items() if k not in skip}
     raw_command: dict[str, Any] = {k: fields.pop(k) for k in ("command", "job_command")
                                    if k in fields}
-    text = " ".join(f"{k}={human_value(k, v)}" for k, v in fields.items())
+
+    def shown(key: str) -> str:
+        value = human_value(key, fields[key])
+        return f"{key}={one_line(value, STR_SHOWN) if isinstance(value, str) else value}"
+
+    parts = [shown(k) for k in STATUS_LEAD if k in fields]
     if raw_command:
-        _job_command_only(raw_command, max(width - len(text) - len(" command="),
-                                           MIN_COMMAND_WIDTH))
-        text = f"{text} command={raw_command['command']}".lstrip()
-    return text
+        used = len(" ".join(parts)) + len(" command=")
+        _job_command_only(raw_command, max(min(width - used, width // 2), MIN_COMMAND_WIDTH))
+        parts.append(f"command={raw_command['command']}")
+    parts += [shown(k) for k in fields if k not in STATUS_LEAD]
+    return one_line(" ".join(parts), width, escape=False)
 
 
 def restore_command(checkpoint_id: str) -> str:

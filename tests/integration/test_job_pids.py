@@ -242,6 +242,13 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
             assert (f"pid       {cmd} (the job's main process; its tree: {init}, its PID "
                     "namespace's init, 2 tasks)") in shown
 
+            # status: the checkpoint among the last events, the job's command on its one line
+            status = shell.run(second, "oomguard status")
+            (event,) = [line for line in status if " checkpoint.done " in line]
+            assert f"id={checkpoint_id} pid={init} job_pid={cmd} command=python3 -c import " \
+                "runpy, sys\\nsys.argv" in event
+            assert len(event) <= WIDTH and "nsinit" not in event and "\u2026\u2026" not in event
+
             # restore, typed in the job's first terminal: it comes back there and goes on
             shell.type(first, f"oomguard restore {checkpoint_id}")
             assert wait_until(lambda: last_count(log) > stopped_at + 10, 60), \

@@ -257,17 +257,28 @@ def test_event_lines_show_the_jobs_command_json_keeps_both() -> None:
              "id": "x", "image_bytes": 2 * MiB, "command": NSINIT_COMMAND,
              "job_command": "python3 -c \nimport time", "job_pid": 4243}
     assert event_fields(event, width=200) == (
-        "id=x image_bytes=2.0MiB job_pid=4243 command=python3 -c \\nimport time")
-    cut = event_fields(event, width=65)
-    assert cut.startswith("id=x image_bytes=2.0MiB job_pid=4243 command=python3 -c")
-    assert len(cut) == 65 and cut.endswith("\u2026")
+        "id=x job_pid=4243 command=python3 -c \\nimport time image_bytes=2.0MiB")
+    cut = event_fields(event, width=50)
+    assert cut == "id=x job_pid=4243 command=python3 -c \\nimport tim\u2026"
+    # the command gets at most half of a wide line: the fields after it are seen
+    wide = event_fields({**event, "job_command": "x" * 500}, width=120)
+    assert wide.count("x") == 1 + 59 and wide.endswith("\u2026 image_bytes=2.0MiB")
     # an event from before job_command: the init's command line is read for CMD
     older = {k: v for k, v in event.items() if k != "job_command"}
     assert event_fields(older, width=200).endswith(
-        "command=python3 -c \\nimport time\\nfor i in range(9):\\n\\tprint(i)")
+        "command=python3 -c \\nimport time\\nfor i in range(9):\\n\\tprint(i) image_bytes=2.0MiB")
     shown = humanize_event(None, "warning", dict(event))
     # (cut, not escaped: the console renderer escapes strings itself)
     assert shown["command"] == "python3 -c \nimport time" and "job_command" not in shown
+
+
+def test_a_status_line_is_one_line_whatever_its_fields_hold() -> None:
+    failed = {"event": "checkpoint.failed", "cgroup": "/jobs/a", "pid": 42, "outcome": "thawed",
+              "error": "criu dump exited with status 1\n(00.1) Error (criu/tty.c:1): no tty"}
+    line = event_fields(failed, width=80)
+    assert line.startswith("cgroup=/jobs/a pid=42 outcome=thawed error=criu dump exited")
+    assert "\n" not in line and len(line) == 80 and line.endswith("\u2026")
+    assert "status 1\\n(00.1)" in event_fields(failed, width=200)
 
 
 def test_console_log_of_a_checkpoint_is_one_line() -> None:
@@ -288,3 +299,8 @@ def test_the_checkpoint_says_which_tree_it_took() -> None:
         "oomguard: checkpointed the tree of 4242, 1 process: python3 train.py")
     cut = taken_line(exec_meta(), 4243, width=140)
     assert 138 <= len(cut) <= 140 and cut.endswith("3 processes: python3 -c \\nimport time\u2026")
+
+
+def test_a_cut_ends_in_one_ellipsis() -> None:
+    assert one_line("abc\u2026 def", 6) == "abc\u2026"
+    assert one_line("abc def", 5) == "abc\u2026"
