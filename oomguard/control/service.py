@@ -138,10 +138,16 @@ class Service:
 
     def show(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
         """A checkpoint by id (or prefix, `last`), or by a PID: the newest checkpoint of the
-        caller's whose tree held that process (the one a person saw in `ps`)."""
+        caller's whose tree held that process (the one a person saw in `ps`), or whose restore
+        is the live job that process is in."""
         if names_a_pid(checkpoint_id):
+            pid = int(checkpoint_id)
             visible = [m for m in self.store.list() if uid == ROOT or m.uid == uid]
-            checkpoint_id = newest_holding(int(checkpoint_id), visible,
+            try:  # a process of a restored exec job: the job's init is the restored root
+                root: int | None = job_root(self.proc, pid)
+            except ProcessGone:
+                root = None
+            checkpoint_id = newest_holding(pid, visible, job_root=root,
                                            whose="" if uid == ROOT else " of yours")
         return asdict(self._visible(uid, checkpoint_id))
 

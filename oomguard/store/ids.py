@@ -27,10 +27,13 @@ def held_pids(meta: CheckpointMeta) -> set[int]:
     return {meta.pid, *meta.pids, *(p for p in (meta.job_pid, meta.restored_pid) if p)}
 
 
-def newest_holding(pid: int, visible: Iterable[CheckpointMeta], *, whose: str = "") -> str:
-    """The id of the newest of `visible` whose tree held process `pid`. Raises
-    UnknownCheckpoint when none did."""
-    holding = [m for m in visible if pid in held_pids(m)]
+def newest_holding(pid: int, visible: Iterable[CheckpointMeta], *, whose: str = "",
+                   job_root: int | None = None) -> str:
+    """The id of the newest of `visible` whose tree held process `pid` (or, for a live `pid`,
+    whose restored tree's root is `job_root`, its job's). Raises UnknownCheckpoint when none
+    did."""
+    wanted = {pid} if job_root is None else {pid, job_root}
+    holding = [m for m in visible if wanted & held_pids(m)]
     if not holding:
         raise UnknownCheckpoint(f"no checkpoint{whose} of a tree that held process {pid}")
     return max(holding, key=lambda m: (m.created, m.id)).id

@@ -267,6 +267,9 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
             (new_cmd,) = pids_in_ps(listing, "python3 -c import runpy")
             job_pids.append(new_cmd)
             assert psutil.Process(new_cmd).ppid() == restored.restored_pid
+            # show PID with the new PID: the checkpoint the running job came back from
+            shown = shell.run(second, f"oomguard show {new_cmd}")
+            assert f"id        {checkpoint_id}" in shown and "state     restored" in shown
             shell.type(second, f"oomguard attach {new_cmd}")
             mark = last_count(log)
             shell.wait_for(second, rf"^count {mark + 3}$")

@@ -242,11 +242,16 @@ def test_show_pid_finds_the_newest_checkpoint_whose_tree_held_it(tmp_path: Path)
         _images, lock_fd = store.begin(meta)
         os.close(lock_fd)
         store.commit(meta)
+    # the live restored job of "moved": its init 803 (the restored root), CMD 804
+    proc = ProcReader(fake_proc_tree(tmp_path / "proc", [
+        FakeProc(CMD_CHILD + 100, 1, nspid=(CMD_CHILD + 100, 1), children={803: [804]}),
+        FakeProc(CMD_CHILD + 101, CMD_CHILD + 100, nspid=(CMD_CHILD + 101, 2))]))
     service = Service(store, restorer=None, checkpointer=None,  # type: ignore[arg-type]
-                      layout=NO_CGROUPS)
+                      layout=NO_CGROUPS, proc=proc)
     assert service.show(1000, str(CMD))["id"] == "new"
     assert service.show(0, str(CMD))["id"] == "bobs"  # root sees every checkpoint
     assert service.show(1000, str(CMD_CHILD + 100))["id"] == "moved"  # its restored root
+    assert service.show(1000, str(CMD_CHILD + 101))["id"] == "moved"  # and CMD under it
     with pytest.raises(UnknownCheckpoint, match="no checkpoint of yours of a tree that held "
                                                 "process 4242"):
         service.show(1000, "4242")
