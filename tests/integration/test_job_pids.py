@@ -37,6 +37,8 @@ from tests.helpers import (
     oomguard_argv,
     proc_state,
     read_counts,
+    short_socket_path,
+    unprivileged_user,
     wait_until,
 )
 
@@ -354,3 +356,47 @@ def test_a_cgroup_rule_refuses_a_job_whose_init_is_outside_its_cgroup_before_sto
             "which CRIU dumps only whole, from the namespace's init, and the init, process "
             f"{init.pid}, is outside the cgroup {cg.rel_path}") in failed["error"]
     assert not guard.events("victim.frozen") and not guard.events("checkpoint.done")
+
+
+def test_a_user_may_not_checkpoint_a_job_whose_init_is_not_theirs(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Root started the job (its init is root's) and CMD runs as the user: the user's PID
+    stands for the whole job, which is not all theirs, so it is refused before any stop."""
+    cg = cgroups.make("rights", None)
+    user = unprivileged_user("oomguard-t-mallory2", 40032)
+    as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--"]
+    logs = Path(tempfile.mkdtemp(prefix="ogr-", dir="/tmp"))  # pytest's tmp is root's alone
+    logs.chmod(0o777)
+    log = logs / "hog.log"
+    sock = short_socket_path()
+    sock.parent.chmod(0o755)
+    with daemon(store, tmp_path / "daemon.log", socket=sock) as guard:
+        guard.wait_event("guard.started")
+        assert wait_until(sock.exists, 10)
+        wrapper = subprocess.Popen(
+            [*oomguard_argv(store), "exec", "--cgroup", str(cg.path), "--", *as_user,
+             *hog_argv(log, target=16, rate=100, count=100_000)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cwd=tmp_path, start_new_session=True)
+        try:
+            assert wait_until(lambda: last_count(log) > 3, 30)
+            (init,) = psutil.Process(wrapper.pid).children()
+            (cmd,) = psutil.Process(init.pid).children()
+            assert cmd.uids().real == user and init.uids().real == 0
+            asked = subprocess.run(
+                [*as_user, sys.executable, "-m", "oomguard", "--socket", str(sock),
+                 "checkpoint", str(cmd.pid)], capture_output=True, text=True, cwd="/",
+                timeout=60, stdin=subprocess.DEVNULL, env={"PATH": os.environ["PATH"]})
+            assert asked.returncode == 1
+            assert (f"process {init.pid} (the init of the job of process {cmd.pid}) is not "
+                    "yours") in asked.stderr
+            counted = last_count(log)
+            assert wait_until(lambda: last_count(log) > counted + 3, 10)  # never stopped
+            assert proc_state(cmd.pid) in ("S", "R") and proc_state(init.pid) == "S"
+            assert not guard.events("victim.frozen") and not guard.events("checkpoint.done")
+        finally:
+            wrapper.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                wrapper.wait(timeout=10)
+            kill_pid(wrapper.pid)
+            shutil.rmtree(logs, ignore_errors=True)
