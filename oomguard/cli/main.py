@@ -180,12 +180,17 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
         log.error("checkpoint.failed", pid=args.pid, error=str(exc))
         return EXIT_FAILED
     asked = meta.get("asked_pid", args.pid)
+    # The tree taken: its root (`pid`), and where they differ, the PID asked for and the job's
+    # main process and own command (an `oomguard exec` job's CMD, not its init).
+    job = {"asked_pid": asked, "job_pid": meta.get("job_pid"),
+           "job_command": meta.get("job_command")}
+    job = {k: v for k, v in job.items()
+           if v is not None and v != meta.get("command" if k == "job_command" else "pid")}
     log.info("checkpoint.done", id=meta["id"], pid=meta["pid"], image_bytes=meta["image_bytes"],
              seconds=meta.get("seconds"), freeze_s=meta.get("freeze_s"),
              dump_s=meta.get("dump_s"), commit_s=meta.get("commit_s"),
-             asked_pid=asked if asked != meta["pid"] else None, job_pid=meta.get("job_pid"),
-             tasks=len(meta.get("pids") or []), command=meta.get("command"),
-             job_command=meta.get("job_command"), restore=restore_command(meta["id"]))
+             tasks=len(meta.get("pids") or []), command=meta.get("command"), **job,
+             restore=restore_command(meta["id"]))
     if sys.stderr.isatty():  # people read which tree it took; scripts read the id on stdout
         print(taken_line(meta, asked, output_width()), file=sys.stderr)
     print(meta["id"])
