@@ -13,7 +13,15 @@ from typing import Any
 
 from oomguard.cli.parser import build_parser
 from oomguard.cli.progress import dump_bytes, progress, resident_bytes
-from oomguard.cli.rendering import event_fields, restore_command, restored_line, show_text
+from oomguard.cli.rendering import (
+    event_fields,
+    list_text,
+    output_width,
+    restore_command,
+    restored_line,
+    show_text,
+    taken_line,
+)
 from oomguard.config.discovery import CliConfig, choose_config, discover_cli_config
 from oomguard.config.loading import (
     EMBEDDED_CONFIG,
@@ -154,9 +162,16 @@ def _call(args: argparse.Namespace, method: str, **parameters: Any) -> dict[str,
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from oomguard.lifecycle.jobroot import job_root
+    from oomguard.sense.procfs import ProcReader
+
     log = get_logger()
+    try:  # the tree CRIU dumps: a process inside an exec job stands for the job, from its init
+        root = job_root(ProcReader(), args.pid)
+    except ProcessGone:
+        root = args.pid  # the daemon says so
     try:
-        with progress(f"checkpoint of {args.pid}", lambda: dump_bytes(args.pid), sys.stderr):
+        with progress(f"checkpoint of {args.pid}", lambda: dump_bytes(root), sys.stderr):
             meta = _call(args, "Checkpoint", pid=args.pid, reason=args.reason)["checkpoint"]
     except CheckpointFailed as exc:
         log.error("checkpoint.failed", pid=args.pid, outcome=exc.outcome, error=str(exc))
@@ -164,10 +179,20 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     except ControlError as exc:
         log.error("checkpoint.failed", pid=args.pid, error=str(exc))
         return EXIT_FAILED
+    asked = meta.get("asked_pid", args.pid)
+    # The tree taken: its root (`pid`), and where they differ, the PID asked for and the job's
+    # main process and own command (an `oomguard exec` job's CMD, not its init).
+    job = {"asked_pid": asked, "job_pid": meta.get("job_pid"),
+           "job_command": meta.get("job_command")}
+    job = {k: v for k, v in job.items()
+           if v is not None and v != meta.get("command" if k == "job_command" else "pid")}
     log.info("checkpoint.done", id=meta["id"], pid=meta["pid"], image_bytes=meta["image_bytes"],
              seconds=meta.get("seconds"), freeze_s=meta.get("freeze_s"),
              dump_s=meta.get("dump_s"), commit_s=meta.get("commit_s"),
+             tasks=len(meta.get("pids") or []), command=meta.get("command"), **job,
              restore=restore_command(meta["id"]))
+    if sys.stderr.isatty():  # people read which tree it took; scripts read the id on stdout
+        print(taken_line(meta, asked, output_width()), file=sys.stderr)
     print(meta["id"])
     return EXIT_OK
 
@@ -181,20 +206,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(metas, indent=2))
         return EXIT_OK
-    rows = [("ID", "PID", "USER", "RSS", "IMAGE", "STATE", "CREATED", "COMMAND")]
-    for m in metas:
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created"]))
-        rows.append((m["id"], str(m["pid"]), m["user"], format_size(m["rss_bytes"]),
-                     format_size(m["image_bytes"]), m["state"], created, m["command"][:60]))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    print(list_text(metas, output_width()))
     return EXIT_OK
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     meta = _call(args, "Show", id=args.id)["checkpoint"]
-    print(json.dumps(meta, indent=2, sort_keys=True) if args.json else show_text(meta))
+    print(json.dumps(meta, indent=2, sort_keys=True) if args.json
+          else show_text(meta, output_width()))
     return EXIT_OK
 
 
@@ -298,8 +317,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     cps = status.get("checkpoints", {})
     print(f"checkpoints: {cps.get('count', 0)} ({cps.get('checkpointed', 0)} not restored), "
           f"{format_size(cps.get('bytes', 0))}")
+    width = output_width()
     for event in status.get("recent_events", [])[-10:]:
-        print(f"  {event.get('time', '')}  {event.get('event')}  {event_fields(event)}")
+        head = f"  {event.get('time', '')}  {event.get('event')}  "
+        print(head + event_fields(event, width=width - len(head)))
     return EXIT_OK
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
+from oomguard.lifecycle.jobroot import job_root
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.lifecycle.restorefit import GuardLookup, check_fits
 from oomguard.lifecycle.selfguard import own_family
@@ -38,7 +39,7 @@ from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
-from oomguard.store.ids import resolve_id
+from oomguard.store.ids import names_a_pid, newest_holding, resolve_id
 
 ROOT = 0
 
@@ -136,6 +137,18 @@ class Service:
         return [{"entry": name, "reason": why} for name, why in self.store.scan().skipped]
 
     def show(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
+        """A checkpoint by id (or prefix, `last`), or by a PID: the newest checkpoint of the
+        caller's whose tree held that process (the one a person saw in `ps`), or whose restore
+        is the live job that process is in."""
+        if names_a_pid(checkpoint_id):
+            pid = int(checkpoint_id)
+            visible = [m for m in self.store.list() if uid == ROOT or m.uid == uid]
+            try:  # a process of a restored exec job: the job's init is the restored root
+                root: int | None = job_root(self.proc, pid)
+            except ProcessGone:
+                root = None
+            checkpoint_id = newest_holding(pid, visible, job_root=root,
+                                           whose="" if uid == ROOT else " of yours")
         return asdict(self._visible(uid, checkpoint_id))
 
     def forget(self, uid: int, checkpoint_id: str) -> dict[str, Any]:
@@ -204,13 +217,17 @@ class Service:
 
     def checkpoint(self, uid: int, pid: int, reason: str = "on demand",
                    requester: int | None = None) -> dict[str, Any]:
-        """`requester`: the asking process (SO_PEERCRED): a tree holding it is refused."""
+        """`requester`: the asking process (SO_PEERCRED): a tree holding it is refused. A
+        process inside an `oomguard exec` job stands for the whole job: its PID namespace's
+        init and every process under it (CRIU dumps such a namespace only whole); the reply's
+        `asked_pid` is `pid`, its `pid` the tree's root, `job_pid` the job's main process."""
         try:
-            tree = tree_of(pid, self.proc)
+            tree = tree_of(job_root(self.proc, pid), self.proc)
         except ProcessGone:
             raise ProcessGone(f"no process {pid}") from None
         if uid != ROOT and tree.root.uid != uid:
-            raise PermissionDenied(f"process {pid} is not yours")
+            whose = "" if tree.root.pid == pid else f" (the init of the job of process {pid})"
+            raise PermissionDenied(f"process {tree.root.pid}{whose} is not yours")
         # The whole tree, as CRIU would dump it, before anything is stopped.
         foreign = foreign_task(tree, uid)
         if foreign is not None:
@@ -233,7 +250,7 @@ class Service:
                    "dump_s": round(t.dump_s, 4), "commit_s": round(t.commit_s, 4)}
         if self.events is not None:
             self.events.publish(CheckpointDone(result.meta, t, requested_by=uid))
-        return {**asdict(result.meta), **timings}
+        return {**asdict(result.meta), **timings, "asked_pid": pid}
 
     def gpu_resume(self, uid: int, pid: int) -> dict[str, Any]:
         """Put a process's CUDA state back on the GPU after a `vram` action (root, or the

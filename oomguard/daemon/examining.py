@@ -18,9 +18,11 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.daemon.keeper import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy.forecast import forecast
+from oomguard.policy.jobs import below_namespace_init, lift_to_jobs
 from oomguard.policy.preferences import select_victims
 from oomguard.policy.pressure import Verdict, below_min_available, evaluate, next_watch_look
 from oomguard.policy.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
@@ -216,8 +218,10 @@ class ExaminingMixin:
                 processes = self.proc.processes(self._members_of(guard.spec.victim_cgroups))
             else:  # the ranking kept while memory got low, else every process
                 processes = self._ranked_processes()
-            return select_victims(system_candidates(processes, self.protected_among(processes)),
-                                  self._vram())
+            protected = self.protected_among(processes)
+            # A large process inside an `oomguard exec` job stands for the whole job.
+            trees = lift_to_jobs(system_candidates(processes, protected), processes, protected)
+            return select_victims(trees, self._vram())
 
         def still_pressing() -> bool:
             now = self.meminfo()
@@ -248,9 +252,22 @@ class ExaminingMixin:
         heads = self.proc.processes(self.ranking.to_read(ranking))
         chosen = system_heads(heads, self.protected_among(heads))
         known = {p.pid for p in heads}
-        family = [ranking.by_pid[pid] for pid in ranking.family([p.pid for p in chosen])
+        inits = self._job_inits(chosen, known)  # those of the chosen inside an exec job
+        known |= {p.pid for p in inits}
+        family = [ranking.by_pid[pid] for pid in ranking.family([p.pid for p in chosen + inits])
                   if pid not in known and pid in ranking.by_pid]
-        return heads + [stand_in(brief) for brief in family]
+        return heads + inits + [stand_in(brief) for brief in family]
+
+    def _job_inits(self, chosen: list[ProcessInfo], known: set[int]) -> list[ProcessInfo]:
+        """The PID namespace inits (read in full) of those of `chosen` inside an `oomguard
+        exec` job, not among `known`: the tree taken is the job's, from its init."""
+        inits: dict[int, ProcessInfo] = {}
+        for head in chosen:
+            if below_namespace_init(head):
+                init = job_init(self.proc, head)
+                if init is not None and init.pid not in known:
+                    inits[init.pid] = init
+        return list(inits.values())
 
     def _refresh_tree(self, tree: ProcessTree) -> ProcessTree | None:
         """A tree ranked from the ranking's readings, read afresh (None: its root is gone)."""

@@ -16,6 +16,7 @@ from oomguard.config.loading import GuardConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.gpu.nvml import GpuDevice, GpuSnapshot, devices_over
 from oomguard.gpu.runtime import GpuSupport
+from oomguard.lifecycle.jobroot import job_root
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.model.units import format_size
 from oomguard.policy.victims import ProcessTree, build_trees, with_vram
@@ -117,12 +118,16 @@ class GpuWatch:
             holders = [pid for pid in vram if not members[0].spec.victim_cgroups
                        or self.in_cgroups(pid, members[0].spec.victim_cgroups)]
             trees = []
+            roots: set[int] = set()
             for pid in holders:
-                try:
-                    procs = self.proc.processes(self.proc.descendants(pid))
+                try:  # a holder inside an `oomguard exec` job: the whole job, from its init
+                    root = job_root(self.proc, pid, protected)
+                    procs = self.proc.processes(self.proc.descendants(root))
                 except ProcessGone:
                     continue
-                trees += [t for t in build_trees(procs, protected) if t.root.pid == pid]
+                if root not in roots:
+                    roots.add(root)
+                    trees += [t for t in build_trees(procs, protected) if t.root.pid == root]
             return trees
         trees = []
         for guard in members:

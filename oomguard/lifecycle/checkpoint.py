@@ -29,6 +29,7 @@ from oomguard.gpu.runtime import GpuSupport
 from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
+from oomguard.lifecycle.jobroot import refuse_partial_job
 from oomguard.lifecycle.selfguard import refuse_own_tree
 from oomguard.model.errors import (
     CgroupGone,
@@ -38,6 +39,7 @@ from oomguard.model.errors import (
     ProcessGone,
     StoreError,
 )
+from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
@@ -126,6 +128,7 @@ class Checkpointer:
         oomguard or the `requester` (the process that asked for it)."""
         start = self.clock()
         refuse_own_tree(tree.root.pid, self.proc, requester)
+        refuse_partial_job(tree, cgroup, self.proc)  # never a tree rooted inside a PID namespace
         outside = [p.pid for p in tree.members if p.session == 0]
         if outside:
             # /proc shows session 0 when the session leader lives in an outer PID namespace
@@ -246,7 +249,7 @@ class Checkpointer:
             meta.dump_seconds = round(dumped_at - frozen_at, 3)
             path = self.store.commit(meta, digests)
             done = self.clock()
-            terminals.committed(meta.id, meta.command, tree.root.pid)
+            terminals.committed(meta.id, meta.job_command or meta.command, tree.root.pid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if dumped:
                 # Never deleted: the partial stays, listed as incomplete, completed at the next
@@ -391,7 +394,7 @@ class Checkpointer:
             rss_bytes=tree.rss_bytes, reason=reason,
             criu_version=format_version(self.criu.version), created=self.wall_clock(),
             pidns=root.is_pidns_init, dump_seconds=round(dump_seconds, 3),
-            extra=owner_fields(cgroup.rel_path) if cgroup is not None else {},
+            extra=owner_fields(cgroup.rel_path) if cgroup is not None else {}, **job_fields(tree),
         )
 
 

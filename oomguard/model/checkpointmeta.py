@@ -53,6 +53,11 @@ class CheckpointMeta:
     vram_bytes: int = 0
     stopped_nspids: list[int] = field(default_factory=list)  # tasks the user had stopped
     # (pids in the tree's own PID namespace): restored stopped, never continued by oomguard
+    # The job as a person started it: its command without oomguard exec's init (CMD), and its
+    # main process (host PID: the one `ps` showed; the root's first child for an exec job).
+    # Older checkpoints lack them: policy/jobs.py job_command derives the command.
+    job_command: str = ""
+    job_pid: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

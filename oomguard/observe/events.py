@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from oomguard.model.jobcommand import job_command
 from oomguard.model.units import format_size
 from oomguard.observe.dbus import restore_command
 from oomguard.sense.owners import SlurmStep
@@ -57,6 +58,18 @@ def slurm_owner(fields: Mapping[str, Any]) -> SlurmStep | None:
                      uid if isinstance(uid, int) else None)
 
 
+def job_of(meta: CheckpointMeta) -> dict[str, Any]:
+    """A checkpoint's job as people know it: its own command (`oomguard exec`'s CMD, not the
+    init that ran it) and its main process (the PID `ps` showed), beside the tree's `command`
+    and `pid`: each where it differs from those (a job not started with `oomguard exec`)."""
+    found: dict[str, Any] = {}
+    if job_command(meta.job_command, meta.command) != meta.command:
+        found["job_command"] = job_command(meta.job_command, meta.command)
+    if meta.job_pid is not None and meta.job_pid != meta.pid:
+        found["job_pid"] = meta.job_pid
+    return found
+
+
 def hook_fields(fields: Mapping[str, Any]) -> dict[str, str | int | float | bool]:
     """The fields a hook's environment is made of (scalars only; names as documented)."""
     return {k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)}
@@ -94,8 +107,8 @@ class CheckpointDone:
         return _uid(self.meta.uid)
 
     @property
-    def command(self) -> str:
-        return self.meta.command
+    def command(self) -> str:  # the job's own (not oomguard exec's init): what a person gave
+        return job_command(self.meta.job_command, self.meta.command)
 
     @property
     def reason(self) -> str:
@@ -126,7 +139,7 @@ class CheckpointDone:
         if self.requested_by is not None:
             return {"id": meta.id, "pid": meta.pid, "comm": meta.comm,
                     "image_bytes": meta.image_bytes, "rss": meta.rss_bytes, "uid": meta.uid,
-                    "command": meta.command, "requested_by": self.requested_by,
+                    "command": meta.command, **job_of(meta), "requested_by": self.requested_by,
                     "restore": restore_command(meta.id), "seconds": round(t.total_s, 3),
                     "freeze_s": round(t.freeze_s, 4), "dump_s": round(t.dump_s, 4),
                     "commit_s": round(t.commit_s, 4)}
@@ -136,7 +149,7 @@ class CheckpointDone:
                 "commit_s": round(t.commit_s, 3),
                 "mb_per_s": round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
                 "usage_after": self.usage_after, "path": self.path, "uid": meta.uid,
-                "command": meta.command, "restore": restore_command(meta.id),
+                "command": meta.command, **job_of(meta), "restore": restore_command(meta.id),
                 **owner_of_meta(meta.extra), **self.victim}
 
 
@@ -194,8 +207,8 @@ class RestoreDone:
         return _uid(self.result.meta.uid)
 
     @property
-    def command(self) -> str:
-        return self.result.meta.command
+    def command(self) -> str:  # the job's own (not oomguard exec's init)
+        return job_command(self.result.meta.job_command, self.result.meta.command)
 
     @property
     def hook(self) -> HookFields:
@@ -205,11 +218,12 @@ class RestoreDone:
         r, meta = self.result, self.result.meta
         if self.requested_by is None:
             return {"id": meta.id, "pid": r.pid, "auto": True, "cgroup": self.guard,
-                    "seconds": round(r.seconds, 3), "uid": meta.uid, "command": meta.command}
+                    "seconds": round(r.seconds, 3), "uid": meta.uid, "command": meta.command,
+                    **job_of(meta)}
         return {"id": meta.id, "pid": r.pid, "auto": False, "seconds": round(r.seconds, 3),
                 "verify_s": round(r.verify_s, 3), "lazy": r.lazy,
                 "lazy_fallback": r.lazy_fallback, "warmed_bytes": r.warmed_bytes or None,
-                "uid": meta.uid, "command": meta.command,
+                "uid": meta.uid, "command": meta.command, **job_of(meta),
                 "cgroup": meta.restored_cgroup, "requested_by": self.requested_by}
 
 

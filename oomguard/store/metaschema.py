@@ -12,7 +12,8 @@ INT_MAX = 1 << 62
 FLOAT_MAX = 1e15  # times (epoch seconds), durations, byte counts: far above any real one
 STR_MAX = 1 << 20
 LIST_MAX = 1 << 16
-PID_FIELDS = frozenset({"pid", "pids", "restored_pid", "gpu_pids", "stopped_nspids"})
+PID_FIELDS = frozenset({"pid", "pids", "restored_pid", "gpu_pids", "stopped_nspids",
+                        "job_pid"})
 
 
 def _check_int(name: str, value: Any) -> str | None:

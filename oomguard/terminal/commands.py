@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.model.errors import OomguardError
+from oomguard.model.errors import OomguardError, ProcessGone
+from oomguard.store.ids import names_a_pid
 from oomguard.terminal.attach import ENDED, GONE, HANGUP, PINNED, attach_session
 from oomguard.terminal.client import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
 from oomguard.terminal.execwrap import EXIT_CHECKPOINTED, ExecJob
@@ -66,14 +67,15 @@ def _tty_key(pid: int) -> str | None:
 
 def holder_of_pid(pid: int) -> str | None:
     """The holder named in the process's environment when it answers for the process's
-    terminal, else any holder of ours that does (one restored onto a new pty)."""
+    terminal, else any holder of ours that does (one restored onto a new pty). A process with
+    no terminal: only the holder its environment names (any other would be another job's)."""
     key = _tty_key(pid)
     candidates: list[str] = []
     with contextlib.suppress(OSError):
         named = environ_value(Path(f"/proc/{pid}/environ").read_bytes(), SOCKET_ENV)
         if named:
             candidates.append(named)
-    for directory in {runtime_dir(os.getuid()), SYSTEM_DIR / str(os.getuid())}:
+    for directory in {runtime_dir(os.getuid()), SYSTEM_DIR / str(os.getuid())} if key else ():
         with contextlib.suppress(OSError):
             candidates += sorted(str(p) for p in directory.glob("tty-*.sock"))
     for path in dict.fromkeys(candidates):
@@ -84,6 +86,18 @@ def holder_of_pid(pid: int) -> str | None:
         if key is None or key == info.get("key"):
             return path
     return None
+
+
+def job_process(pid: int) -> int:
+    """The init of the `oomguard exec` job `pid` is in (it holds the job's terminal and names
+    its holder), else `pid`."""
+    from oomguard.lifecycle.jobroot import job_root  # here: `exec` starts without it
+    from oomguard.sense.procfs import ProcReader
+
+    try:
+        return job_root(ProcReader(), pid)
+    except ProcessGone:
+        return pid
 
 
 def attach_to(path: str, say: Callable[[str], None] | None = None) -> int:
@@ -111,17 +125,9 @@ def attach_to(path: str, say: Callable[[str], None] | None = None) -> int:
     return 0
 
 
-PID_DIGITS = 7  # pid_max is at most 4194304: eight digits or more begin a checkpoint id
-
-
-def names_a_pid(target: str) -> bool:
-    """`attach 4242` names a process; `attach 20250301` (a date: how ids begin) a checkpoint."""
-    return target.isdigit() and len(target) <= PID_DIGITS
-
-
 def attach(target: str, call: Call) -> int:
-    if names_a_pid(target):
-        path = holder_of_pid(int(target))
+    if names_a_pid(target):  # any process of an exec job: its init's terminal, else its own
+        path = holder_of_pid(job_process(int(target))) or holder_of_pid(int(target))
         if path is None:
             raise HolderError(f"process {target} has no terminal oomguard holds (only jobs "
                               "started on a terminal with `oomguard exec` have one)")

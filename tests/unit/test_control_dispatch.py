@@ -321,7 +321,8 @@ def test_checkpoint_allowed_reaches_checkpointer(service: Service, uid: int, pid
     raw = json.dumps({"method": "io.oomguard.Checkpoint", "parameters": params}).encode()
     _name, message = dispatch(service, raw, uid, 31337)
     assert message == {"parameters": {"checkpoint": {
-        **asdict(meta), "seconds": 2.718, "freeze_s": 0.0031, "dump_s": 2.5, "commit_s": 0.2183}}}
+        **asdict(meta), "seconds": 2.718, "freeze_s": 0.0031, "dump_s": 2.5, "commit_s": 0.2183,
+        "asked_pid": pid}}}
     # no memory controller: no cgroup (so no headroom question); the caller's pid
     # (SO_PEERCRED) goes with the request
     assert seen == [(want_pids, None, want_reason, 31337, None)]

@@ -33,7 +33,8 @@ def test_lower_layers_load_nothing_that_acts(module: str) -> None:
                 if name == acting or name.startswith(acting + ".")}, loaded
 
 
-POLICY = ("pressure", "victims", "preferences", "forecast", "retention", "systemrule", "rights")
+POLICY = ("pressure", "victims", "preferences", "forecast", "retention", "systemrule", "rights",
+          "jobs")
 # What a pure policy may load: the model, other policy modules, and the modules whose frozen
 # types it takes (MemorySnapshot: cgroup; ProcessInfo: sense.procfs), never called from here.
 POLICY_MAY_LOAD = ("oomguard.model", "oomguard.policy", "oomguard.cgroup", "oomguard.sense.procfs")

@@ -18,9 +18,12 @@ from oomguard.cli.rendering import (
     event_fields,
     human_value,
     humanize_event,
+    list_text,
     local_time,
+    one_line,
     restored_line,
     show_text,
+    taken_line,
 )
 from oomguard.observe.logsetup import configure_logging, get_logger
 
@@ -191,3 +194,113 @@ def test_no_progress_on_a_pipe() -> None:
     with progress("restore of x", lambda: 10 * MiB, out, total=400 * MiB, interval=0.01):
         pass
     assert out.getvalue() == ""
+
+
+# -- the job's own command, on one line (issue 25, item 6) -------------------------------------
+
+NSINIT_COMMAND = ("/work/.venv/bin/python3 -I /work/oomguard/terminal/nsinit.py --tty-fd 3 -- "
+                  "python3 -c \nimport time\nfor i in range(9):\n\tprint(i)")
+
+
+@pytest.mark.parametrize(("text", "width", "shown"), [
+    ("python3 train.py", 40, "python3 train.py"),
+    ("python3 -c \nimport x\n\tx.run()", 40, "python3 -c \\nimport x\\n\\tx.run()"),
+    ("a\x1b[31mred\x07", 40, "a\\x1b[31mred\\x07"),  # no escape sequence reaches the terminal
+    ("abcdefghij", 10, "abcdefghij"),
+    ("abcdefghijk", 10, "abcdefghi\u2026"),
+    ("a\nb\nc\nd\ne", 6, "a\\nb\u2026"),  # never cut inside an escape
+    ("x" * 1_000_000, 8, "xxxxxxx\u2026"),
+    ("abc", 0, "\u2026"),
+])
+def test_one_line(text: str, width: int, shown: str) -> None:
+    assert one_line(text, width) == shown
+    assert len(one_line(text, width)) <= max(width, 1) and "\n" not in one_line(text, width)
+
+
+def exec_meta(**changes: Any) -> dict[str, Any]:
+    return meta(command=NSINIT_COMMAND, pid=4242, pids=[4242, 4243, 4244], pidns=True,
+                **changes)
+
+
+def test_show_text_of_an_exec_job_names_cmd_and_the_pid_seen(far_zone: None) -> None:
+    lines = show_text(exec_meta(job_command="python3 -c \nimport time\nfor i in range(9):\n"
+                                "\tprint(i)", job_pid=4243), width=50).splitlines()
+    assert lines[2] == "command   python3 -c \\nimport time\\nfor i in rang\u2026"
+    assert len(lines[2]) == 50
+    assert lines[3] == ("pid       4243 (the job's main process; its tree: 4242, its PID "
+                        "namespace's init, 3 tasks)")
+
+
+def test_show_text_of_an_older_exec_checkpoint_derives_cmd(far_zone: None) -> None:
+    lines = show_text(exec_meta(), width=200).splitlines()
+    assert lines[2] == "command   python3 -c \\nimport time\\nfor i in range(9):\\n\\tprint(i)"
+    assert lines[3] == "pid       4242 (3 tasks, PID namespace init)"
+
+
+def test_list_text_one_line_per_job_cut_to_the_width(far_zone: None) -> None:
+    metas = [meta(), exec_meta(id="20250301-120500-4242-beef", job_pid=4243)]
+    lines = list_text(metas, width=130).splitlines()
+    assert len(lines) == 3 and all(len(line) <= 130 for line in lines)
+    assert lines[0].split() == ["ID", "PID", "ROOT", "USER", "RSS", "IMAGE", "STATE", "CREATED",
+                                "COMMAND"]
+    assert lines[1].split()[:3] == [CHECKPOINT_ID, "4242", "4242"]
+    assert lines[1].endswith("  python3 train.py")
+    assert lines[2].split()[:3] == ["20250301-120500-4242-beef", "4243", "4242"]
+    assert "nsinit" not in lines[2] and lines[2].endswith("\u2026")
+    assert "  python3 -c \\nimport" in lines[2]
+    wide = list_text(metas, width=300).splitlines()
+    assert wide[2].endswith("python3 -c \\nimport time\\nfor i in range(9):\\n\\tprint(i)")
+
+
+def test_event_lines_show_the_jobs_command_json_keeps_both() -> None:
+    event = {"time": "2025-03-01T12:00:00", "level": "warning", "event": "checkpoint.done",
+             "id": "x", "image_bytes": 2 * MiB, "command": NSINIT_COMMAND,
+             "job_command": "python3 -c \nimport time", "job_pid": 4243}
+    assert event_fields(event, width=200) == (
+        "id=x job_pid=4243 command=python3 -c \\nimport time image_bytes=2.0MiB")
+    cut = event_fields(event, width=50)
+    assert cut == "id=x job_pid=4243 command=python3 -c \\nimport tim\u2026"
+    # the command gets at most half of a wide line: the fields after it are seen
+    wide = event_fields({**event, "job_command": "x" * 500}, width=120)
+    assert wide.count("x") == 1 + 59 and wide.endswith("\u2026 image_bytes=2.0MiB")
+    # an event from before job_command: the init's command line is read for CMD
+    older = {k: v for k, v in event.items() if k != "job_command"}
+    assert event_fields(older, width=200).endswith(
+        "command=python3 -c \\nimport time\\nfor i in range(9):\\n\\tprint(i) image_bytes=2.0MiB")
+    shown = humanize_event(None, "warning", dict(event))
+    # (cut, not escaped: the console renderer escapes strings itself)
+    assert shown["command"] == "python3 -c \nimport time" and "job_command" not in shown
+
+
+def test_a_status_line_is_one_line_whatever_its_fields_hold() -> None:
+    failed = {"event": "checkpoint.failed", "cgroup": "/jobs/a", "pid": 42, "outcome": "thawed",
+              "error": "criu dump exited with status 1\n(00.1) Error (criu/tty.c:1): no tty"}
+    line = event_fields(failed, width=80)
+    assert line.startswith("cgroup=/jobs/a pid=42 outcome=thawed error=criu dump exited")
+    assert "\n" not in line and len(line) == 80 and line.endswith("\u2026")
+    assert "status 1\\n(00.1)" in event_fields(failed, width=200)
+
+
+def test_console_log_of_a_checkpoint_is_one_line() -> None:
+    out = Terminal()
+    configure_logging("console", "info", stream=out)
+    get_logger().warning("checkpoint.done", id="x", command=NSINIT_COMMAND)
+    line = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())
+    assert line.count("\n") == 1 and "nsinit" not in line
+    assert "command='python3 -c \\nimport time\\nfor i" in line  # the renderer's escapes
+
+
+def test_the_checkpoint_says_which_tree_it_took() -> None:
+    taken = exec_meta(id="cid", job_command="python3 train.py", job_pid=4243)
+    assert taken_line(taken, 4243) == (
+        "oomguard: process 4243 is in the job of 4242 (its PID namespace's init): "
+        "checkpointed the whole job, 3 processes: python3 train.py")
+    assert taken_line(meta(id="cid", pids=[4242]), 4242) == (
+        "oomguard: checkpointed the tree of 4242, 1 process: python3 train.py")
+    cut = taken_line(exec_meta(), 4243, width=140)
+    assert 138 <= len(cut) <= 140 and cut.endswith("3 processes: python3 -c \\nimport time\u2026")
+
+
+def test_a_cut_ends_in_one_ellipsis() -> None:
+    assert one_line("abc\u2026 def", 6) == "abc\u2026"
+    assert one_line("abc def", 5) == "abc\u2026"
