@@ -37,10 +37,11 @@ def done_line(log: Path) -> str | None:
     return next((x for x in log.read_text().splitlines() if x.startswith("done")), None)
 
 
-def write_config(path: Path, store: Path, socket: Path, cgroup: Path,
+def write_config(path: Path, store: Path, socket: Path, *cgroups: Path,
                  actions: str = '["checkpoint"]') -> Path:
+    names = ", ".join(f'"{c}"' for c in cgroups)
     path.write_text(f'[daemon]\nstore = "{store}"\nsocket = "{socket}"\n\n'
-                    f'[[guard]]\ncgroups = ["{cgroup}"]\nthreshold = "85%"\n'
+                    f'[[guard]]\ncgroups = [{names}]\nthreshold = "85%"\n'
                     f"actions = {actions}\n")
     return path
 
@@ -48,11 +49,12 @@ def write_config(path: Path, store: Path, socket: Path, cgroup: Path,
 @pytest.fixture
 def setup(cgroups: CgroupFactory, store: Path, tmp_path: Path) -> Iterator[dict[str, Path]]:
     small = cgroups.make("shell", 128 * MiB)
+    mid = cgroups.make("shellmid", 256 * MiB)
     big = cgroups.make("shellbig", 512 * MiB)
     socket = Path("/tmp") / f"ogsh-{tmp_path.name[-12:]}.sock"
-    config = write_config(tmp_path / "oomguard.toml", store, socket, small.path)
-    yield {"small": small.path, "big": big.path, "config": config, "socket": socket,
-           "store": store, "log": tmp_path / "job.log", "dir": tmp_path}
+    config = write_config(tmp_path / "oomguard.toml", store, socket, small.path, mid.path)
+    yield {"small": small.path, "mid": mid.path, "big": big.path, "config": config,
+           "socket": socket, "store": store, "log": tmp_path / "job.log", "dir": tmp_path}
     for pid in pids_running(str(tmp_path / "job.log")):
         kill_pid(pid)
 
@@ -65,12 +67,16 @@ def shell_env(config: Path) -> dict[str, str]:
 
 def test_a_job_typed_at_a_prompt_is_restored_onto_a_new_terminal_and_goes_on(
         setup: dict[str, Path]) -> None:
+    """Typed at a prompt, checkpointed in its 128 MiB cgroup; restored from the same prompt
+    into a guarded 256 MiB cgroup, where it outgrows the threshold again and is checkpointed
+    from its new terminal (the attached restore says so); restored again into 512 MiB, it
+    runs to its end."""
     log = setup["log"]
     with daemon(setup["store"], setup["dir"] / "daemon.log", config=setup["config"],
                 socket=setup["socket"]) as guard, \
             tmux_shell("typed", setup["dir"], shell_env(setup["config"])) as shell:
-        guard.wait_event("guard.armed")
-        shell.type(job_command(log, setup["small"]))
+        guard.wait_event("guard.armed", count=2)
+        shell.type(job_command(log, setup["small"], target=240, count=400))
         shell.wait_for("count 3")
         shell.type("before")  # the job reads its terminal: the shell's, for now
         shell.wait_for("echo: before")
@@ -88,19 +94,29 @@ def test_a_job_typed_at_a_prompt_is_restored_onto_a_new_terminal_and_goes_on(
         assert int(usage) < 32 * MiB, "the job's memory was not freed"
 
         # The same prompt: restore it (through the daemon). It comes back on a new terminal,
-        # shown here, and goes on counting from where it was.
-        shell.type(f"oomguard restore {done['id']} --cgroup {setup['big']}")
-        shell.wait_for(re.compile(rf"restored {done['id']} as PID \d+"))
-        shell.wait_for(f"count {before[-1] + 3}")
+        # shown here, and goes on counting from where it was, until it outgrows this cgroup.
+        since = shell.mark()
+        shell.type(f"oomguard restore {done['id']} --cgroup {setup['mid']}")
+        shell.wait_for(re.compile(rf"restored {done['id']} as PID \d+"), since=since)
+        shell.wait_for(f"count {before[-1] + 3}", since=since)
         shell.type("after")  # a line typed here reaches the restored job
-        shell.wait_for("echo: after")
-        shell.wait_for("the job exited with status 0", timeout=60)
+        shell.wait_for("echo: after", since=since)
+        again = guard.wait_event("checkpoint.done", timeout=60, count=2)[1]
+        assert again["pid"] == job_pid
+        shell.wait_for(f"the job was checkpointed as {again['id']}", since=since)
+        assert "status 75" in shell.run('echo "status $?"')
+        assert not Store(setup["store"]).get(again["id"]).extra[SHELL_TTY]["socket"] is None
+
+        since = shell.mark()
+        shell.type(f"oomguard restore {again['id']} --cgroup {setup['big']}")
+        shell.wait_for("the job exited with status 0", timeout=60, since=since)
         assert "status 0" in shell.run('echo "status $?"')  # restore ended with the job
-    assert done_line(log) == "done 300 ok"
-    assert counts(log) == list(range(1, 301)), "the count restarted or skipped"
+    assert done_line(log) == "done 400 ok"
+    assert counts(log) == list(range(1, 401)), "the count restarted or skipped"
     text = log.read_text()
     assert "input before" in text and "input after" in text
     assert text.count("start tty=1") == 1  # one process all along
+    assert len(guard.events("checkpoint.failed")) == 0
 
 
 def test_restored_from_no_terminal_then_attached_stopped_and_continued(
