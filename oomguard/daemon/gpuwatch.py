@@ -113,6 +113,7 @@ class GpuWatch:
     def _trees(self, members: list[Guard], vram: dict[int, int]) -> list[ProcessTree]:
         """The trees a rule may act on that hold memory on the pressed devices."""
         protected = self.protected()
+        sessions = members[0].spec.take_sessions
         if isinstance(members[0], SystemGuard):
             holders = [pid for pid in vram if not members[0].spec.victim_cgroups
                        or self.in_cgroups(pid, members[0].spec.victim_cgroups)]
@@ -122,7 +123,8 @@ class GpuWatch:
                     procs = self.proc.processes(self.proc.descendants(pid))
                 except ProcessGone:
                     continue
-                trees += [t for t in build_trees(procs, protected) if t.root.pid == pid]
+                trees += [t for t in build_trees(procs, protected, sessions)
+                          if t.root.pid == pid]
             return trees
         trees = []
         for guard in members:
@@ -131,5 +133,5 @@ class GpuWatch:
                 procs = self.proc.processes(subtree_procs(guard.cgroup.path))
             except CgroupGone:
                 continue
-            trees += build_trees(procs, protected)
+            trees += build_trees(procs, protected, sessions)
         return trees

@@ -39,6 +39,7 @@ from oomguard.model.errors import (
     StoreError,
 )
 from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
 from oomguard.sense.procfs import ProcReader
@@ -126,6 +127,9 @@ class Checkpointer:
         oomguard or the `requester` (the process that asked for it)."""
         start = self.clock()
         refuse_own_tree(tree.root.pid, self.proc, requester)
+        if tree.unfit:  # a traced task, a protected one below: CRIU would fail on it
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
+                                   f"{tree.unfit}", OUTCOME_UNTOUCHED, lasting=tree.unfit)
         outside = [p.pid for p in tree.members if p.session == 0]
         if outside:
             # /proc shows session 0 when the session leader lives in an outer PID namespace
@@ -264,7 +268,7 @@ class Checkpointer:
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
-                                   outcome) from exc
+                                   outcome, lasting=lasting_failure(str(exc)) or "") from exc
         finally:
             if shielding:
                 self.shield.unshield(pids + list(tree.pids) + left)

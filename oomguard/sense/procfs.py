@@ -32,6 +32,7 @@ class StatFields:
     ppid: int
     pgrp: int
     session: int
+    tty_nr: int  # the controlling terminal's device number, 0 if none
     flags: int
     starttime: int  # clock ticks since boot: with pid, identifies a process across PID reuse
 
@@ -69,6 +70,8 @@ class ProcessInfo:
     oom_score_adj: int = 0
     tracer_pid: int = 0
     uids: tuple[int, ...] = ()  # real, effective, saved set, file system (empty: unknown)
+    pgrp: int = 0  # process group (0: unknown)
+    tty_nr: int = 0  # controlling terminal's device number, 0 if none (or unknown)
 
     @property
     def is_pidns_init(self) -> bool:
@@ -93,6 +96,7 @@ def parse_stat(text: str) -> StatFields:
             ppid=int(fields[1]),
             pgrp=int(fields[2]),
             session=int(fields[3]),
+            tty_nr=int(fields[4]),
             flags=int(fields[6]),
             starttime=int(fields[19]),
         )
@@ -166,6 +170,8 @@ class ProcReader:
             oom_score_adj=oom_score_adj,
             tracer_pid=status.tracer_pid,
             uids=status.uids or (status.uid,),
+            pgrp=stat.pgrp,
+            tty_nr=stat.tty_nr,
         )
 
     def processes(self, pids: list[int]) -> list[ProcessInfo]:
