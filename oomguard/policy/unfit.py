@@ -18,8 +18,11 @@ from oomguard.policy.victims import ProcessTree
 
 # CRIU's error lines (criu dump's log) that name what no retry changes: (pattern, reason).
 LASTING: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), reason) for p, reason in (
-    (r"Unseizable non-zombie (?P<pid>\d+) found, state t\b",
-     "pid {pid} is traced (a debugger or strace holds it): CRIU cannot seize a traced task"),
+    # PTRACE_SEIZE refused (err -1/ECHILD: CRIU never became its tracer): another tracer holds
+    # it, whatever its state (S while strace lets it run, t while it stops it).
+    (r"Unseizable non-zombie (?P<pid>\d+) found, state \w, err -1/",
+     "pid {pid} could not be seized: another tracer holds it (a debugger, strace), or ptrace "
+     "is not allowed on it"),
     (r"Can't dump file (?P<fd>\d+) of that type \[(?P<mode>\w+)\] \((?P<what>[^)]*)\)",
      "an open file of a kind CRIU cannot dump (fd {fd}: {what})"),
     (r"External socket is used|Can't dump half of stream unix connection|"
