@@ -40,7 +40,7 @@ from typing import Protocol
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.cnproc import FORKS, ProcessFork
 from oomguard.sense.procevents import EventSource, Subscriber
-from oomguard.sense.procfs import ProcReader
+from oomguard.sense.procfs import PF_EXITING, ProcReader
 
 STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
 USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)
@@ -126,14 +126,16 @@ def _signal(pid: int, sig: signal.Signals, kill: Kill = os.kill) -> bool:
 def continued(proc: ProcReader, pid: int) -> bool:
     """A task seen not stopped that someone continued after its SIGSTOP (the module's
     docstring says why this is exact): no stop signal pending, then no thread stopped. The
-    order matters: a stop taken between the two reads leaves its thread stopped."""
+    order matters: a stop taken between the two reads leaves its thread stopped. A task on
+    its way out (a kill discards stop signals) is not: it is waited for until it is gone."""
     try:
         if proc.status(pid).stop_pending:
             return False
         states = proc.thread_states(pid)
+        exiting = bool(proc.stat(pid).flags & PF_EXITING)
     except (ProcessGone, ValueError):
         return False
-    return bool(states) and not any(state in STOPPED_STATES for state in states)
+    return bool(states) and not exiting and not any(state in STOPPED_STATES for state in states)
 
 
 def not_held(proc: ProcReader, pid: int, tree: Collection[int]) -> dict[str, object]:

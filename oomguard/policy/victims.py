@@ -85,6 +85,7 @@ class _Family:
         roots its own tree), with why CRIU could not dump it; None if it holds a session
         process (dumping or killing it would end that session)."""
         members = [root]
+        ending: list[ProcessInfo] = []  # exiting children: still traced, as the case may be
         index = 0
         unfit = ""
         while index < len(members):
@@ -95,12 +96,17 @@ class _Family:
                     members.append(kid)
                 elif kid.pid in self.sessions:
                     return None
-                elif not exiting(kid) and not unfit:
+                elif exiting(kid):
+                    ending.append(kid)
+                elif not unfit:
                     unfit = (f"pid {kid.pid} ({kid.comm}) below it is never a victim "
                              f"({protection(kid, self.protected_pids)}), and a dump of the "
                              "tree would take it")
             index += 1
-        traced = next((p for p in members if p.tracer_pid), None)
+        # A traced task on its way out (killed by the kernel's OOM killer) keeps the tree
+        # unfit until it is gone: its tracer alone is no job of its own.
+        traced = next((p for p in [*members, *ending]
+                       if p.tracer_pid and p.tracer_pid not in self.protected_pids), None)
         if traced is not None:
             tracer = self.by_pid.get(traced.tracer_pid)
             by = f"{traced.tracer_pid} ({tracer.comm})" if tracer is not None \

@@ -16,6 +16,7 @@ from pathlib import Path
 from oomguard.model.errors import ProcessGone
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h
+PF_EXITING = 0x00000004  # set as a task begins to exit
 # SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU as bits of SigPnd/ShdPnd (bit n-1 is signal n). A stop
 # signal sent to a task that is already stopped stays pending there until a SIGCONT discards it.
 STOP_SIGNALS_MASK = sum(1 << (int(sig) - 1) for sig in (

@@ -19,17 +19,17 @@ import pytest
 
 from oomguard.act.freezer import SigstopFreezer, continued
 from oomguard.sense.procevents import EventSource, Subscriber
-from oomguard.sense.procfs import ProcReader
-from tests.unit._support import stat_line
+from oomguard.sense.procfs import PF_EXITING, ProcReader
+from tests.unit._support import USER_FLAGS, stat_line
 
 SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)
 
 
 def fake(root: Path, pid: int, threads: dict[int, str], pending: int = 0,
-         shared: int = 0) -> None:
+         shared: int = 0, flags: int = USER_FLAGS) -> None:
     base = root / str(pid)
     base.mkdir(parents=True)
-    (base / "stat").write_text(stat_line(pid, "hog", threads[pid], 1))
+    (base / "stat").write_text(stat_line(pid, "hog", threads[pid], 1, flags=flags))
     (base / "status").write_text(f"Name:\thog\nPid:\t{pid}\nUid:\t0\t0\t0\t0\nSigPnd:\t"
                                  f"{pending:016x}\nShdPnd:\t{shared:016x}\n")
     for tid, state in threads.items():
@@ -53,6 +53,12 @@ def test_continued_is_told_from_not_yet_stopped(tmp_path: Path, threads: dict[in
                                                 shared: int, expected: bool) -> None:
     fake(tmp_path, 10, threads, shared=shared)
     assert continued(ProcReader(tmp_path), 10) is expected
+
+
+def test_a_task_on_its_way_out_was_not_continued(tmp_path: Path) -> None:
+    """A kill discards its stop signal; it ends in a moment (the OOM killer's victim)."""
+    fake(tmp_path, 10, {10: "R"}, flags=USER_FLAGS | PF_EXITING)
+    assert continued(ProcReader(tmp_path), 10) is False
 
 
 def test_a_gone_task_was_not_continued(tmp_path: Path) -> None:

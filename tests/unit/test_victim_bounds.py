@@ -85,6 +85,15 @@ def test_a_traced_task_is_a_member_and_makes_its_tree_unfit() -> None:
                           "a traced task")
 
 
+def test_a_traced_task_on_its_way_out_keeps_its_tree_unfit() -> None:
+    """Killed by the kernel's OOM killer: until it is gone its tracer is no job of its own."""
+    strace = p(510, 101, "strace", "strace", "-f", "python3", "hog.py")
+    dying = dataclasses.replace(p(511, 510, "python3", rss=0, tracer_pid=510), cmdline=())
+    [tree] = build_trees([PANE, strace, dying], NONE)
+    assert tree.pids == (510,)
+    assert tree.unfit.startswith("pid 511 (python3) is traced by pid 510 (strace)")
+
+
 def test_a_task_being_dumped_by_oomguard_is_protected_not_unfit() -> None:
     criu = p(600, 1, "criu", "criu", "dump", tty=0)
     job = p(601, 101, "python3", "python3", "x.py", tracer_pid=600)
