@@ -194,11 +194,13 @@ class Actor:
 
     def _run(self, request: Request, thaw: Callable[[], None]) -> None:
         began = self.clock()
-        marks = self.runner.marks
-        marks.forget_gone()
-        # Trees no checkpoint can take while they live were refused once: never chosen again.
-        ranked, unfit = marks.split(apply_preferences(request.candidates(), request.parts.prefs),
-                                    fresh=request.refresh is None)
+        ranked = apply_preferences(request.candidates(), request.parts.prefs)
+        unfit: list[str] = []
+        marks = None if self.dry_run else self.runner.marks  # a dry run refuses nothing
+        if marks is not None:
+            # Trees no checkpoint can take while they live were refused once: never again.
+            marks.forget_gone()
+            ranked, unfit = marks.split(ranked, fresh=request.refresh is None)
         choose_ms = round((self.clock() - began) * 1000, 2)  # reading and ranking the trees
         if not ranked:
             if unfit:
@@ -216,7 +218,7 @@ class Actor:
             tree = request.refresh(candidate) if request.refresh is not None else candidate
             if tree is None:
                 continue  # gone since it was ranked
-            if request.refresh is not None and marks.reason(tree) is not None:
+            if request.refresh is not None and marks is not None and marks.reason(tree):
                 continue  # refused for good before (it was a ranking's stand-ins until now)
             fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
                                       "comm": tree.root.comm, "rss": tree.rss_bytes,

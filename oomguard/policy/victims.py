@@ -65,20 +65,31 @@ def protection(proc: ProcessInfo, protected_pids: frozenset[int]) -> str:
 
 
 class _Family:
-    """Processes, who is whose child, and which may be a victim tree's member."""
+    """Processes, who is whose child, and which may be a victim tree's member. Whether one is
+    a session process is asked as needed (a system rule's heads and their descendants only,
+    not every process on the machine)."""
 
     def __init__(self, processes: Iterable[ProcessInfo], protected_pids: frozenset[int],
                  take_sessions: bool) -> None:
         self.protected_pids = protected_pids
+        self.take_sessions = take_sessions
         self.by_pid = {p.pid: p for p in processes}
-        self.sessions = {} if take_sessions else {
-            p.pid: role for p in self.by_pid.values()
-            if not exiting(p) and (role := session_role(p)) is not None}
-        self.eligible = {pid: p for pid, p in self.by_pid.items()
-                         if not is_protected(p, protected_pids) and pid not in self.sessions}
         self.children: dict[int, list[ProcessInfo]] = {}
         for proc in self.by_pid.values():
             self.children.setdefault(proc.ppid, []).append(proc)
+        self._roles: dict[int, str | None] = {}
+
+    def is_session(self, proc: ProcessInfo) -> bool:
+        if self.take_sessions or exiting(proc):
+            return False
+        if proc.pid not in self._roles:
+            self._roles[proc.pid] = session_role(proc)
+        return self._roles[proc.pid] is not None
+
+    def eligible(self, pid: int) -> bool:
+        proc = self.by_pid.get(pid)
+        return (proc is not None and not is_protected(proc, self.protected_pids)
+                and not self.is_session(proc))
 
     def tree(self, root: ProcessInfo) -> ProcessTree | None:
         """`root` and its eligible descendants, parents before children (a pidns init below
@@ -92,9 +103,9 @@ class _Family:
             for kid in sorted(self.children.get(members[index].pid, []), key=lambda p: p.pid):
                 if kid.is_pidns_init:
                     continue
-                if kid.pid in self.eligible:
+                if self.eligible(kid.pid):
                     members.append(kid)
-                elif kid.pid in self.sessions:
+                elif self.is_session(kid):
                     return None
                 elif exiting(kid):
                     ending.append(kid)
@@ -125,8 +136,8 @@ def build_trees(processes: Iterable[ProcessInfo], protected_pids: frozenset[int]
     workloads restore robustly). Session processes are never members, and a tree holding one
     below it is no candidate; `take_sessions` (a rule's) treats them as any other process."""
     family = _Family(processes, protected_pids, take_sessions)
-    roots = [p for p in family.eligible.values()
-             if p.ppid not in family.eligible or p.is_pidns_init]
+    roots = [p for p in family.by_pid.values() if family.eligible(p.pid)
+             and (not family.eligible(p.ppid) or p.is_pidns_init)]
     return [t for t in map(family.tree, roots) if t is not None]
 
 
@@ -137,9 +148,15 @@ def system_heads(processes: Iterable[ProcessInfo], protected_pids: frozenset[int
                  limit: int = SYSTEM_VICTIMS, take_sessions: bool = False) -> list[ProcessInfo]:
     """The `limit` processes with the most resident memory of their own that may be victims
     (never a session process, unless `take_sessions`)."""
-    eligible = [p for p in processes if not is_protected(p, protected_pids)
-                and (take_sessions or session_role(p) is None)]
-    return sorted(eligible, key=lambda p: (-p.rss_bytes, -p.starttime))[:limit]
+    ranked = sorted((p for p in processes if not is_protected(p, protected_pids)),
+                    key=lambda p: (-p.rss_bytes, -p.starttime))
+    heads: list[ProcessInfo] = []
+    for proc in ranked:
+        if len(heads) >= limit:
+            break
+        if take_sessions or session_role(proc) is None:
+            heads.append(proc)
+    return heads
 
 
 def system_tree(root_pid: int, processes: Iterable[ProcessInfo],
@@ -148,8 +165,7 @@ def system_tree(root_pid: int, processes: Iterable[ProcessInfo],
     """The tree system_candidates would give the process `root_pid` among `processes` (its
     descendants that may be victims), None if it is absent, protected or holds a session."""
     family = _Family(processes, protected_pids, take_sessions)
-    root = family.eligible.get(root_pid)
-    return None if root is None else family.tree(root)
+    return family.tree(family.by_pid[root_pid]) if family.eligible(root_pid) else None
 
 
 def system_candidates(processes: Iterable[ProcessInfo], protected_pids: frozenset[int],
