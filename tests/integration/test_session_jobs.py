@@ -45,6 +45,7 @@ from tests.helpers import (
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
+STRACE = pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
 LIMIT = 200 * MiB  # threshold 85%: 170 MiB; the hog grows 4 MiB every 50 ms towards 300
 
 
@@ -189,6 +190,29 @@ def test_a_job_typed_at_the_prompt_is_taken_without_the_shell(
     terminal.answers()
 
 
+def test_take_sessions_takes_the_shell_and_its_freeze_does_not_wait_for_it(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
+    """A rule that says so takes the shell with its job (the trees of before): the tmux server
+    continues the shell, so the freeze names it instead of waiting out its 5 s."""
+    guarded = cgroups.make("take", LIMIT)
+    log = tmp_path / "hog.log"
+    rules = config(tmp_path / "take.toml", guarded, '["checkpoint"]', "take_sessions = true\n")
+    with daemon(store, tmp_path / "daemon.log", "--config", str(rules)) as guard:
+        guard.wait_event("guard.armed")
+        shell = move_shell_in(terminal, guarded)
+        terminal.type(hog_line(log))
+        hog = child_of(shell)
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        frozen = guard.events("victim.frozen")[0]
+    assert (done["pid"], done["comm"], done["tasks"]) == (shell, "bash", 2), done
+    assert frozen["detect_to_frozen_ms"] < 1000 and "all_stopped" not in frozen, frozen
+    [named] = frozen["not_held"]
+    assert (named["pid"], named["comm"]) == (shell, "bash"), named
+    assert "(tmux: server) is outside the tree" in named["why"], named
+    assert Store(store).get(done["id"]).pids == [shell, hog]
+    assert wait_until(lambda: gone(hog) and gone(shell), 10)
+
+
 def test_a_panes_own_program_is_not_waited_for_and_is_named(
         cgroups: CgroupFactory, store: Path, tmp_path: Path,
         request: pytest.FixtureRequest) -> None:
@@ -225,6 +249,7 @@ def test_a_panes_own_program_is_not_waited_for_and_is_named(
     assert guarded.snapshot().usage_bytes < 16 * MiB and guarded.snapshot().oom_kills == 0
 
 
+@STRACE
 def test_a_traced_job_is_refused_once_and_the_next_action_kills_it(
         cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
     guarded = cgroups.make("strace-kill", LIMIT)
@@ -252,6 +277,7 @@ def test_a_traced_job_is_refused_once_and_the_next_action_kills_it(
     assert not gone(shell)
 
 
+@STRACE
 def test_a_traced_job_with_no_next_action_is_left_running_and_not_retried(
         cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
     """No action after `checkpoint`: it runs on, parked at the limit, said once; the guard
