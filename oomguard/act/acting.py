@@ -92,7 +92,8 @@ def rule_parts(spec: GuardConfig) -> RuleParts:
                              else (Step(CHECKPOINT),))
     prefs = Preferences(prefer=compile_patterns(spec.prefer), avoid=compile_patterns(spec.avoid),
                         protect=compile_patterns(spec.protect),
-                        protect_session_leaders=spec.protect_session_leaders, gpu=spec.gpu)
+                        protect_session_leaders=spec.protect_session_leaders,
+                        take_sessions=spec.take_sessions, gpu=spec.gpu)
     settings = ChainSettings(freeze_deadline=spec.freeze_deadline, kill_grace=spec.kill_grace,
                              store_margin=spec.store_margin, headroom=spec.headroom)
     return RuleParts(chain, prefs, settings)
@@ -135,6 +136,7 @@ class Actor:
         self._workers = Workers(priority=priority)
         self._running: dict[str, threading.Event] = {}  # guard name -> set once its action ended
         self.last_done: dict[str, float] = {}
+        self._unfit_said: dict[str, tuple[str, ...]] = {}  # per rule: the marked trees last told
 
     def busy(self, name: str) -> bool:
         done = self._running.get(name)
@@ -146,6 +148,10 @@ class Actor:
         if self.busy(name):
             return False
         return now - self.last_done.get(name, -1e9) >= post_action_delay
+
+    def left_alone(self, name: str) -> bool:
+        """The rule's last action found only trees refused for good (it left them running)."""
+        return name in self._unfit_said
 
     def start(self, request: Request) -> None:
         self._running[request.name] = self._workers.run(lambda: self._act(request))
@@ -189,12 +195,21 @@ class Actor:
     def _run(self, request: Request, thaw: Callable[[], None]) -> None:
         began = self.clock()
         ranked = apply_preferences(request.candidates(), request.parts.prefs)
+        unfit: list[str] = []
+        marks = None if self.dry_run else self.runner.marks  # a dry run refuses nothing
+        if marks is not None:
+            # Trees no checkpoint can take while they live were refused once: never again.
+            marks.forget_gone()
+            ranked, unfit = marks.split(ranked, fresh=request.refresh is None)
         choose_ms = round((self.clock() - began) * 1000, 2)  # reading and ranking the trees
         if not ranked:
-            if not self.dry_run or self.decisions.due(request.name, "victim", None) is not None:
+            if unfit:
+                self._say_unfit_only(request.name, unfit)
+            elif not self.dry_run or self.decisions.due(request.name, "victim", None) is not None:
                 self.log.warning("victim.none", cgroup=request.name,
                                  explanation="no process here may be checkpointed")
             return
+        self._unfit_said.pop(request.name, None)
         # After a failure only trees that would free real memory are worth a try.
         worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
         after_signal: Callable[[], None] | None = thaw
@@ -203,11 +218,15 @@ class Actor:
             tree = request.refresh(candidate) if request.refresh is not None else candidate
             if tree is None:
                 continue  # gone since it was ranked
+            if request.refresh is not None and marks is not None and marks.reason(tree):
+                continue  # refused for good before (it was a ranking's stand-ins until now)
             fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
                                       "comm": tree.root.comm, "rss": tree.rss_bytes,
                                       "tasks": len(tree.members)}
             if request.refresh is not None:  # the chosen tree read afresh, after the choice
                 fields["reread_ms"] = round((self.clock() - read_at) * 1000, 2)
+            if tree.unfit:
+                fields["unfit"] = tree.unfit
             if self.dry_run:
                 self._say_chosen(request, tree, {**fields, "choose_ms": choose_ms})
                 return
@@ -245,6 +264,14 @@ class Actor:
             if outcome.settled:
                 return
 
+
+    def _say_unfit_only(self, name: str, unfit: list[str]) -> None:
+        """Only trees refused before for good are left: said once (again if they change)."""
+        if self._unfit_said.get(name) != tuple(unfit):
+            self._unfit_said[name] = tuple(unfit)
+            self.log.warning("victim.none", cgroup=name, unfit=unfit,
+                             explanation="the only trees here cannot be checkpointed while "
+                             "they live and were refused already: left running, not retried")
 
     def _say_chosen(self, request: Request, tree: ProcessTree, fields: dict[str, Any]) -> None:
         """A dry run's decision: said once, then when it changes or once a minute."""

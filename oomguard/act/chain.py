@@ -32,6 +32,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import ProcessGone
 from oomguard.observe.events import EventSink, VictimKilled, sink_for
+from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
 
@@ -54,8 +55,10 @@ class ChainRunner:
                  sleep: Callable[[float], None] = time.sleep,
                  free: Callable[[Path], int] = free_space,
                  containers: ContainerCheckpointer | None = None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None, marks: UnfitMarks | None = None) -> None:
         self.checkpointer = checkpointer
+        # Trees no checkpoint can take while they live: never chosen again (policy/unfit.py).
+        self.marks = marks if marks is not None else UnfitMarks(lambda pid: proc.starttime(pid))
         self.containers = containers
         self.freezer = freezer
         self.proc = proc
@@ -80,6 +83,7 @@ class ChainRunner:
                 if run.frozen and self.clock() - run.frozen_at > settings.freeze_deadline:
                     return ChainOutcome(ChainResult.THAWED, str(step),
                                         f"freeze deadline ({settings.freeze_deadline:g}s) passed")
+                run.next_step = str(chain[index + 1]) if index + 1 < len(chain) else ""
                 result = self.actions[step.kind].run(step, run)
                 if isinstance(result, Settled):
                     return result.outcome

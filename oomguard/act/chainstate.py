@@ -89,3 +89,5 @@ class ChainRun:
     frozen: list[int] = field(default_factory=list)
     recorded: list[int] = field(default_factory=list)
     frozen_at: float = 0.0
+    next_step: str = ""  # the step after the one running ("": none), for what events say next
+    why_not: str = ""  # why a checkpoint of this tree cannot succeed, once a step found out

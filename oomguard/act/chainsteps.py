@@ -178,6 +178,8 @@ class CheckpointAction:
                 tree, run.cgroup, run.reason, on_frozen=run.on_frozen,
                 headroom=run.settings.headroom, after_signal=run.after_signal, held=run.frozen)
         except CheckpointFailed as exc:
+            if exc.lasting:
+                return self._unfit(step, run, exc)
             tools.events.publish(events.CheckpointFailed(exc.outcome, str(exc), fields))
             if exc.outcome == OUTCOME_INCOMPLETE:  # the memory is free: nothing more to do
                 return ChainOutcome(ChainResult.INCOMPLETE, str(step), str(exc))
@@ -185,6 +187,24 @@ class CheckpointAction:
                 else ChainResult.THAWED
             return ChainOutcome(ended, str(step), str(exc))
         return ChainOutcome(ChainResult.CHECKPOINTED, str(step), run.reason, result)
+
+    def _unfit(self, step: Step, run: ChainRun, exc: CheckpointFailed) -> ChainOutcome:
+        """No checkpoint of this tree can succeed while it lives: said once, with what comes
+        next; the tree is marked, so no later crossing chooses it again (policy/unfit.py)."""
+        tools, tree = self.tools, run.tree
+        untouched = exc.outcome == FailedCheckpoint.UNTOUCHED
+        tools.marks.mark(tree, exc.lasting, known_before=untouched and bool(tree.unfit))
+        run.why_not = exc.lasting
+        then = run.next_step or ("the next victim, if one is worth it; this tree runs on and "
+                                 "is never chosen again while it lives")
+        said = {**run.fields, "lasting": True, "then": then}
+        if untouched:
+            tools.events.publish(events.CheckpointRefused(exc.lasting, said))
+        else:
+            tools.events.publish(events.CheckpointFailed(exc.outcome, str(exc),
+                                                         {**said, "why": exc.lasting}))
+        return ChainOutcome(ChainResult.REFUSED if untouched else ChainResult.THAWED,
+                            str(step), exc.lasting)
 
     def _container_of(self, run: ChainRun) -> KubeContainer | None:
         """A Kubernetes container's process (by the victim's own cgroup)."""
@@ -230,8 +250,9 @@ class KillAction:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
+        fields = {**run.fields, "not_checkpointed": run.why_not} if run.why_not else run.fields
         self.tools.kill_tree(sorted(set(run.tree.pids) | set(run.frozen)), run.settings,
-                         run.reason, run.fields)
+                             run.reason, fields)
         run.frozen = []
         return Settled(ChainOutcome(ChainResult.KILLED, KILL, run.reason))
 

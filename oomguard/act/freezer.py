@@ -16,6 +16,15 @@ headroom is given, a v2-frozen cgroup only once thawed); wait_frozen() follows t
 the whole tree has stopped, and closes the subscription. Where the connector is unavailable,
 the tree is re-listed until no new child appears (up to 50 times): a child forked after the
 last listing, before its parent stopped, escapes.
+
+A task that another process continues (tmux sends SIGCONT to a pane's program that anything
+but a terminal read or write stopped; so does a person's `kill -CONT`) cannot be held by
+SIGSTOP. It is told from a task that has not stopped yet (its SIGSTOP still pending: not yet
+scheduled, or in the kernel at the memory limit) by the kernel's own bookkeeping: a stop
+signal is taken off the pending set under the same lock that stops the thread taking it, and a
+SIGCONT discards a pending one. So a task with no stop signal pending and no thread stopped
+was continued. The wait does not wait for it: `Frozen.not_held` names it (pid, comm, why)
+and the dump goes ahead (CRIU seizes its tasks with ptrace, which no SIGCONT undoes).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Protocol
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.cnproc import FORKS, ProcessFork
 from oomguard.sense.procevents import EventSource, Subscriber
-from oomguard.sense.procfs import ProcReader
+from oomguard.sense.procfs import PF_EXITING, ProcReader
 
 STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
 USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)
@@ -62,6 +71,8 @@ class Frozen:
     events_lost: int = 0
     stopped: bool | None = None
     follow: ForkFollow | None = field(default=None, compare=False, repr=False)
+    # Continued by another process after oomguard's SIGSTOP: {"pid", "comm", "why"} each.
+    not_held: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def ours(self) -> list[int]:
@@ -86,6 +97,8 @@ class Frozen:
             found["events_lost"] = self.events_lost
         if self.stopped is False:
             found["all_stopped"] = False  # the wait timed out: some task had not stopped
+        if self.not_held:
+            found["not_held"] = self.not_held
         return found
 
 
@@ -110,6 +123,38 @@ def _signal(pid: int, sig: signal.Signals, kill: Kill = os.kill) -> bool:
     return True
 
 
+def continued(proc: ProcReader, pid: int) -> bool:
+    """A task seen not stopped that someone continued after its SIGSTOP (the module's
+    docstring says why this is exact): no stop signal pending, then no thread stopped. The
+    order matters: a stop taken between the two reads leaves its thread stopped. A task on
+    its way out (a kill discards stop signals) is not: it is waited for until it is gone."""
+    try:
+        if proc.status(pid).stop_pending:
+            return False
+        states = proc.thread_states(pid)
+        exiting = bool(proc.stat(pid).flags & PF_EXITING)
+    except (ProcessGone, ValueError):
+        return False
+    return bool(states) and not exiting and not any(state in STOPPED_STATES for state in states)
+
+
+def not_held(proc: ProcReader, pid: int, tree: Collection[int]) -> dict[str, object]:
+    """The event's account of a task that was continued: pid, comm, and why (its parent, where
+    that is outside the tree: tmux continues its panes' programs)."""
+    try:
+        stat = proc.stat(pid)
+    except ProcessGone:
+        return {"pid": pid, "comm": "", "why": "continued by another process after SIGSTOP"}
+    why = "continued by another process after SIGSTOP"
+    if stat.ppid not in tree:
+        try:
+            parent = proc.stat(stat.ppid).comm
+        except ProcessGone:
+            parent = "?"
+        why += f"; its parent {stat.ppid} ({parent}) is outside the tree"
+    return {"pid": pid, "comm": stat.comm, "why": why + ": dumped as it runs"}
+
+
 class ForkFollow:
     """One freeze on the connector: the tree's tasks as found by a walk of /proc and by fork
     events, each stopped as it is found (or noted as the user's)."""
@@ -124,7 +169,8 @@ class ForkFollow:
         self.members: dict[int, int] = {}  # pid -> start time, in the order found (parents
         # before children); with the pid, the start time names one process (pids are reused)
         self.user_stopped: list[int] = []
-        self.settled: set[int] = set()  # seen stopped in every thread, or gone
+        self.settled: set[int] = set()  # seen stopped in every thread, or gone, or continued
+        self.not_held: list[dict[str, object]] = []  # continued by another process
         self.caught = 0
         self.lost = 0
         self.left: list[int] = []
@@ -193,6 +239,9 @@ class ForkFollow:
                 states = []
             if all(state in STOPPED_STATES for state in states) or not self._same(pid):
                 self.settled.add(pid)  # stopped, or gone (its pid taken by another process)
+            elif continued(self.proc, pid):
+                self.settled.add(pid)  # never held: waiting for it would wait out the timeout
+                self.not_held.append(not_held(self.proc, pid, self.members))
             else:
                 waiting.append(pid)
         return waiting
@@ -219,7 +268,8 @@ class ForkFollow:
         kept = set(pids)
         return Frozen(list(pids), [p for p in self.user_stopped if p in kept], BY_EVENTS,
                       caught=self.caught, left=list(self.left), events_lost=self.lost,
-                      stopped=stopped, follow=None if stopped is not None else self)
+                      stopped=stopped, follow=None if stopped is not None else self,
+                      not_held=list(self.not_held))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -286,7 +336,9 @@ class SigstopFreezer:
         return to user space: give it headroom first."""
         follow = frozen.follow
         if follow is None:
-            return replace(frozen, stopped=self._wait_states(frozen.pids, timeout))
+            free: list[dict[str, object]] = []
+            done = self._wait_states(frozen.pids, timeout, free)
+            return replace(frozen, stopped=done, not_held=free)
         deadline = self.clock() + timeout
         looks = 0
         try:
@@ -306,18 +358,26 @@ class SigstopFreezer:
         finally:
             follow.close()
 
-    def _wait_states(self, pids: Iterable[int], timeout: float) -> bool:
-        pending = list(pids)
+    def _wait_states(self, pids: Iterable[int], timeout: float,
+                     free: list[dict[str, object]]) -> bool:
+        """Until every task has stopped, gone, or was continued by another process (added
+        to `free`)."""
+        tree = list(pids)
+        pending = list(tree)
         deadline = self.clock() + timeout
         looks = 0
         while pending:
             still = []
             for pid in pending:
                 try:
-                    if self.proc.state(pid) not in STOPPED_STATES:
-                        still.append(pid)
+                    if self.proc.state(pid) in STOPPED_STATES:
+                        continue
                 except ProcessGone:
                     continue
+                if continued(self.proc, pid):
+                    free.append(not_held(self.proc, pid, tree))
+                else:
+                    still.append(pid)
             pending = still
             if not pending:
                 return True

@@ -87,6 +87,10 @@ class GuardConfig:
     avoid: tuple[str, ...] = ()  # ...chosen last
     protect: tuple[str, ...] = ()  # ...never chosen
     protect_session_leaders: bool = False  # never a login shell or desktop session's leader
+    # Take session processes (an interactive shell, a terminal multiplexer, an ssh session, a
+    # desktop session's leader) into victim trees as any other process; False: never a victim,
+    # the jobs below them are (oomguard.policy.sessions).
+    take_sessions: bool = False
     post_action_delay: float = 0.0  # after acting on a cgroup, wait before acting there again
     time_to_limit: bool = False  # act early when growth would hit the limit before a dump ends
     predict_from: float = 0.5  # watch growth (poll) once usage passes this share of the limit

@@ -307,7 +307,7 @@ GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "victim_cgroups": cgroup_list, "psi_full_avg10": SHARE, "auto_restore": boolean,
     "restore_quiet": wait(), "restore_margin": size(), "actions": parse_chain,
     "prefer": regex_list, "avoid": regex_list, "protect": regex_list,
-    "protect_session_leaders": boolean, "post_action_delay": wait(),
+    "protect_session_leaders": boolean, "take_sessions": boolean, "post_action_delay": wait(),
     "time_to_limit": boolean, "predict_from": SHARE, "freeze_deadline": POSITIVE_DURATION,
     "kill_grace": wait(), "store_margin": size(),
     "gpu": lambda v: choice(v, GPU_PREFERENCES), "gpu_threshold": SHARE,

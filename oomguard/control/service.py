@@ -283,7 +283,8 @@ class Service:
         vram = gpu.vram_by_pid() if gpu is not None and gpu.accounting else {}
         prefs = self.prefs_of(cgroup) if self.prefs_of is not None else None
         done, failed = [], []
-        for tree in select_victims(build_trees(members, protected), vram, prefs):
+        sessions = prefs is not None and prefs.take_sessions
+        for tree in select_victims(build_trees(members, protected, sessions), vram, prefs):
             try:
                 result = self.checkpointer.checkpoint(tree, cgroup, f"systemd-oomd is about to "
                                                       f"kill {cgroup_path}")

@@ -151,8 +151,8 @@ class ExaminingMixin:
                 members = self.proc.processes(subtree_procs(cgroup.path))
             except CgroupGone:
                 return []
-            return select_victims(build_trees(members, self.protected_among(members)),
-                                  self._vram())
+            return select_victims(build_trees(members, self.protected_among(members),
+                                              guard.spec.take_sessions), self._vram())
 
         assert guard.parts is not None
         freeze = freezable(cgroup) if guard.spec.freeze_cgroup and acting else None
@@ -161,8 +161,10 @@ class ExaminingMixin:
 
     def _say_crossed(self, name: str, **fields: Any) -> None:
         """threshold.crossed; in a dry run, where nothing ends the condition, once (then
-        once a minute) until the condition is over."""
-        if self.config.dry_run and self.decisions.due(name, "crossed", True) is None:
+        once a minute) until the condition is over; so too while the rule's last action found
+        only trees no checkpoint can take, which it leaves running (Actor.left_alone)."""
+        quiet = self.config.dry_run or self.actor.left_alone(name)
+        if quiet and self.decisions.due(name, "crossed", True) is None:
             return
         self.log.warning("threshold.crossed", cgroup=name, **fields)
 
@@ -213,15 +215,21 @@ class ExaminingMixin:
         self._say_crossed(guard.name, source=source, available=memory.available,
                           total=memory.total, reason=reason)
 
+        sessions = guard.spec.take_sessions
+
         def candidates() -> list[ProcessTree]:
             if guard.spec.victim_cgroups:  # their members only, from their cgroup.procs
                 processes = self.proc.processes(self._members_of(guard.spec.victim_cgroups))
             else:  # the ranking kept while memory got low, else every process
-                processes = self._ranked_processes()
+                processes = self._ranked_processes(sessions)
             protected = self.protected_among(processes)
             # A large process inside an `oomguard exec` job stands for the whole job.
-            trees = lift_to_jobs(system_candidates(processes, protected), processes, protected)
+            trees = lift_to_jobs(system_candidates(processes, protected, take_sessions=sessions),
+                                 processes, protected)
             return select_victims(trees, self._vram())
+
+        def refresh(tree: ProcessTree) -> ProcessTree | None:
+            return self._refresh_tree(tree, sessions)
 
         def still_pressing() -> bool:
             now = self.meminfo()
@@ -229,9 +237,9 @@ class ExaminingMixin:
                 self._full_avg10(), guard.spec.psi_full_avg10) is not None
 
         assert guard.parts is not None
-        refresh = None if guard.spec.victim_cgroups else self._refresh_tree
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
-                                 self._cgroup_of, still_pressing, refresh=refresh))
+                                 self._cgroup_of, still_pressing,
+                                 refresh=None if guard.spec.victim_cgroups else refresh))
         self._next_system_poll = self.clock()
 
     def _full_avg10(self) -> float:
@@ -241,7 +249,7 @@ class ExaminingMixin:
             return 0.0
         return pressure.full.avg10 if pressure.full is not None else 0.0
 
-    def _ranked_processes(self) -> list[ProcessInfo]:
+    def _ranked_processes(self, take_sessions: bool) -> list[ProcessInfo]:
         """A system rule's candidates: with a ranking, the largest processes read afresh, and
         the families of those that would be chosen as the ranking saw them (stand-ins: the
         tree chosen is read in full before anything is done to it, _refresh_tree); without a
@@ -250,7 +258,7 @@ class ExaminingMixin:
         if ranking is None:
             return self.proc.processes(self.proc.all_pids())
         heads = self.proc.processes(self.ranking.to_read(ranking))
-        chosen = system_heads(heads, self.protected_among(heads))
+        chosen = system_heads(heads, self.protected_among(heads), take_sessions=take_sessions)
         known = {p.pid for p in heads}
         inits = self._job_inits(chosen, known)  # those of the chosen inside an exec job
         known |= {p.pid for p in inits}
@@ -269,10 +277,10 @@ class ExaminingMixin:
                     inits[init.pid] = init
         return list(inits.values())
 
-    def _refresh_tree(self, tree: ProcessTree) -> ProcessTree | None:
+    def _refresh_tree(self, tree: ProcessTree, take_sessions: bool) -> ProcessTree | None:
         """A tree ranked from the ranking's readings, read afresh (None: its root is gone)."""
         fresh = self.proc.processes(list(tree.pids))
-        return system_tree(tree.root.pid, fresh, self.protected_among(fresh))
+        return system_tree(tree.root.pid, fresh, self.protected_among(fresh), take_sessions)
 
     def _members_of(self, roots: tuple[str, ...]) -> list[int]:
         """The processes in these subtrees of the memory hierarchy (filesystem or hierarchy

@@ -114,6 +114,7 @@ class GpuWatch:
     def _trees(self, members: list[Guard], vram: dict[int, int]) -> list[ProcessTree]:
         """The trees a rule may act on that hold memory on the pressed devices."""
         protected = self.protected()
+        sessions = members[0].spec.take_sessions
         if isinstance(members[0], SystemGuard):
             holders = [pid for pid in vram if not members[0].spec.victim_cgroups
                        or self.in_cgroups(pid, members[0].spec.victim_cgroups)]
@@ -127,7 +128,8 @@ class GpuWatch:
                     continue
                 if root not in roots:
                     roots.add(root)
-                    trees += [t for t in build_trees(procs, protected) if t.root.pid == root]
+                    trees += [t for t in build_trees(procs, protected, sessions)
+                              if t.root.pid == root]
             return trees
         trees = []
         for guard in members:
@@ -136,5 +138,5 @@ class GpuWatch:
                 procs = self.proc.processes(subtree_procs(guard.cgroup.path))
             except CgroupGone:
                 continue
-            trees += build_trees(procs, protected)
+            trees += build_trees(procs, protected, sessions)
         return trees

@@ -41,6 +41,7 @@ from oomguard.model.errors import (
 )
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
 from oomguard.sense.procfs import ProcReader
@@ -129,6 +130,9 @@ class Checkpointer:
         start = self.clock()
         refuse_own_tree(tree.root.pid, self.proc, requester)
         refuse_partial_job(tree, cgroup, self.proc)  # never a tree rooted inside a PID namespace
+        if tree.unfit:  # a traced task, a protected one below: CRIU would fail on it
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
+                                   f"{tree.unfit}", OUTCOME_UNTOUCHED, lasting=tree.unfit)
         outside = [p.pid for p in tree.members if p.session == 0]
         if outside:
             # /proc shows session 0 when the session leader lives in an outer PID namespace
@@ -142,9 +146,9 @@ class Checkpointer:
         members = set(tree.pids)
         if any(p.session not in members for p in tree.members):  # typed at a shell prompt
             problem = terminal_refusal(self.proc.root, tree.pids)
-            if problem is not None:
+            if problem is not None:  # lasting: the tree is not chosen again while it lives
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
-                                       f"it: {problem}", OUTCOME_UNTOUCHED)
+                                       f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -275,7 +279,7 @@ class Checkpointer:
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
-                                   outcome) from exc
+                                   outcome, lasting=lasting_failure(str(exc)) or "") from exc
         finally:
             if shielding:
                 self.shield.unshield(pids + list(tree.pids) + left)

@@ -56,10 +56,13 @@ class FailedCheckpoint(enum.StrEnum):
 
 
 class CheckpointFailed(OomguardError):
-    """A checkpoint did not complete. `outcome` says what happened to the process."""
+    """A checkpoint did not complete. `outcome` says what happened to the process; `lasting`,
+    in one line, why no checkpoint of this tree can succeed while it lives ("" if another try
+    might: oomguard.policy.unfit)."""
 
-    def __init__(self, message: str, outcome: FailedCheckpoint) -> None:
+    def __init__(self, message: str, outcome: FailedCheckpoint, lasting: str = "") -> None:
         self.outcome = outcome
+        self.lasting = lasting
         super().__init__(message)
 
 

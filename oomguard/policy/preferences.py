@@ -18,6 +18,7 @@ class Preferences:
     avoid: tuple[re.Pattern[str], ...] = ()
     protect: tuple[re.Pattern[str], ...] = ()
     protect_session_leaders: bool = False  # a login shell or desktop session holds everything
+    take_sessions: bool = False  # session processes in victim trees (build_trees takes it)
     gpu: str = "neutral"  # trees holding GPU memory: "prefer" first, "avoid" last in their band
 
 

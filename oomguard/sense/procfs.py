@@ -16,6 +16,7 @@ from pathlib import Path
 from oomguard.model.errors import ProcessGone
 
 PF_KTHREAD = 0x00200000  # include/linux/sched.h
+PF_EXITING = 0x00000004  # set as a task begins to exit
 # SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU as bits of SigPnd/ShdPnd (bit n-1 is signal n). A stop
 # signal sent to a task that is already stopped stays pending there until a SIGCONT discards it.
 STOP_SIGNALS_MASK = sum(1 << (int(sig) - 1) for sig in (
@@ -32,6 +33,7 @@ class StatFields:
     ppid: int
     pgrp: int
     session: int
+    tty_nr: int  # the controlling terminal's device number, 0 if none
     flags: int
     starttime: int  # clock ticks since boot: with pid, identifies a process across PID reuse
 
@@ -69,6 +71,8 @@ class ProcessInfo:
     oom_score_adj: int = 0
     tracer_pid: int = 0
     uids: tuple[int, ...] = ()  # real, effective, saved set, file system (empty: unknown)
+    pgrp: int = 0  # process group (0: unknown)
+    tty_nr: int = 0  # controlling terminal's device number, 0 if none (or unknown)
 
     @property
     def is_pidns_init(self) -> bool:
@@ -93,6 +97,7 @@ def parse_stat(text: str) -> StatFields:
             ppid=int(fields[1]),
             pgrp=int(fields[2]),
             session=int(fields[3]),
+            tty_nr=int(fields[4]),
             flags=int(fields[6]),
             starttime=int(fields[19]),
         )
@@ -166,6 +171,8 @@ class ProcReader:
             oom_score_adj=oom_score_adj,
             tracer_pid=status.tracer_pid,
             uids=status.uids or (status.uid,),
+            pgrp=stat.pgrp,
+            tty_nr=stat.tty_nr,
         )
 
     def processes(self, pids: list[int]) -> list[ProcessInfo]:

@@ -105,7 +105,7 @@ def test_a_job_typed_at_a_prompt_is_restored_onto_a_new_terminal_and_goes_on(
         assert again["pid"] == job_pid
         shell.wait_for(f"the job was checkpointed as {again['id']}", since=since)
         assert "status 75" in shell.run('echo "status $?"')
-        assert not Store(setup["store"]).get(again["id"]).extra[SHELL_TTY]["socket"] is None
+        assert Store(setup["store"]).get(again["id"]).extra[SHELL_TTY]["socket"] is not None
 
         since = shell.mark()
         shell.type(f"oomguard restore {again['id']} --cgroup {setup['big']}")

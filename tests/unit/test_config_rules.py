@@ -72,6 +72,8 @@ def regex_error(pattern: str) -> str:
         ('protect = ["^postgres", "^Xorg$"]', "protect", ("^postgres", "^Xorg$")),
         ("protect_session_leaders = true", "protect_session_leaders", True),
         ("protect_session_leaders = false", "protect_session_leaders", False),
+        ("take_sessions = true", "take_sessions", True),
+        ("take_sessions = false", "take_sessions", False),
         ('post_action_delay = "15s"', "post_action_delay", 15.0),
         ('post_action_delay = "1m"', "post_action_delay", 60.0),
         ('post_action_delay = "250ms"', "post_action_delay", 0.25),
@@ -260,6 +262,7 @@ BAD_GUARD = [
      "expected a regular expression or a list of them, got {'a': 1}"),
     ('protect_session_leaders = "yes"', "protect_session_leaders",
      "expected true or false, got 'yes'"),
+    ("take_sessions = 1", "take_sessions", "expected true or false, got 1"),
     ('post_action_delay = "soon"', "post_action_delay",
      "expected a duration such as '150ms' or '2s', got 'soon'"),
     ("post_action_delay = -1", "post_action_delay", "a duration cannot be negative, got -1"),
@@ -438,6 +441,8 @@ def test_rule_parts_compiles_preferences() -> None:
     assert all(isinstance(p, re.Pattern) for p in prefs.prefer + prefs.avoid + prefs.protect)
     assert prefs.protect_session_leaders is True
     assert prefs.protect[0].search("sshd") and not prefs.protect[0].search("sshd-session")
+    assert prefs.take_sessions is False
+    assert rule_parts(GuardConfig(cgroups=("/a",), take_sessions=True)).prefs.take_sessions
 
 
 def test_rule_parts_settings() -> None:

@@ -36,6 +36,7 @@ from oomguard.observe.events import (
     VictimFrozen,
     VictimKilled,
 )
+from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
@@ -76,6 +77,7 @@ def test_the_actor_publishes_the_freeze_and_the_checkpoint() -> None:
 
     class Runner:
         checkpointer = SimpleNamespace(ledger=None)
+        marks = UnfitMarks(lambda pid: 0)
 
         def run(self, steps: Any, tree: Any, cgroup: Any, reason: str, settings: Any,
                 still: Any, fields: dict[str, Any], on_frozen: Any = None,

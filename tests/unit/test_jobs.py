@@ -104,6 +104,9 @@ def test_a_job_whose_init_cannot_be_taken_is_left_for_the_checkpoint_to_refuse(w
     if why == "absent":  # e.g. outside the victim cgroups the rule reads
         procs = [p for p in procs if p.pid != INIT]
     lifted = lift_to_jobs(system_candidates(procs, protected), procs, protected)
+    if why == "traced":  # a traced task is a member that makes its tree unfit: refused so
+        assert lifted[0].root.pid == INIT and lifted[0].unfit
+        return
     assert lifted[0].root.pid == CMD  # as chosen: the checkpoint refuses it, saying why
 
 
@@ -324,11 +327,11 @@ def test_a_system_rule_reading_its_ranking_reads_the_jobs_init_too(tmp_path: Pat
     examiner.ranking.refresh()
     ranking = examiner.ranking.current()
     assert ranking is not None and INIT not in ranking.top()  # too small to be read in full
-    processes = examiner._ranked_processes()
+    processes = examiner._ranked_processes(take_sessions=False)
     (init,) = [p for p in processes if p.pid == INIT]
     assert init.is_pidns_init  # read in full, not a stand-in
     trees = lift_to_jobs(system_candidates(processes, frozenset()), processes, frozenset())
     assert trees[0].root.pid == INIT and set(trees[0].pids) == {INIT, CMD, CMD_CHILD}
-    fresh = examiner._refresh_tree(trees[0])
+    fresh = examiner._refresh_tree(trees[0], take_sessions=False)
     assert fresh is not None and fresh.root.pid == INIT
     assert set(fresh.pids) == {INIT, CMD, CMD_CHILD}

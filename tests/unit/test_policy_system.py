@@ -28,10 +28,11 @@ def _by_root(trees: list[ProcessTree]) -> dict[int, tuple[int, ...]]:
     return {t.root.pid: t.pids for t in trees}
 
 
-# A desktop: a session manager (small itself) whose descendants are the big processes.
+# A desktop: a launcher (small itself) whose descendants are the big processes. (A desktop
+# session's leader by name, gnome-session, is never a victim at all: tests/unit/test_sessions.py.)
 DESKTOP = [
     proc_info(1, 0, 50),
-    proc_info(1500, 1, 4, comm="gnome-session"),
+    proc_info(1500, 1, 4, comm="launcher"),
     proc_info(1600, 1500, 300, comm="firefox"),
     proc_info(1601, 1600, 120, comm="firefox-tab"),
     proc_info(1602, 1600, 80, comm="firefox-tab"),
