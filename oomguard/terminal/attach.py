@@ -43,6 +43,7 @@ from oomguard.terminal.wire import (
 
 DETACH_KEY = b"\x1c"  # Ctrl-\
 ENDED, DETACHED, HANGUP, PINNED, GONE = "ended", "detached", "hangup", "pinned", "gone"
+ASK_AGAIN = 0.5  # while a typed line waits and the job has not taken the terminal
 CLIENT_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGQUIT,
                   signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
 
@@ -121,6 +122,7 @@ class TypedLines:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.seen = pending_input(fd)
+        self.asked = False  # the holder was asked to give the job its terminal
         self.poll = select.epoll()
         self.poll.register(fd, select.EPOLLIN | select.EPOLLET)
 
@@ -250,7 +252,10 @@ class JobClient:
             if not self.relaying():
                 self.send_window_size()
             while True:
-                for key, _ in self.sel.select():
+                events = self.sel.select(ASK_AGAIN if self.typed_waiting() else None)
+                if not events and self.typed_waiting():
+                    self.control("want")  # the job may wait for input in select(2) by now
+                for key, _ in events:
                     why = self.step(key.data)
                     if why is not None:
                         return why
@@ -258,6 +263,11 @@ class JobClient:
             self.restore_mode()
             self.watch_typing(False)
             self.sel.close()
+
+    def typed_waiting(self) -> bool:
+        """A line typed for a job that has not taken its terminal waits in ours."""
+        return (self.typed is not None and self.typed.asked and not self.state.terminal
+                and self.stdin_fd is not None and pending_input(self.stdin_fd) > 0)
 
     def verdict(self) -> str | None:
         if self.state.pinned:
@@ -273,6 +283,7 @@ class JobClient:
             return self.from_user()
         if source == "typed":
             if self.typed is not None and self.typed.new_line():
+                self.typed.asked = True
                 self.control("want")  # a line typed for a job that has not read yet
             return None
         return self.signals()

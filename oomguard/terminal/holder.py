@@ -133,10 +133,20 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def waiting_in_poll(pids: list[int]) -> bool:
-    """Whether a thread of these processes sleeps in select(2), poll(2) or epoll_wait(2): a
-    job that may be waiting for its terminal without reading it (a job in the background that
-    read would have been stopped by the kernel instead)."""
+def waiting_in_poll(pids: list[int], looks: int = 5, interval: float = 0.01) -> bool:
+    """Whether a thread of these processes sleeps in select(2), poll(2) or epoll_wait(2) (in
+    any of a few looks: a loop spends moments between its waits): a job that may be waiting
+    for its terminal without reading it (a job in the background that read would have been
+    stopped by the kernel instead)."""
+    for look in range(looks):
+        if look:
+            time.sleep(interval)
+        if _in_poll(pids):
+            return True
+    return False
+
+
+def _in_poll(pids: list[int]) -> bool:
     for pid in pids:
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{pid}/task"):

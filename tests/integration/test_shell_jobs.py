@@ -177,15 +177,16 @@ def test_a_tree_criu_could_not_restore_is_refused_before_it_is_stopped(
             tmux_shell("other", setup["dir"], shell_env(config)) as other:
         guard.wait_event("guard.armed")
         shell.type(job_command(log, setup["small"], redirect=f" 2>{other.tty()}"))
-        failed = guard.wait_event("checkpoint.failed", timeout=60)[0]
-        assert "refused before stopping it" in failed["error"], failed
-        assert "2 terminals of sessions led outside it" in failed["error"], failed
-        assert failed["outcome"] == "untouched"
+        refused = guard.wait_event("checkpoint.refused", timeout=60)[0]
+        assert "2 terminals of sessions led outside it" in refused["reason"], refused
+        assert refused["lasting"] is True and refused["then"] == "kill", refused
         assert not guard.events("victim.frozen"), "the job was stopped before the refusal"
         killed = guard.wait_event("victim.killed", timeout=30)[0]
-        assert killed["pid"] == failed["pid"]
+        assert killed["pid"] == refused["pid"]
+        assert killed["not_checkpointed"] == refused["reason"]
         shell.wait_prompt(2)
-    assert len(guard.events("checkpoint.failed")) == 1
+    assert len(guard.events("checkpoint.refused")) == 1
+    assert not guard.events("checkpoint.failed")
     assert not list(Path(setup["store"]).glob("2*")), "a checkpoint was taken anyway"
 
 
