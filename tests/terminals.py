@@ -24,7 +24,10 @@ class TmuxShell:
     checkout first on PATH. Everything is typed through tmux, as keys."""
 
     def __init__(self, name: str, cwd: Path, env: dict[str, str] | None = None,
-                 width: int = 200, height: int = 50) -> None:
+                 width: int = 200, height: int = 50, user: int | None = None) -> None:
+        """`user`: the terminal is that user's (tmux, and so the shell, run as that uid)."""
+        self.as_user = [] if user is None else ["setpriv", f"--reuid={user}", f"--regid={user}",
+                                                "--clear-groups", "--"]
         self.server = f"og-{name}-{os.getpid()}"
         self.target = f"{self.server}:0.0"
         environ = {**(env or os.environ), "PS1": PROMPT, "TERM": "xterm",
@@ -33,14 +36,15 @@ class TmuxShell:
         self.env = environ
         self.rcfile = Path(tempfile.mkstemp(prefix="og-bashrc-")[1])
         self.rcfile.write_text(f"PS1='{PROMPT}'\nexport PATH='{environ['PATH']}'\n")
+        self.rcfile.chmod(0o644)
         self.tmux("new-session", "-d", "-s", self.server, "-x", str(width), "-y", str(height),
                   "-c", str(cwd), f"bash --noprofile --rcfile {self.rcfile} -i")
         self.tmux("set-option", "-t", self.server, "history-limit", "20000")
         self.wait_prompt(1)
 
     def tmux(self, *args: str) -> str:
-        result = subprocess.run(["tmux", "-L", self.server, *args], capture_output=True,
-                                text=True, env=self.env, timeout=30)
+        result = subprocess.run([*self.as_user, "tmux", "-L", self.server, *args],
+                                capture_output=True, text=True, env=self.env, timeout=30)
         if result.returncode != 0 and args[0] != "kill-server":
             raise AssertionError(f"tmux {' '.join(args)}: {result.stderr.strip()}")
         return result.stdout
@@ -123,8 +127,8 @@ class TmuxShell:
 
 @contextlib.contextmanager
 def tmux_shell(name: str, cwd: Path, env: dict[str, str] | None = None,
-               ) -> Iterator[TmuxShell]:
-    shell = TmuxShell(name, cwd, env)
+               user: int | None = None) -> Iterator[TmuxShell]:
+    shell = TmuxShell(name, cwd, env, user=user)
     try:
         yield shell
     finally:

@@ -129,11 +129,17 @@ def attach(target: str, call: Call) -> int:
     if names_a_pid(target):  # any process of an exec job: its init's terminal, else its own
         path = holder_of_pid(job_process(int(target))) or holder_of_pid(int(target))
         if path is None:
-            raise HolderError(f"process {target} has no terminal oomguard holds (only jobs "
-                              "started on a terminal with `oomguard exec` have one)")
+            raise HolderError(f"process {target} has no terminal oomguard holds (jobs started "
+                              "on a terminal with `oomguard exec`, and jobs restored after "
+                              "they were typed at a shell prompt, have one)")
     else:
         meta = call("Show", id=target)["checkpoint"]
         path = holder_of_checkpoint(meta)
+        checkpoint_id = meta.get("id", target)
+        if path is None and SHELL_TTY in (meta.get("extra") or {}):
+            raise HolderError(f"checkpoint {checkpoint_id} is not running: `oomguard restore "
+                              f"{checkpoint_id}` brings it back on a new terminal (and shows "
+                              "it there when run on one)")
         if path is None:
-            raise HolderError(f"checkpoint {meta.get('id', target)} had no terminal")
+            raise HolderError(f"checkpoint {checkpoint_id} had no terminal")
     return attach_to(path)

@@ -6,8 +6,11 @@ it from anywhere; what CRIU could not restore is refused before the job is stopp
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,17 @@ import pytest
 
 from oomguard.store.checkpoints import Store
 from oomguard.terminal.shelljob import SHELL_TTY
-from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, run_cli, wait_until
+from tests.helpers import (
+    REPO,
+    CgroupFactory,
+    MiB,
+    daemon,
+    kill_pid,
+    run_cli,
+    short_socket_path,
+    wait_until,
+)
+from tests.integration.test_service import ALICE, _cap_sys_resource
 from tests.terminals import pids_running, tmux_shell, wait_gone
 
 pytestmark = pytest.mark.integration
@@ -60,8 +73,6 @@ def setup(cgroups: CgroupFactory, store: Path, tmp_path: Path) -> Iterator[dict[
 
 
 def shell_env(config: Path) -> dict[str, str]:
-    import os
-
     return {**os.environ, "OOMGUARD_CONFIG": str(config)}
 
 
@@ -196,3 +207,65 @@ def _state(pid: int) -> str | None:
     except OSError:
         return None
     return text[text.rindex(")") + 2:].split()[0]
+
+
+@pytest.mark.skipif(not _cap_sys_resource(),
+                    reason="root here lacks CAP_SYS_RESOURCE, so CRIU cannot dump another "
+                           "user's process; this test runs in the v2 VM lane, where root has it")
+def test_a_users_job_typed_at_a_prompt_comes_back_on_a_terminal_of_theirs(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """A user types a job at their own prompt; an admin puts it into a guarded cgroup; the
+    root daemon checkpoints it. The user restores it from the same prompt through the daemon:
+    its new terminal's holder, which led the restore as root, runs as the user, listens in the
+    user's own directory, and the job goes on there."""
+    uid = ALICE
+    workdir = Path(tempfile.mkdtemp(prefix="og-shell-", dir="/tmp"))
+    workdir.chmod(0o777)
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    small = cgroups.make("usershell", 128 * MiB)
+    socket = short_socket_path()
+    socket.parent.chmod(0o755)
+    config = write_config(workdir / "oomguard.toml", store, socket, small.path)
+    config.chmod(0o644)
+    log = workdir / "job.log"
+    env = {"PATH": os.environ["PATH"], "OOMGUARD_CONFIG": str(config), "HOME": str(workdir)}
+    with daemon(store, tmp_path / "daemon.log", config=config, socket=socket) as guard, \
+            tmux_shell("user", workdir, env, user=uid) as shell:
+        guard.wait_event("guard.armed")
+        shell.type(f"{sys.executable} {TTY_JOB} --log {log} --target 160 --rate 60 "
+                   "--count 300 --tick 0.05")
+        shell.wait_for("count 3")
+        (job,) = [p for p in pids_running(str(log)) if Path(f"/proc/{p}").stat().st_uid == uid]
+        (small.path / "cgroup.procs").write_text(str(job))  # an admin's cgexec -g, say
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert done["pid"] == job and done["uid"] == uid
+        assert wait_gone(job)
+        shell.wait_for(f"was checkpointed as {done['id']}")
+        small.set_limit(512 * MiB)  # room for it again
+        since = shell.mark()
+        shell.type(f"oomguard restore {done['id']}")
+        shell.wait_for(re.compile(rf"restored {done['id']} as PID \d+"), since=since)
+        holder = Path(str(Store(store).get(done["id"]).extra[SHELL_TTY]["socket"]))
+        assert holder.parent == Path("/run/oomguard/tty") / str(uid)
+        assert holder.stat().st_uid == uid and holder.parent.stat().st_uid == uid
+        leader = int(request_info(holder)["pid"])
+        assert _uids(leader) == {uid}, "the terminal's holder kept root's rights"
+        shell.type("after")
+        shell.wait_for("echo: after", since=since)
+        shell.wait_for("the job exited with status 0", timeout=90, since=since)
+    assert counts(log) == list(range(1, 301))
+    assert "input after" in log.read_text()
+
+
+def request_info(socket: Path) -> dict[str, object]:
+    from oomguard.terminal.client import request
+
+    return request(socket, "info")
+
+
+def _uids(pid: int) -> set[int]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return {int(v) for v in line.split()[1:]}
+    return set()

@@ -178,3 +178,18 @@ def test_a_holders_view_of_its_pty() -> None:
     finally:
         os.close(lone)
         os.close(lone_slave)
+
+
+def test_attach_to_a_checkpointed_shell_job_says_how_to_bring_it_back() -> None:
+    from oomguard.terminal.client import HolderError
+    from oomguard.terminal.commands import attach, holder_of_checkpoint
+
+    checkpoint = "20261203-150303-6046-044c"
+    meta = {"id": checkpoint, "state": "checkpointed",
+            "extra": {"shell_tty": {"key": "tty[8801:1a]", "index": 1, "socket": None}}}
+    with pytest.raises(HolderError, match=f"is not running: `oomguard restore {checkpoint}`"):
+        attach(checkpoint, lambda _method, **_params: {"checkpoint": meta})
+    # Once restored, its new terminal's holder is the one to attach to.
+    restored = {**meta, "state": "restored",
+                "extra": {"shell_tty": {"key": None, "socket": "/run/oomguard/tty/0/t.sock"}}}
+    assert holder_of_checkpoint(restored) == "/run/oomguard/tty/0/t.sock"
