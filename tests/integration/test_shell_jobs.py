@@ -251,7 +251,9 @@ def test_a_users_job_typed_at_a_prompt_comes_back_on_a_terminal_of_theirs(
         assert holder.stat().st_uid == uid and holder.parent.stat().st_uid == uid
         leader = int(request_info(holder)["pid"])
         assert _uids(leader) == {uid}, "the terminal's holder kept root's rights"
-        shell.type("after")
+        seen = counts(log)
+        shell.wait_for(f"count {seen[-1] + 2}", since=since)  # shown here: attached
+        shell.type("after")  # typed for the job once it shows (a line typed before is the shell's)
         shell.wait_for("echo: after", since=since)
         shell.wait_for("the job exited with status 0", timeout=90, since=since)
     assert counts(log) == list(range(1, 301))
