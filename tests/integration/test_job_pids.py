@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,81 +40,11 @@ from tests.helpers import (
     unprivileged_user,
     wait_until,
 )
+from tests.terminals import TmuxShell
 
 pytestmark = pytest.mark.integration
 TTY_JOB = REPO / "tests" / "workloads" / "tty_job.py"
 WIDTH = 160  # the tmux window's columns
-PROMPT = "$"
-
-
-class Tmux:
-    """A tmux server on a private socket, one window of `bash -i` panes (a person's terminal
-    emulator with a prompt in each pane); keys are typed, the screen is read back."""
-
-    def __init__(self, env: dict[str, str], cwd: Path) -> None:
-        self.socket = f"oomguard-test-{os.getpid()}-{time.monotonic_ns()}"
-        self.env = env
-        self.cwd = cwd
-        self.rcfile = cwd / "bashrc"  # a person's: a plain prompt, nothing else
-        self.rcfile.write_text(f"PS1='{PROMPT} '\n")
-        self.tmux("new-session", "-d", "-x", str(WIDTH), "-y", "50", "-s", "main",
-                  f"bash --rcfile {self.rcfile} -i")
-        self.panes = [self.tmux("display-message", "-p", "-t", "main", "#{pane_id}").strip()]
-
-    def tmux(self, *args: str) -> str:
-        return subprocess.run(["tmux", "-L", self.socket, *args], env=self.env, cwd=self.cwd,
-                              capture_output=True, text=True, check=True, timeout=30).stdout
-
-    def split(self) -> str:
-        pane = self.tmux("split-window", "-v", "-d", "-P", "-F", "#{pane_id}", "-t", "main",
-                         f"bash --rcfile {self.rcfile} -i").strip()
-        self.panes.append(pane)
-        return pane
-
-    def type(self, pane: str, text: str) -> None:
-        """`text` typed as it is, then Enter."""
-        self.tmux("send-keys", "-t", pane, "-l", text)
-        self.tmux("send-keys", "-t", pane, "Enter")
-
-    def keys(self, pane: str, *keys: str) -> None:
-        self.tmux("send-keys", "-t", pane, *keys)
-
-    def screen(self, pane: str) -> list[str]:
-        """The pane's lines, history included, wrapped lines joined."""
-        text = self.tmux("capture-pane", "-p", "-J", "-S", "-", "-t", pane)
-        return [line.rstrip() for line in text.splitlines()]
-
-    def wait_for(self, pane: str, pattern: str, timeout: float = 60) -> re.Match[str]:
-        found = wait_until(lambda: re.search(pattern, "\n".join(self.screen(pane)), re.M),
-                           timeout, interval=0.1)
-        if not found:
-            raise AssertionError(f"{pattern!r} never appeared in pane {pane}:\n"
-                                 + "\n".join(self.screen(pane)[-40:]))
-        return found
-
-    def run(self, pane: str, command: str, timeout: float = 120) -> list[str]:
-        """Type `command` at the prompt and read what it printed, up to the next prompt."""
-        typed = f"{PROMPT} {command}"
-        self.type(pane, command)
-
-        def answered() -> list[str] | None:
-            lines = self.screen(pane)
-            starts = [i for i, line in enumerate(lines) if line == typed]
-            if not starts:
-                return None
-            after = lines[starts[-1] + 1:]
-            ends = [i for i, line in enumerate(after) if line == PROMPT]
-            return after[:ends[0]] if ends else None
-
-        output = wait_until(answered, timeout, interval=0.1)
-        if output is None:
-            raise AssertionError(f"{command!r} did not finish in pane {pane}:\n"
-                                 + "\n".join(self.screen(pane)[-40:]))
-        return list(output)
-
-    def close(self) -> None:
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            self.tmux("kill-server")
 
 
 @pytest.fixture
@@ -167,24 +96,23 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
     socket_path = tmp_path / "control.sock"
     (tmp_path / "oomguard.toml").write_text(
         f'[daemon]\nstore = "{store}"\nsocket = "{socket_path}"\n')
-    shell = Tmux(env, tmp_path)
+    shell = TmuxShell("pids", tmp_path, env, width=WIDTH)
     job_pids: list[int] = []
     try:
         with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path),
                     socket=socket_path) as guard:
             guard.wait_event("guard.armed")
-            first, second = shell.panes[0], shell.split()
-            shell.wait_for(first, rf"^\{PROMPT}$")
+            first, second = shell, shell.split()
             # Typed as README's example is: a multi-line `python3 -c` (this one runs the
             # counting terminal job), one line at a time.
-            shell.type(first, f"oomguard exec --cgroup {cg.path} -- python3 -c 'import runpy, sys")
-            shell.type(first, f'sys.argv = ["tty_job", "--log", "{log}", "--target", "48", '
+            first.type(f"oomguard exec --cgroup {cg.path} -- python3 -c 'import runpy, sys")
+            first.type(f'sys.argv = ["tty_job", "--log", "{log}", "--target", "48", '
                               '"--rate", "100", "--count", "100000", "--tick", "0.05"]')
-            shell.type(first, f'runpy.run_path("{TTY_JOB}", run_name="__main__")\'')
-            shell.wait_for(first, r"^count 5$")
+            first.type(f'runpy.run_path("{TTY_JOB}", run_name="__main__")\'')
+            first.wait_for(re.compile(r"^count 5$", re.M))
 
             # The PID a person sees: the job's own process in `ps`.
-            listing = shell.run(second, "ps -eo pid=,args= | grep -F 'import runpy'")
+            listing = second.output("ps -eo pid=,args= | grep -F 'import runpy'")
             (cmd,) = pids_in_ps(listing, "python3 -c import runpy")
             init = psutil.Process(cmd).ppid()
             job_pids += [init, cmd]
@@ -194,16 +122,17 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
             assert grown.anon_bytes > 40 * MiB
 
             # attach PID with the PID from ps: the job's terminal, input included
-            shell.type(second, f"oomguard attach {cmd}")
-            shell.wait_for(second, r"^count \d+$")
-            shell.type(second, "from the second pane")
-            shell.wait_for(second, r"^echo: from the second pane$")
-            shell.keys(second, "C-\\")  # detach
-            shell.wait_for(second, r"^oomguard: detached")
-            shell.wait_for(second, rf"^\{PROMPT}$")
+            before = second.prompts()
+            second.type(f"oomguard attach {cmd}")
+            second.wait_for(re.compile(r"^count \d+$", re.M))
+            second.type("from the second pane")
+            second.wait_for(re.compile(r"^echo: from the second pane$", re.M))
+            second.keys("C-\\")  # detach
+            second.wait_for(re.compile(r"^oomguard: detached", re.M))
+            second.wait_prompt(before + 1)
 
             # `oomguard checkpoint PID`, typed: the whole job is taken, and it says which
-            said = shell.run(second, f"oomguard checkpoint {cmd}")
+            said = second.output(f"oomguard checkpoint {cmd}")
             checkpoint_id = next(line for line in said if re.fullmatch(r"\d{8}-\d{6}-\d+-\w+",
                                                                          line))
             taken = next(line for line in said if line.startswith("oomguard: process"))
@@ -220,15 +149,15 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
             meta = Store(store).get(checkpoint_id)
             assert (meta.pid, meta.job_pid, meta.pidns) == (init, cmd, True)
             assert sorted(meta.pids) == sorted([init, cmd])
-            shell.wait_for(first, rf"checkpointed as {checkpoint_id}")
-            shell.wait_for(first, rf"^\{PROMPT}$")
-            assert shell.run(first, 'echo "exit status $?"') == [
+            first.wait_for(re.compile(rf"checkpointed as {checkpoint_id}", re.M))
+            first.wait_prompt(2)  # exec returned
+            assert first.output('echo "exit status $?"') == [
                 f"exit status {EXIT_CHECKPOINTED}"]
             stopped_at = last_count(log)
 
             # list: the job's own command on one line, cut to the terminal's width; the PID
             # seen and the tree's root
-            listed = shell.run(second, "oomguard list")
+            listed = second.output("oomguard list")
             assert listed[0].split() == ["ID", "PID", "ROOT", "USER", "RSS", "IMAGE", "STATE",
                                          "CREATED", "COMMAND"]
             (row,) = [line for line in listed if line.startswith(checkpoint_id)]
@@ -236,7 +165,7 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
             assert "  python3 -c import runpy, sys\\nsys.argv = " in row
             assert row.endswith("\u2026") and len(row) <= WIDTH and "nsinit" not in row
             # show PID (the one from ps): the newest checkpoint whose tree held it
-            shown = shell.run(second, f"oomguard show {cmd}")
+            shown = second.output(f"oomguard show {cmd}")
             assert f"id        {checkpoint_id}" in shown
             (command_row,) = [line for line in shown if line.startswith("command ")]
             assert command_row.startswith("command   python3 -c import runpy, sys\\nsys.argv")
@@ -245,39 +174,39 @@ def test_checkpoint_of_the_pid_from_ps_takes_the_whole_exec_job_in_a_real_termin
                     "namespace's init, 2 tasks)") in shown
 
             # status: the checkpoint among the last events, the job's command on its one line
-            status = shell.run(second, "oomguard status")
+            status = second.output("oomguard status")
             (event,) = [line for line in status if " checkpoint.done " in line]
             assert f"id={checkpoint_id} pid={init} job_pid={cmd} command=python3 -c import " \
                 "runpy, sys\\nsys.argv" in event
             assert len(event) <= WIDTH and "nsinit" not in event and "\u2026\u2026" not in event
 
             # restore, typed in the job's first terminal: it comes back there and goes on
-            shell.type(first, f"oomguard restore {checkpoint_id}")
+            first.type(f"oomguard restore {checkpoint_id}")
             assert wait_until(lambda: last_count(log) > stopped_at + 10, 60), \
-                "\n".join(shell.screen(first)[-20:])
+                "\n".join(first.lines()[-20:])
             counts = read_counts(log)
             assert counts == list(range(1, len(counts) + 1)), "the count restarted or skipped"
-            shell.wait_for(first, rf"^count {stopped_at + 10}$")
+            first.wait_for(re.compile(rf"^count {stopped_at + 10}$", re.M))
             restored = Store(store).get(checkpoint_id)
             assert restored.state == "restored" and restored.restored_pid
             job_pids.append(restored.restored_pid)
-            shell.keys(first, "C-\\")  # detach from the restored job
-            shell.wait_for(first, r"^oomguard: detached")
+            first.keys("C-\\")  # detach from the restored job
+            first.wait_for(re.compile(r"^oomguard: detached", re.M))
 
             # attach with CMD's new PID, read from ps again
-            listing = shell.run(second, "ps -eo pid=,args= | grep -F 'import runpy'")
+            listing = second.output("ps -eo pid=,args= | grep -F 'import runpy'")
             (new_cmd,) = pids_in_ps(listing, "python3 -c import runpy")
             job_pids.append(new_cmd)
             assert psutil.Process(new_cmd).ppid() == restored.restored_pid
             # show PID with the new PID: the checkpoint the running job came back from
-            shown = shell.run(second, f"oomguard show {new_cmd}")
+            shown = second.output(f"oomguard show {new_cmd}")
             assert f"id        {checkpoint_id}" in shown and "state     restored" in shown
-            shell.type(second, f"oomguard attach {new_cmd}")
+            second.type(f"oomguard attach {new_cmd}")
             mark = last_count(log)
-            shell.wait_for(second, rf"^count {mark + 3}$")
-            shell.type(second, "after the restore")
-            shell.wait_for(second, r"^echo: after the restore$")
-            shell.keys(second, "C-\\")
+            second.wait_for(re.compile(rf"^count {mark + 3}$", re.M))
+            second.type("after the restore")
+            second.wait_for(re.compile(r"^echo: after the restore$", re.M))
+            second.keys("C-\\")
             assert "input after the restore" in log.read_text()
             assert "input from the second pane" in log.read_text()
     finally:

@@ -16,10 +16,8 @@ process gone and the memory freed.)"""
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +40,7 @@ from tests.helpers import (
     start_in_cgroup,
     wait_until,
 )
+from tests.terminals import TmuxShell, tmux_shell
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
@@ -49,56 +48,20 @@ STRACE = pytest.mark.skipif(shutil.which("strace") is None, reason="strace is no
 LIMIT = 200 * MiB  # threshold 85%: 170 MiB; the hog grows 4 MiB every 50 ms towards 300
 
 
-class Tmux:
-    """A tmux server of this test's own (`tmux -L NAME`), killed at the end."""
-
-    def __init__(self, name: str, command: str, cwd: Path) -> None:
-        self.socket = name
-        self.cwd = cwd
-        self.tmux("new-session", "-d", "-x", "200", "-y", "50", command)
-
-    def tmux(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["tmux", "-L", self.socket, "-f", "/dev/null", *args],
-                              capture_output=True, text=True, timeout=30, cwd=self.cwd,
-                              stdin=subprocess.DEVNULL)
-
-    def type(self, line: str) -> None:
-        """Typed at the prompt, then Enter (keys taken literally)."""
-        assert self.tmux("send-keys", "-l", line).returncode == 0
-        assert self.tmux("send-keys", "Enter").returncode == 0
-
-    def screen(self) -> str:
-        return self.tmux("capture-pane", "-p", "-J", "-S", "-200").stdout
-
-    def wait_for(self, text: str, timeout: float = 30) -> None:
-        if not wait_until(lambda: text in self.screen(), timeout, 0.05):
-            raise AssertionError(f"{text!r} never appeared in the pane:\n{self.screen()}")
-
-    def pane_pid(self) -> int:
-        return int(self.tmux("display-message", "-p", "#{pane_pid}").stdout.strip())
-
-    def answers(self) -> None:
-        """The shell at the prompt runs a command and shows its output."""
-        self.type("echo alive-$((6*7))")
-        self.wait_for("alive-42")
-
-    def kill(self) -> None:
-        self.tmux("kill-server")
-
-
 @pytest.fixture
-def terminal(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Tmux]:
+def terminal(tmp_path: Path) -> Iterator[TmuxShell]:
     """An interactive bash in a tmux pane, ready at its prompt."""
-    term = Tmux(f"og-{os.getpid()}-{request.node.name[:30]}", "bash --norc -i", tmp_path)
-    try:
-        term.type("echo ready-$((1+1))")
-        term.wait_for("ready-2")
+    with tmux_shell("session", tmp_path) as term:
         yield term
-    finally:
-        term.kill()
 
 
-def move_shell_in(term: Tmux, cgroup: MemoryCgroup) -> int:
+def answers(term: TmuxShell) -> None:
+    """The shell at the prompt runs a command and shows its output."""
+    term.type("echo alive-$((6*7))")
+    term.wait_for("alive-42")
+
+
+def move_shell_in(term: TmuxShell, cgroup: MemoryCgroup) -> int:
     """The shell moves itself into the guarded cgroup, as a person would; returns its pid."""
     shell = term.pane_pid()
     term.type(f"echo $$ > {cgroup.path / 'cgroup.procs'}")
@@ -159,7 +122,7 @@ def config(path: Path, cgroup: MemoryCgroup, actions: str, extra: str = "") -> P
 
 
 def test_a_job_typed_at_the_prompt_is_taken_without_the_shell(
-        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: TmuxShell) -> None:
     guarded = cgroups.make("prompt", LIMIT)
     log = tmp_path / "hog.log"
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(guarded.path),
@@ -187,11 +150,11 @@ def test_a_job_typed_at_the_prompt_is_taken_without_the_shell(
     assert guarded.snapshot().oom_kills == 0
     # The shell and its pane live on, and answer.
     assert not gone(shell) and shell in guarded.procs()
-    terminal.answers()
+    answers(terminal)
 
 
 def test_take_sessions_takes_the_shell_and_its_freeze_does_not_wait_for_it(
-        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: TmuxShell) -> None:
     """A rule that says so takes the shell with its job (the trees of before): the tmux server
     continues the shell, so the freeze names it instead of waiting out its 5 s."""
     guarded = cgroups.make("take", LIMIT)
@@ -225,7 +188,7 @@ def test_a_panes_own_program_is_not_waited_for_and_is_named(
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(guarded.path),
                 "--threshold", "85%") as guard:
         guard.wait_event("guard.armed")
-        term = Tmux(f"og-{os.getpid()}-{request.node.name[:30]}", program, tmp_path)
+        term = TmuxShell("pane", tmp_path, command=program)
         try:
             hog = term.pane_pid()
             assert wait_until(lambda: last_count(log) > 0, 20), "the hog never started"
@@ -234,7 +197,7 @@ def test_a_panes_own_program_is_not_waited_for_and_is_named(
             done = guard.wait_event("checkpoint.done", timeout=60)[0]
             frozen = guard.events("victim.frozen")[0]
         finally:
-            term.kill()
+            term.close()
     assert done["pid"] == hog and frozen["pid"] == hog
     # Not the freeze timeout (5 s): the task SIGSTOP cannot hold is named, with why.
     assert frozen["detect_to_frozen_ms"] < 1000, frozen
@@ -251,7 +214,7 @@ def test_a_panes_own_program_is_not_waited_for_and_is_named(
 
 @STRACE
 def test_a_traced_job_is_refused_once_and_the_next_action_kills_it(
-        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: TmuxShell) -> None:
     guarded = cgroups.make("strace-kill", LIMIT)
     log = tmp_path / "hog.log"
     rules = config(tmp_path / "kill.toml", guarded, '["checkpoint", "kill"]')
@@ -264,7 +227,7 @@ def test_a_traced_job_is_refused_once_and_the_next_action_kills_it(
         killed = guard.wait_event("victim.killed", timeout=60)[0]
         assert wait_until(lambda: gone(hog) and gone(strace), 15)
         refused = guard.events("checkpoint.refused")
-        terminal.answers()
+        answers(terminal)
         assert attempts(guard) == 1  # no loop: one refusal, no dump tried
         assert not guard.events("victim.frozen")  # refused before anything was stopped
     assert refused[0]["reason"].startswith(f"pid {hog} ("), refused
@@ -279,7 +242,7 @@ def test_a_traced_job_is_refused_once_and_the_next_action_kills_it(
 
 @STRACE
 def test_a_traced_job_with_no_next_action_is_left_running_and_not_retried(
-        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: Tmux) -> None:
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, terminal: TmuxShell) -> None:
     """No action after `checkpoint`: it runs on, parked at the limit, said once; the guard
     looks again every 2 s while it waits there and tries nothing, until the park's deadline
     hands it to the kernel's OOM killer, as that rule says."""
@@ -297,7 +260,7 @@ def test_a_traced_job_with_no_next_action_is_left_running_and_not_retried(
         released = guard.wait_event("oom.released", timeout=60)[0]
         assert released["parked_seconds"] >= 5.0
         assert wait_until(lambda: gone(hog), 30)  # the kernel's OOM killer, after the park
-        terminal.answers()
+        answers(terminal)
         refused = guard.events("checkpoint.refused")
         assert attempts(guard) == 1, guard.log.read_text()[-3000:]
         assert left_alone(guard) == [left]  # said once

@@ -242,7 +242,9 @@ def test_a_users_job_typed_at_a_prompt_comes_back_on_a_terminal_of_theirs(
         assert done["pid"] == job and done["uid"] == uid
         assert wait_gone(job)
         shell.wait_for(f"was checkpointed as {done['id']}")
-        small.set_limit(512 * MiB)  # room for it again
+        small.set_limit(512 * MiB)  # room for it again; the guard follows the new limit
+        assert wait_until(lambda: any(e.get("limit") == 512 * MiB
+                                      for e in guard.events("guard.armed")), 60)
         since = shell.mark()
         shell.type(f"oomguard restore {done['id']}")
         shell.wait_for(re.compile(rf"restored {done['id']} as PID \d+"), since=since)
