@@ -132,8 +132,10 @@ def saved_key(guard: Watched) -> str:
     return guard.name + (OOM_KILL_KEY if isinstance(guard.cgroup, V1MemoryCgroup) else "")
 
 
-def read_setting(guard: Watched, limit: int, dry_run: bool) -> Setting:
-    """The setting as found, and whether arming replaces it. Raises OSError, CgroupGone."""
+def read_setting(guard: Watched, limit: int, dry_run: bool, ours: bool = False) -> Setting:
+    """The setting as found, and whether arming replaces it (`ours`: oomguard replaced it
+    before and keeps the user's original: a memory.high it set for an older limit is moved to
+    the new threshold). Raises OSError, CgroupGone."""
     found = Setting()
     cgroup = guard.cgroup
     if isinstance(cgroup, V1MemoryCgroup):
@@ -142,7 +144,7 @@ def read_setting(guard: Watched, limit: int, dry_run: bool) -> Setting:
             found.change = True
     elif isinstance(cgroup, V2MemoryCgroup) and guard.spec.memory_high:
         found.now = cgroup.high()
-        found.change = high_to_set(guard, limit, found.now)
+        found.change = ours or high_to_set(guard, limit, found.now)
     return found
 
 

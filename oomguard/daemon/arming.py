@@ -75,7 +75,8 @@ class Armer:
         """Arm every guard (their fds empty: the loop disarmed them); returns one Prepared
         each, in order, `later` where marks beyond the threshold are to follow
         (register_later). Raises nothing for a cgroup: its Prepared says what went wrong."""
-        prepared = [self._read(guard) for guard in guards]
+        replaced = self.saved.items()  # settings oomguard replaced before (the originals)
+        prepared = [self._read(guard, watch.saved_key(guard) in replaced) for guard in guards]
         changing = [p for p in prepared if p.change_setting]
         originals = self.saved.remember_many({p.saved_key: p.setting_now for p in changing})
         armed = [p for p in prepared if p.snapshot is not None and p.snapshot.limit_bytes]
@@ -108,13 +109,13 @@ class Armer:
 
     # -- one guard's parts (_read in the caller's thread, _first from the pool) ----------------
 
-    def _read(self, guard: CgroupGuard) -> Prepared:
+    def _read(self, guard: CgroupGuard, ours: bool = False) -> Prepared:
         found = Prepared(guard)
         try:
             found.snapshot = snap = self.own_snapshot(guard.cgroup)
             if snap.limit_bytes is None or not guard.spec.events:
                 return found
-            setting = watch.read_setting(guard, snap.limit_bytes, self.dry_run)
+            setting = watch.read_setting(guard, snap.limit_bytes, self.dry_run, ours)
             found.setting_now, found.change_setting = setting.now, setting.change
         except CgroupGone:
             found.snapshot = None

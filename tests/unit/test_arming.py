@@ -265,6 +265,37 @@ def test_v2_memory_high_set_at_the_threshold_and_the_original_saved(tmp_path: Pa
             os.close(fd)
 
 
+def test_v2_memory_high_follows_a_raised_limit_and_the_original_stays(tmp_path: Path) -> None:
+    """Armed again after the limit was raised (a person gives a checkpointed job room before
+    restoring it): memory.high oomguard set for the old limit is its own, not a user's value
+    below the threshold, and moves to the new threshold; the user's original is kept. (It was
+    left where it was: the restored job crawled, throttled at the old threshold.)"""
+    from oomguard.cgroup.v2 import V2MemoryCgroup
+    path = tmp_path / "unified" / "job"
+    path.mkdir(parents=True)
+    for file, text in (("memory.current", f"{10 * MiB}\n"), ("memory.max", f"{LIMIT}\n"),
+                       ("memory.high", "max\n"), ("memory.stat", "anon 1\nfile 2\n"),
+                       ("memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n"),
+                       ("memory.pressure", "")):
+        (path / file).write_text(text)
+    rule = GuardConfig(cgroups=("x",), psi=False)
+    saved = SavedLimits(tmp_path / "saved.json")
+    first = CgroupGuard(spec=rule, cgroup=V2MemoryCgroup(path, tmp_path / "unified"))
+    Armer(snapshot_of, saved, "").arm([first])
+    assert (path / "memory.high").read_text() == str(int(LIMIT * 0.85))
+    for fd in first.fds:
+        os.close(fd)
+    (path / "memory.max").write_text(f"{4 * LIMIT}\n")  # the limit raised
+    again = CgroupGuard(spec=rule, cgroup=V2MemoryCgroup(path, tmp_path / "unified"))
+    (prepared,) = Armer(snapshot_of, saved, "").arm([again])
+    assert prepared.error is None
+    assert (path / "memory.high").read_text() == str(int(4 * LIMIT * 0.85))
+    assert again.replaced.high_changed and again.replaced.high_original is None
+    assert saved.items() == {again.name: None}  # the user's original: max
+    for fd in again.fds:
+        os.close(fd)
+
+
 def test_held_batches_start_only_when_released(tmp_path: Path, journal: Journal) -> None:
     """At start the daemon holds the later marks until its first look at every cgroup is done
     (READY=1 waits for nothing else); batches armed meanwhile all start then."""
