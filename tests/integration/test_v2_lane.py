@@ -19,7 +19,10 @@ LANE_TESTS = ["tests/integration/test_guard.py", "tests/integration/test_v2_only
               # needs CAP_SYS_RESOURCE (CRIU reads other users' rlimits): root has it in the VM
               "tests/integration/test_service.py::test_each_user_sees_and_restores_only_their_own",
               "tests/integration/test_swapped_files.py::"
-              "test_a_users_checkpoint_is_never_restored_onto_a_swapped_file"]
+              "test_a_users_checkpoint_is_never_restored_onto_a_swapped_file",
+              # a user's job typed at their prompt, restored onto a terminal of theirs
+              "tests/integration/test_shell_jobs.py::"
+              "test_a_users_job_typed_at_a_prompt_comes_back_on_a_terminal_of_theirs"]
 # The page-cache test relies on usage crossing the threshold; under v2 memory.high the kernel
 # reclaims the cache before it gets there, so it proves nothing in the lane.
 LANE_SELECT = "not page_cache"
@@ -48,5 +51,5 @@ def test_v2_lane(capsys: pytest.CaptureFixture[str]) -> None:
             print(f"[v2 lane] {line}")
     assert result.returncode == 0, output[-6000:]
     counts = re.search(r"(\d+) passed", output)
-    assert counts and int(counts.group(1)) >= 9, output[-3000:]
+    assert counts and int(counts.group(1)) >= 10, output[-3000:]
     assert not re.search(r"\d+ (failed|error)", output), output[-3000:]
