@@ -29,8 +29,6 @@ from oomguard.terminal.attach import (
     HANGUP,
     PINNED,
     JobClient,
-    in_foreground,
-    signal_wakeups,
 )
 from oomguard.terminal.client import (
     connect_attach,
@@ -41,6 +39,7 @@ from oomguard.terminal.client import (
     spawn_holder,
 )
 from oomguard.terminal.external import SOCKET_ENV
+from oomguard.terminal.userterm import in_foreground, signal_wakeups
 
 NSINIT = Path(__file__).with_name("nsinit.py")
 CLONE_NEWPID = 0x20000000

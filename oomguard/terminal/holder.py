@@ -39,6 +39,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from oomguard.terminal.jobprocs import (
+    descendants,
+    first_child_pgrp,
+    foreground_of,
+    proc_state,
+    session_of,
+    waiting_in_poll,
+)
 from oomguard.terminal.wire import (
     CONTROL,
     INPUT,
@@ -52,7 +60,6 @@ from oomguard.terminal.wire import (
 )
 
 TIOCGPTPEER = 0x5441
-TIOCGSID = 0x5429
 SCROLLBACK = 64 * 1024
 LINGER = 1.5  # a vacated, unpinned terminal waits this long for `done` and its status
 
@@ -77,83 +84,6 @@ class Leader(Protocol):
 class Client:
     framed: bool
     reader: FrameReader = field(default_factory=FrameReader)
-
-
-def session_of(master: int) -> int | None:
-    try:
-        sid = struct.unpack("i", fcntl.ioctl(master, TIOCGSID, b"\0" * 4))[0]
-    except OSError:
-        return None
-    return int(sid) if sid > 0 else None
-
-
-def foreground_of(master: int) -> int | None:
-    try:
-        pgrp = os.tcgetpgrp(master)
-    except OSError:
-        return None
-    return pgrp if pgrp > 0 else None
-
-
-def proc_state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()[0]
-
-
-def first_child_pgrp(pid: int) -> int | None:
-    """The process group of `pid`'s first child: the job an init started."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = f.read().split()
-        return os.getpgid(int(children[0])) if children else None
-    except (OSError, ValueError):
-        return None
-
-
-POLL_WAITS = ("poll_schedule_timeout", "do_epoll_wait", "ep_poll", "do_select",
-              "core_sys_select", "do_sys_poll")
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid`'s descendants (not itself), from /proc/PID/task/TID/children."""
-    found: list[int] = []
-    queue = [pid]
-    while queue:
-        parent = queue.pop()
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{parent}/task"):
-                with open(f"/proc/{parent}/task/{task}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-                found += kids
-                queue += kids
-    return found
-
-
-def waiting_in_poll(pids: list[int], looks: int = 5, interval: float = 0.01) -> bool:
-    """Whether a thread of these processes sleeps in select(2), poll(2) or epoll_wait(2) (in
-    any of a few looks: a loop spends moments between its waits): a job that may be waiting
-    for its terminal without reading it (a job in the background that read would have been
-    stopped by the kernel instead)."""
-    for look in range(looks):
-        if look:
-            time.sleep(interval)
-        if _in_poll(pids):
-            return True
-    return False
-
-
-def _in_poll(pids: list[int]) -> bool:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/wchan") as f:
-                    if f.read().startswith(POLL_WAITS):
-                        return True
-    return False
 
 
 class Holder:

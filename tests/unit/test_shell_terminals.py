@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.terminal.holder import foreground_of, proc_state, session_of, waiting_in_poll
+from oomguard.terminal.jobprocs import foreground_of, proc_state, session_of, waiting_in_poll
 from oomguard.terminal.shelljob import (
     ShellTty,
     TaskTerminal,
