@@ -328,7 +328,10 @@ class Holder:
             conn.sendall(b"{}\n")
         elif op == "done":
             conn.sendall(b"{}\n")
-            if not (self.state.pinned or self.state.dumping) or request.get("force"):
+            # As the job's leader we see its end ourselves: a root that exits may leave
+            # processes of the job running (a daemon it started), and they keep the terminal.
+            busy = self.leader is not None and self.leader.alive()
+            if not (self.state.pinned or self.state.dumping or busy) or request.get("force"):
                 status, sig = request.get("status"), request.get("signal")
                 self.end(status if isinstance(status, int) else None,
                          sig if isinstance(sig, int) else None)
