@@ -62,6 +62,7 @@ class Frozen:
     events_lost: int = 0
     stopped: bool | None = None
     follow: ForkFollow | None = field(default=None, compare=False, repr=False)
+    others_held: tuple[int, ...] = ()  # the rest of its cgroup, stopped for the dump
 
     @property
     def ours(self) -> list[int]:
@@ -86,6 +87,8 @@ class Frozen:
             found["events_lost"] = self.events_lost
         if self.stopped is False:
             found["all_stopped"] = False  # the wait timed out: some task had not stopped
+        if self.others_held:
+            found["others_held"] = list(self.others_held)
         return found
 
 
