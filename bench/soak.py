@@ -41,6 +41,7 @@ from tests.helpers import (
 GROUPS = 20
 MAX_RUNNING = 6  # hogs alive at once (2 cores)
 PER_CGROUP = 2  # hogs alive at once in one cgroup
+RESTART_EVERY = (20.0, 60.0)  # seconds between daemon SIGKILLs, at random in this range
 MIN_FREE_DISK = 10 << 30  # no new job while the disk holding the store has less free
 
 
@@ -89,8 +90,8 @@ def alive(pid: int | None, reader: ProcReader) -> bool:
         return False
 
 
-def run(minutes: float, workdir: Path, seed: int,
-        per_cgroup: int = PER_CGROUP) -> tuple[bool, dict[str, Any]]:
+def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
+        restart_every: tuple[float, float] = RESTART_EVERY) -> tuple[bool, dict[str, Any]]:
     rng = random.Random(seed)
     parent = own_memory_cgroup()
     if parent is None:
@@ -120,7 +121,7 @@ def run(minutes: float, workdir: Path, seed: int,
         # Jobs start once every guard is armed (the invariant is about armed guards).
         daemon.wait_event("guard.armed", count=GROUPS + 1, timeout=60)
         deadline = time.monotonic() + minutes * 60
-        next_kill = time.monotonic() + rng.uniform(20, 60)
+        next_kill = time.monotonic() + rng.uniform(*restart_every)
         while time.monotonic() < deadline:
             running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
             busy: dict[str, int] = {}
@@ -162,7 +163,7 @@ def run(minutes: float, workdir: Path, seed: int,
                 tally.daemon_kills += 1
                 daemon = DaemonProcess(store, daemon_log, "--config", str(config),
                                        socket=daemon.socket)
-                next_kill = time.monotonic() + rng.uniform(20, 60)
+                next_kill = time.monotonic() + rng.uniform(*restart_every)
             time.sleep(rng.uniform(0.2, 1.0))
         # Wind down: no new jobs; let the running ones finish, restore what is left once.
         end = time.monotonic() + 90
@@ -289,13 +290,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--per-cgroup", type=int, default=PER_CGROUP,
                         help="jobs at a time in one cgroup (default 2)")
+    parser.add_argument("--restart-every", type=float, nargs=2, default=RESTART_EVERY,
+                        metavar=("MIN", "MAX"), help="seconds between daemon SIGKILLs "
+                        "(default 20 60)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directory (logs, store) instead of deleting it")
     args = parser.parse_args()
     workdir = args.workdir or Path(subprocess.check_output(
         ["mktemp", "-d", "/var/tmp/oomguard-soak.XXXXXX"], text=True).strip())
     try:
-        ok, report = run(args.minutes, workdir, args.seed, args.per_cgroup)
+        ok, report = run(args.minutes, workdir, args.seed, args.per_cgroup,
+                         tuple(args.restart_every))
         report["machine"] = machine(workdir)
     finally:
         if not args.keep:

@@ -29,7 +29,7 @@ from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.cgroup.watch import consume
+from oomguard.cgroup.watch import RECLAIM, consume
 from oomguard.config.checks import check_config, config_warnings
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
@@ -330,7 +330,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             if owner is None:
                 continue
             guard, kind = owner
-            consume(fd, kind)
+            events = consume(fd, kind)
+            if kind == RECLAIM and isinstance(guard, CgroupGuard) \
+                    and not self._reclaim_due(guard, events):
+                continue  # reclaim, but not enough since the last look to reach the threshold
             if guard not in fired:
                 fired.append(guard)
         if self._stopping:
