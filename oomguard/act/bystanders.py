@@ -72,9 +72,9 @@ class Bystanders:
     def hold(self, cgroup: MemoryCgroup, victim: Collection[int],
              requester: int | None = None) -> Held:
         """Stop every other process of `cgroup` (and the cgroups beneath it) but the victim's
-        tree; returns what was stopped. Raises nothing: a cgroup or a process that went away,
-        an unwritable ledger or a task that may not be signalled holds less (the dump goes on
-        as it would have without this)."""
+        tree (its pids, the root first); returns what was stopped. Raises nothing: a cgroup
+        or a process that went away, an unwritable ledger or a task that may not be signalled
+        holds less (the dump goes on as it would have without this)."""
         held = Held(str(cgroup.path))
         try:
             pids = subtree_procs(cgroup.path)
@@ -102,7 +102,8 @@ class Bystanders:
             shared = [b.pid for b in found if self._holds[b.pid] > 0 and b.pid not in spared]
             if chosen:
                 try:
-                    self.ledger.record(chosen)  # before the SIGSTOP: a crash continues them
+                    # Before the SIGSTOP: a crash continues them (once the victim's dump ended).
+                    self.ledger.record(chosen, waits_for=next(iter(victim), 0))
                 except OSError:
                     chosen = []
             for pid in chosen:
