@@ -1,0 +1,185 @@
+"""Several jobs in one cgroup (issue 25, item 7): two growing jobs share a guarded cgroup, one of
+them also writing a file through write(2) (page cache: on cgroup v1 with oom_kill_disable, a
+charge made inside a system call at the limit fails with ENOMEM instead of waiting). While the
+first is dumped the other is held stopped, so the room lifted for the dump is the victim's alone
+and nothing of the cgroup reaches its limit (the kernel's memory.failcnt stays 0); a daemon
+SIGKILLed in the middle of that loses nothing either. No job gets ENOMEM or is OOM-killed:
+each finishes, or is checkpointed and restores and finishes. Real cgroups, CRIU, daemon."""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.store.checkpoints import Store
+from oomguard.store.ledger import FrozenLedger
+from tests.helpers import (
+    CgroupFactory,
+    DaemonProcess,
+    MiB,
+    hog_argv,
+    kill_pid,
+    last_count,
+    proc_state,
+    run_oomguard,
+    start_in_cgroup,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+LIMIT = 256 * MiB  # acting at 85%: 217.6 MiB
+
+
+def _v1(cgroup: MemoryCgroup) -> V1MemoryCgroup:
+    if not isinstance(cgroup, V1MemoryCgroup):
+        pytest.skip("cgroup v1: write(2) at the limit fails only where oom_kill_disable parks")
+    return cgroup
+
+
+def _failcnt(cgroup: V1MemoryCgroup) -> int:
+    """Times a charge found the cgroup at its limit (the kernel's count)."""
+    return int((cgroup.path / "memory.failcnt").read_text())
+
+
+def _done(log: Path) -> bool:
+    return log.exists() and any(line.startswith("done ") and line.endswith(" ok")
+                                for line in log.read_text().splitlines())
+
+
+class Jobs:
+    """The victim-to-be (V: the larger, not writing) and the writer (W: grows at 1000 MB/s
+    and appends to a file through write(2) at every step), in one cgroup."""
+
+    def __init__(self, cgroup: V1MemoryCgroup, tmp_path: Path) -> None:
+        self.cgroup = cgroup
+        self.tmp = tmp_path
+        self.v_log, self.w_log = tmp_path / "v.log", tmp_path / "w.log"
+        self.v = start_in_cgroup(cgroup, hog_argv(self.v_log, target=180, rate=300,
+                                                  count=400, tick=0.01),
+                                 log=tmp_path / "v.err", cwd=tmp_path)
+        self.w: subprocess.Popen[bytes] | None = None
+
+    def start_writer(self) -> None:
+        """W starts once V holds its 180 MiB: it crosses the threshold while growing, and V,
+        the larger, is the victim."""
+        assert wait_until(lambda: last_count(self.v_log) >= 45, 60), "V never grew"
+        self.w = start_in_cgroup(self.cgroup, [
+            *hog_argv(self.w_log, target=130, rate=1000, count=400, tick=0.01),
+            "--write", str(self.tmp / "w.dat"), "--write-kib", "512", "--write-max", "16"],
+            log=self.tmp / "w.err", cwd=self.tmp)
+
+    def writer_result(self) -> int | None:
+        assert self.w is not None
+        return self.w.poll()
+
+    def kill(self) -> None:
+        for proc in (self.v, self.w):
+            if proc is not None:
+                kill_pid(proc.pid)
+
+
+def _restore_and_finish(store: Path, checkpoint_id: str, cgroups: CgroupFactory,
+                        log: Path) -> None:
+    before = last_count(log)
+    big = cgroups.make("matesbig", 768 * MiB)
+    result = run_oomguard(store, "restore", checkpoint_id, "--cgroup", str(big.path))
+    assert result.returncode == 0, result.stderr
+    pid = int(result.stdout.strip())
+    try:
+        assert wait_until(lambda: _done(log), 60), (log.read_text()[-300:], proc_state(pid))
+        counts = [int(x.split()[0]) for x in log.read_text().splitlines() if x[0].isdigit()]
+        assert counts == list(range(1, counts[-1] + 1)) and before > 0  # went on from there
+        assert big.snapshot().oom_kills == 0
+    finally:
+        kill_pid(pid)
+
+
+def _losses(jobs: Jobs, events: list[dict[str, Any]]) -> None:
+    """No ENOMEM (the writer's exit status is the errno of a failed call), no OOM kill."""
+    err = (jobs.tmp / "w.err").read_text() if (jobs.tmp / "w.err").exists() else ""
+    assert jobs.writer_result() != errno.ENOMEM and "ENOMEM" not in err, err
+    assert jobs.cgroup.snapshot().oom_kills == 0
+    assert not [e for e in events if e.get("event") in ("oom.kill_seen", "oom.released")]
+
+
+def test_two_growers_one_writing_lose_nothing_while_one_is_dumped(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    cg = _v1(cgroups.make("mates", LIMIT))
+    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    jobs = Jobs(cg, tmp_path)
+    try:
+        guard.wait_event("guard.ready")
+        jobs.start_writer()
+        assert jobs.w is not None
+        frozen = guard.wait_event("victim.frozen", timeout=60)[0]
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        # The victim is the larger job; the writer was held stopped while it was dumped...
+        assert frozen["pid"] == done["pid"] == jobs.v.pid, guard.log.read_text()[-3000:]
+        assert frozen["others_held"] == [jobs.w.pid]
+        # ...so nothing of the cgroup ever reached its limit: not even the lifted one.
+        assert _failcnt(cg) == 0
+        assert jobs.v.wait(timeout=30) == -signal.SIGKILL  # CRIU's kill after the dump
+        # The writer, continued, grows to its target and finishes: it alone stays below.
+        assert wait_until(lambda: jobs.writer_result() is not None, 60), jobs.w_log.read_text()
+        assert jobs.writer_result() == 0 and _done(jobs.w_log)
+        assert len(guard.events("checkpoint.done")) == 1
+        _losses(jobs, guard.events())
+        assert cg.limit() == LIMIT
+        assert json.loads((store / ".frozen.json").read_text() or "[]") == []
+    finally:
+        guard.stop()
+        jobs.kill()
+    _restore_and_finish(store, done["id"], cgroups, jobs.v_log)
+
+
+def test_a_daemon_killed_while_it_holds_a_writer_loses_no_job(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """SIGKILL right after the victim is stopped and the writer held (mid-dump, as a rule:
+    the dump takes a few hundred ms), then a new daemon at once: the dead daemon's CRIU
+    finishes the dump (recovered at the start) or gave up and the victim is handled again;
+    the writer is continued once that dump is over; no ENOMEM, no OOM kill, no task left
+    stopped, and every job finishes or is checkpointed, restores and finishes."""
+    cg = _v1(cgroups.make("matescrash", LIMIT))
+    first = DaemonProcess(store, tmp_path / "first.log", "--cgroup", str(cg.path))
+    second: DaemonProcess | None = None
+    jobs = Jobs(cg, tmp_path)
+    try:
+        first.wait_event("guard.ready")
+        jobs.start_writer()
+        assert jobs.w is not None
+        frozen = first.wait_event("victim.frozen", timeout=60)[0]
+        first.handle.send_signal(signal.SIGKILL)
+        first.handle.wait()
+        assert frozen["others_held"] == [jobs.w.pid], first.log.read_text()[-3000:]
+        second = DaemonProcess(store, tmp_path / "second.log", "--cgroup", str(cg.path),
+                               socket=first.socket)
+        second.wait_event("guard.ready", timeout=60)
+        # The victim ends dumped (by the dead daemon's CRIU or the new daemon); the writer
+        # runs on to its end.
+        assert wait_until(lambda: jobs.v.poll() is not None, 60), proc_state(jobs.v.pid)
+        assert jobs.v.returncode == -signal.SIGKILL
+        assert wait_until(lambda: jobs.writer_result() is not None, 60), (
+            proc_state(jobs.w.pid), jobs.w_log.read_text()[-200:])
+        assert jobs.writer_result() == 0 and _done(jobs.w_log)
+        events = first.events() + second.events()
+        _losses(jobs, events)
+        checkpoints = [m for m in Store(store).list() if m.pid == jobs.v.pid]
+        assert len(checkpoints) == 1 and checkpoints[0].state == "checkpointed", events
+        assert wait_until(lambda: cg.limit() == LIMIT, 30), "the lifted limit stayed lifted"
+        assert wait_until(lambda: not FrozenLedger(store / ".frozen.json").pending()
+                          and json.loads((store / ".frozen.json").read_text() or "[]") == [],
+                          30)
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+        jobs.kill()
+    _restore_and_finish(store, checkpoints[0].id, cgroups, jobs.v_log)
