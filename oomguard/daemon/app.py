@@ -99,8 +99,9 @@ def build_slurm(settings: SlurmConfig) -> SlurmNotifier | None:
 
 
 def raise_open_files_limit() -> int:
-    """Each guarded v1 cgroup holds six eventfds (five usage marks and the OOM notification):
-    a thousand cgroups need more than the soft limit systemd gives services (1024). Raise it
+    """Each guarded v1 cgroup holds up to six eventfds (usage marks, the OOM notification, the
+    reclaim count): a thousand cgroups need more than the soft limit systemd gives services
+    (1024). Raise it
     to the hard limit; returns the limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
