@@ -77,6 +77,7 @@ class Tally:
     writers: int = 0
     events: dict[str, int] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)  # wall-clock times of the SIGKILLs
+    refusals: list[str] = field(default_factory=list)  # why restores were refused
     losses: dict[str, int] = field(default_factory=dict)  # cause -> jobs
     restart_gaps: list[float] = field(default_factory=list)  # SIGKILL -> next guard.ready, s
 
@@ -213,6 +214,8 @@ def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: ran
                 job.checkpoint = meta.id
         else:
             tally.restore_refusals += 1
+            lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+            tally.refusals.append(f"{meta.id}: {lines[-1][-300:] if lines else result.returncode}")
 
 
 def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,

@@ -20,10 +20,9 @@ import os
 import signal
 import threading
 from collections import Counter
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
-from oomguard.act.freezer import Freezer, Kill
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.lifecycle.selfguard import ancestry, own_family
 from oomguard.model.errors import CgroupGone, ProcessGone
@@ -40,12 +39,17 @@ class Held:
     pids: list[int] = field(default_factory=list)
 
 
+USER_STOPPED_STATE = "T"
+
+
 class Bystanders:
-    def __init__(self, proc: ProcReader, ledger: FrozenLedger, freezer: Freezer,
-                 kill: Kill = os.kill, self_pid: int | None = None) -> None:
+    """Light on imports (the standby, oomguard/daemon/standby.py, holds cgroups with it)."""
+
+    def __init__(self, proc: ProcReader, ledger: FrozenLedger,
+                 kill: Callable[[int, int], None] = os.kill,
+                 self_pid: int | None = None) -> None:
         self.proc = proc
         self.ledger = ledger
-        self.freezer = freezer
         self.kill = kill
         self.self_pid = os.getpid() if self_pid is None else self_pid
         self._lock = threading.Lock()
@@ -128,8 +132,19 @@ class Bystanders:
             free = [pid for pid in dict.fromkeys(held.pids)
                     if self._holds[pid] <= 0 and not self._victims[pid]]
             self._holds += Counter()
-            again = set(self.freezer.stopped_again(free))
-            self.freezer.thaw([pid for pid in free if pid not in again])
+            for pid in free:
+                if not self._stopped_again(pid):
+                    with contextlib.suppress(OSError):
+                        self.kill(pid, signal.SIGCONT)
             with contextlib.suppress(OSError):
                 self.ledger.clear(free)
         held.pids = []
+
+    def _stopped_again(self, pid: int) -> bool:
+        """Stopped by someone else too while held: a stop signal sent to a stopped task stays
+        pending (as act.freezer's stopped_again)."""
+        try:
+            return (self.proc.state(pid) == USER_STOPPED_STATE
+                    and self.proc.status(pid).stop_pending)
+        except (ProcessGone, ValueError):
+            return False

@@ -16,6 +16,7 @@ from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.daemon.loop import Daemon
+from oomguard.daemon.standby import Standby
 from oomguard.daemon.startup import gpu_summary
 from oomguard.daemon.wiring import (
     build_checkpointer,
@@ -169,7 +170,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes), after_arming=settle_heap,
-                    events=log)
+                    events=log, standby=None if config.dry_run else Standby(config.store, log,
+                                                                             proc))
     daemon.install_signal_handlers()
     textfile = None
     metrics_server = None

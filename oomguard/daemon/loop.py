@@ -41,6 +41,7 @@ from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, 
 from oomguard.daemon.keeper import StoreKeeper
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.settling import SettlingMixin
+from oomguard.daemon.standby import Standby
 from oomguard.daemon.startup import guard_line
 from oomguard.daemon.status import guard_entries, summary_line
 from oomguard.daemon.triggers import Trigger, daemon_triggers
@@ -77,7 +78,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                  ranking: ProcessRanking | None = None,
                  poller: Callable[[], Any] = select.epoll,
                  after_arming: Callable[[], None] = lambda: None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None,
+                 standby: Standby | None = None) -> None:
         self.config = config
         self.after_arming = after_arming  # the daemon's: settle_heap
         self.checkpointer = checkpointer
@@ -145,6 +147,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._turn_began: float | None = None  # set while the loop is inside a turn
         self._acted = threading.Event()  # an action ended (set from the Actor's threads)
         self.park_watch = ParkWatchdog(self.log, self._park_reason, clock=clock)
+        self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -166,6 +169,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         finally:
             self._examine_on_arm = True
         try:
+            self._take_over_standby()  # before the leftovers are continued: it may hold some
             self._put_back_leftovers()
             self.park_watch.start()
             self.keeper.thaw_leftovers()
@@ -177,6 +181,15 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             self.after_arming()
         finally:
             self.later_marks.release()
+
+    def _take_over_standby(self) -> None:
+        if self.standby is None:
+            return
+        previous = self.standby.take_over()
+        if previous is not None:
+            self.log.info("standby.taken_over", pid=previous,
+                          explanation="the standby of the previous run ended: what it stopped "
+                          "while no daemon ran is continued now that the guards are armed")
 
     def armed_count(self) -> int:
         """Guards armed now: the system rule's, and each present cgroup with a limit."""
@@ -272,6 +285,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._release_cgroup_guards()
 
     def close(self) -> None:
+        if self.standby is not None:
+            self.standby.bye()  # a clean stop: nothing to stand in for
         self._release_guards()
         if running_keepers():  # lazily restored jobs still need their lazy-pages daemons
             self.log.info("restore.lazy_waiting", keepers=running_keepers(),

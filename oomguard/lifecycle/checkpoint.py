@@ -109,7 +109,7 @@ class Checkpointer:
         # whoever can; the daemon never takes a lifted limit for the cgroup's own.
         self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
         # The other processes of the victim's cgroup, held stopped while it is dumped.
-        self.bystanders = Bystanders(self.proc, self.ledger, freezer)
+        self.bystanders = Bystanders(self.proc, self.ledger)
         self.clock = clock
         self.wall_clock = wall_clock
         self.compress_level = compress_level  # zstd level of the pages; None: not compressed
@@ -142,6 +142,9 @@ class Checkpointer:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
+            # Found stopped but in the ledger: oomguard's stop (a bystander, the standby's).
+            held = [*held, *self.ledger.recorded(
+                [p.pid for p in tree.members if p.state == USER_STOPPED_STATE])]
             self.ledger.record([p.pid for p in tree.members
                                 if p.state != USER_STOPPED_STATE or p.pid in held])
         except (StoreError, OSError) as exc:

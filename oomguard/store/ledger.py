@@ -166,8 +166,22 @@ class FrozenLedger:
     def _owner_alive(self, entry: FrozenEntry) -> bool:
         if self._mine(entry):
             return True
-        return (entry.owner > 0 and entry.owner_start > 0
-                and self.proc.starttime(entry.owner) == entry.owner_start)
+        if not (entry.owner > 0 and entry.owner_start > 0
+                and self.proc.starttime(entry.owner) == entry.owner_start):
+            return False
+        try:  # a zombie has ended (an orphan's reaper may take its time)
+            return self.proc.state(entry.owner) not in ("Z", "X")
+        except ProcessGone:
+            return False
+
+    def recorded(self, pids: list[int]) -> list[int]:
+        """Those of `pids` the ledger names (as the same process), whoever recorded them: a
+        task found stopped that oomguard stopped (a bystander held by a dump, or by the
+        standby while no daemon ran), not its user."""
+        if not pids:
+            return []
+        named = {(e.pid, e.starttime) for e in self._load() if not e.cgroup}
+        return [pid for pid in pids if (pid, self.proc.starttime(pid)) in named]
 
     def recover(self) -> list[str]:
         """Thaw what dead oomguard processes left stopped: each recorded cgroup, and each task

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 
 from oomguard.act.bystanders import Bystanders
-from oomguard.act.freezer import SigstopFreezer
 from oomguard.policy.bystanders import Bystander, to_hold
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.ledger import FrozenLedger
@@ -88,7 +87,7 @@ def sleepers() -> Iterator[list[int]]:
 def _bystanders(tmp_path: Path, oomguard: int, owner: int | None = None) -> Bystanders:
     proc = ProcReader()
     ledger = FrozenLedger(tmp_path / "frozen.json", proc, owner=owner)
-    return Bystanders(proc, ledger, SigstopFreezer(proc), self_pid=oomguard)
+    return Bystanders(proc, ledger, self_pid=oomguard)
 
 
 def _recorded(tmp_path: Path) -> set[int]:

@@ -367,3 +367,25 @@ def test_bystanders_are_recorded_with_the_task_they_wait_for(tmp_path: Path,
     ledger.record([12])
     assert [(e["pid"], e.get("waits_for"), e.get("waits_for_start"))
             for e in read_entries(path)] == [(10, 13, 5003), (11, 13, 5003), (12, None, None)]
+
+
+def test_an_owner_that_is_a_zombie_has_ended(tmp_path: Path, kills: _KillRecorder) -> None:
+    """An orphaned owner (the standby of a dead daemon) waits as a zombie until its reaper
+    comes: its entries are the next start's to settle at once."""
+    root = fake_proc_tree(tmp_path / "proc", [
+        FakeProc(60, 1, state="Z", starttime=600, rss_kib=None),
+        FakeProc(10, 1, starttime=5000)])
+    path = tmp_path / "frozen.json"
+    write_entries(path, [entry(10, 5000, 60, 600)])
+    assert FrozenLedger(path, ProcReader(root), owner=12).recover() == ["10"]
+
+
+def test_recorded_names_the_tasks_oomguard_stopped_whoever_recorded_them(
+        tmp_path: Path, proc_root: Path) -> None:
+    path = tmp_path / "frozen.json"
+    write_entries(path, [entry(10, 5000, DEAD_OWNER, DEAD_OWNER_START),
+                         entry(11, 4000, LIVE_OWNER, LIVE_OWNER_START),  # pid 11 reused since
+                         entry(0, 0, LIVE_OWNER, LIVE_OWNER_START, cgroup="/sys/x")])
+    ledger = FrozenLedger(path, ProcReader(proc_root), owner=LIVE_OWNER)
+    assert ledger.recorded([10, 11, 12, 0]) == [10]
+    assert ledger.recorded([]) == []
