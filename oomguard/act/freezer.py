@@ -143,8 +143,11 @@ class ForkFollow:
             self.settled.add(pid)
             return
         self.members[pid] = stat.starttime
-        if stat.state == USER_STOPPED_STATE and pid not in self.held:
-            self.user_stopped.append(pid)
+        if stat.state == USER_STOPPED_STATE:
+            # Held: stopped by oomguard already. No second SIGSTOP: it would stay pending in
+            # the stopped task and read as the user's (stopped_again).
+            if pid not in self.held:
+                self.user_stopped.append(pid)
         elif not _signal(pid, signal.SIGSTOP, self.kill):
             self.settled.add(pid)
 
@@ -274,8 +277,9 @@ class SigstopFreezer:
                     state = self.proc.state(pid)
                 except ProcessGone:
                     continue
-                if state == USER_STOPPED_STATE and pid not in held:
-                    user_stopped.append(pid)
+                if state == USER_STOPPED_STATE:
+                    if pid not in held:  # held: stopped by oomguard already (see take)
+                        user_stopped.append(pid)
                 else:
                     _signal(pid, signal.SIGSTOP, self.kill)
         if not seen or not self.proc.exists(root_pid):

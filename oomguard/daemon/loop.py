@@ -116,6 +116,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
+        self.keeper.hold_back = self._leftover_waits
+        self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
                                          events=self.events, clock=clock,
                                          restored=self.keeper.forget_listing)
@@ -172,11 +174,13 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             self._take_over_standby()  # before the leftovers are continued: it may hold some
             self._put_back_leftovers()
             self.park_watch.start()
+            self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.keeper.thaw_leftovers()
             self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
             for guard in self._cgroup_guards():
                 if guard.present and guard.armed_limit is not None:
                     self._examine_cgroup(guard, self.clock(), source="arm")
+            self._starting = False
             self._next_rescan = self.clock() + self.config.rescan_interval
             self.after_arming()
         finally:

@@ -183,10 +183,11 @@ class FrozenLedger:
         named = {(e.pid, e.starttime) for e in self._load() if not e.cgroup}
         return [pid for pid in pids if (pid, self.proc.starttime(pid)) in named]
 
-    def recover(self) -> list[str]:
+    def recover(self, hold_back: Callable[[int], bool] | None = None) -> list[str]:
         """Thaw what dead oomguard processes left stopped: each recorded cgroup, and each task
-        that still exists as the same process and is not being dumped right now. Returns what
-        was thawed; entries still pending stay (see `pending`)."""
+        that still exists as the same process and is not being dumped right now, nor held back
+        by `hold_back(pid)` (the daemon: its cgroup is being acted on). Returns what was
+        thawed; entries still pending stay (see `pending`)."""
         thawed: list[str] = []
 
         def settle(entries: list[FrozenEntry]) -> list[FrozenEntry]:
@@ -205,9 +206,10 @@ class FrozenLedger:
                         continue
                     if info.starttime != entry.starttime or info.state in ("Z", "X"):
                         continue  # the PID was reused (not ours), or the task is dead
-                    if info.tracer_pid or self._still_dumped(entry):
+                    if info.tracer_pid or self._still_dumped(entry) or (
+                            hold_back is not None and hold_back(entry.pid)):
                         keep.append(entry)  # a CRIU is at work on it (or on the task it
-                        continue  # waits for): it decides, or ends first
+                        continue  # waits for), or its cgroup is being acted on: later
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(entry.pid, signal.SIGCONT)
                         thawed.append(str(entry.pid))

@@ -183,3 +183,58 @@ def test_a_daemon_killed_while_it_holds_a_writer_loses_no_job(
         first.stop()
         jobs.kill()
     _restore_and_finish(store, checkpoints[0].id, cgroups, jobs.v_log)
+
+
+def test_jobs_that_cross_while_no_daemon_runs_wait_for_the_next_one(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """The daemon SIGKILLed while two jobs grow below the threshold, one of them writing; they
+    cross it while no daemon runs, for as long as it takes: its standby stops them before the
+    limit (memory.failcnt stays 0: no write(2) can fail there), and the next start takes over:
+    the larger is checkpointed while the writer stays stopped (continued all at once, both
+    caught up on the time they had been stopped and the writer's write(2) met the limit before
+    the new daemon had stopped the victim), then the writer is continued. No ENOMEM, no OOM
+    kill, nothing ever at the limit."""
+    cg = _v1(cgroups.make("matesgap", LIMIT))
+    first = DaemonProcess(store, tmp_path / "first.log", "--cgroup", str(cg.path))
+    second: DaemonProcess | None = None
+    v_log, w_log = tmp_path / "v.log", tmp_path / "w.log"
+    v = w = None
+    try:
+        first.wait_event("guard.ready")
+        v = start_in_cgroup(cg, hog_argv(v_log, target=180, rate=100, count=300, tick=0.01),
+                            log=tmp_path / "v.err", cwd=tmp_path)
+        w = start_in_cgroup(cg, [*hog_argv(w_log, target=120, rate=60, count=300, tick=0.01),
+                                 "--write", str(tmp_path / "w.dat"), "--write-kib", "512",
+                                 "--write-max", "16"], log=tmp_path / "w.err", cwd=tmp_path)
+        assert wait_until(lambda: last_count(v_log) >= 10, 30)  # growing, below the threshold
+        assert not first.events("threshold.crossed")
+        first.handle.send_signal(signal.SIGKILL)
+        first.handle.wait()
+        held = first.wait_event("standby.held", timeout=60)[0]  # the standby's line, same log
+        assert sorted(held["pids"]) == sorted([v.pid, w.pid])
+        assert proc_state(v.pid) == "T" and proc_state(w.pid) == "T"
+        assert _failcnt(cg) == 0 and cg.snapshot().usage_bytes < LIMIT
+        second = DaemonProcess(store, tmp_path / "second.log", "--cgroup", str(cg.path),
+                               socket=first.socket)
+        second.wait_event("standby.taken_over", timeout=60)
+        done = second.wait_event("checkpoint.done", timeout=60)[0]
+        assert done["pid"] == v.pid
+        thawed = second.wait_event("victim.thawed_after_crash")[0]  # once V's dump has ended
+        assert thawed["thawed"] == [str(w.pid)]
+        assert wait_until(lambda: w.poll() is not None, 60), (proc_state(w.pid),
+                                                              w_log.read_text()[-200:])
+        assert w.returncode == 0 and _done(w_log)
+        assert v.wait(timeout=30) == -signal.SIGKILL
+        assert _failcnt(cg) == 0
+        err = (tmp_path / "w.err").read_text()
+        assert "ENOMEM" not in err and cg.snapshot().oom_kills == 0, err
+        assert not [e for e in first.events() + second.events()
+                    if e.get("event") in ("oom.kill_seen", "oom.released", "standby.gave_up")]
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+        for proc in (v, w):
+            if proc is not None:
+                kill_pid(proc.pid)
+    _restore_and_finish(store, done["id"], cgroups, v_log)
