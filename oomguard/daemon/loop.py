@@ -192,8 +192,9 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         previous = self.standby.take_over()
         if previous is not None:
             self.log.info("standby.taken_over", pid=previous,
-                          explanation="the standby of the previous run ended: what it stopped "
-                          "while no daemon ran is continued now that the guards are armed")
+                          explanation="the standby of the previous run ended; what it stopped "
+                          "while no daemon ran is continued once the guards have acted on its "
+                          "cgroup")
 
     def armed_count(self) -> int:
         """Guards armed now: the system rule's, and each present cgroup with a limit."""
