@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -237,4 +238,79 @@ def test_jobs_that_cross_while_no_daemon_runs_wait_for_the_next_one(
         for proc in (v, w):
             if proc is not None:
                 kill_pid(proc.pid)
+    _restore_and_finish(store, done["id"], cgroups, v_log)
+
+
+class Tmux:
+    """A terminal a person types into: tmux on a private socket, a bash in its one pane;
+    keys are sent, the screen is read (capture-pane). The server is killed at close()."""
+
+    def __init__(self, name: str, cwd: Path) -> None:
+        self.base = ["tmux", "-L", name]
+        subprocess.run([*self.base, "new-session", "-d", "-s", "t", "-x", "200", "-y", "50",
+                        "bash --norc --noprofile -i"], check=True, cwd=cwd, timeout=30,
+                       env={"PATH": "/usr/local/bin:/usr/bin:/bin", "TERM": "xterm",
+                            "HOME": str(cwd), "PS1": "$ "})
+
+    def type(self, line: str) -> None:
+        subprocess.run([*self.base, "send-keys", "-t", "t", "-l", line], check=True, timeout=30)
+        subprocess.run([*self.base, "send-keys", "-t", "t", "Enter"], check=True, timeout=30)
+
+    def screen(self) -> str:
+        return subprocess.run([*self.base, "capture-pane", "-p", "-t", "t"], capture_output=True,
+                              text=True, timeout=30).stdout
+
+    def close(self) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True, timeout=30)
+
+
+def test_jobs_typed_at_a_shell_in_the_cgroup_and_the_shell_after_the_hold(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """As a person does it: a shell in a real terminal (tmux) moved into the guarded cgroup,
+    two jobs typed at its prompt (started apart from the terminal: setsid, output to files, so
+    that they are not the shell's children and restore as they are). The larger is
+    checkpointed; the writer and the shell itself are held for the dump (the shell is the
+    cgroup's too), and the shell answers the next line typed as before."""
+    cg = _v1(cgroups.make("matestty", LIMIT))
+    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    term = Tmux(f"og-mates-{os.getpid()}", tmp_path)
+    v_log, w_log = tmp_path / "v.log", tmp_path / "w.log"
+    pids: dict[str, int] = {}
+
+    def started(name: str) -> int:
+        assert wait_until(lambda: (tmp_path / f"{name}.pid").exists()
+                          and (tmp_path / f"{name}.pid").read_text().strip(), 30), term.screen()
+        pids[name] = int((tmp_path / f"{name}.pid").read_text())
+        return pids[name]
+
+    try:
+        guard.wait_event("guard.ready")
+        term.type(f"cd {tmp_path} && set +m && echo $$ > {cg.path}/cgroup.procs && "
+                  "echo $$ > shell.pid")
+        shell = started("shell")
+        v_argv = " ".join(hog_argv(v_log, target=180, rate=300, count=400, tick=0.01))
+        term.type(f"(setsid {v_argv} < /dev/null > v.err 2>&1 & echo $! > v.pid)")
+        v = started("v")
+        assert wait_until(lambda: last_count(v_log) >= 45, 60), term.screen()
+        w_argv = " ".join([*hog_argv(w_log, target=130, rate=1000, count=400, tick=0.01),
+                           "--write", str(tmp_path / "w.dat"), "--write-kib", "512",
+                           "--write-max", "16"])
+        term.type(f"(setsid {w_argv} < /dev/null > w.err 2>&1 & echo $! > w.pid)")
+        w = started("w")
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        frozen = guard.events("victim.frozen")[0]
+        assert frozen["pid"] == done["pid"] == v, guard.log.read_text()[-3000:]
+        assert sorted(frozen["others_held"]) == sorted([shell, w])
+        assert _failcnt(cg) == 0
+        term.type("echo shell-alive-$((6 * 7))")
+        assert wait_until(lambda: "shell-alive-42" in term.screen(), 30), term.screen()
+        assert proc_state(shell) not in (None, "T")
+        assert wait_until(lambda: _done(w_log), 60), w_log.read_text()[-200:]
+        err = (tmp_path / "w.err").read_text()
+        assert "ENOMEM" not in err and cg.snapshot().oom_kills == 0, err
+    finally:
+        term.close()
+        guard.stop()
+        for pid in pids.values():
+            kill_pid(pid)
     _restore_and_finish(store, done["id"], cgroups, v_log)
