@@ -181,9 +181,12 @@ class Checkpointer:
         if shielding:  # children forked before the stop inherited -1000
             self.shield.shield(pids, inherited=self.shield.original_of(tree.root.pid))
         # The room lifted for the dump is the victim's alone: the rest of its cgroup waits
-        # (where headroom is given: the daemon's victims and root's on-demand checkpoints).
+        # (where headroom is given: the daemon's victims and root's on-demand checkpoints;
+        # and where there is a limit to share: never the rest of an unlimited cgroup, such as
+        # the root one a system rule's victim may live in).
         others = Held()
-        if cgroup is not None and (self.headroom if headroom is None else headroom) > 0:
+        if cgroup is not None and (self.headroom if headroom is None else headroom) > 0 \
+                and _limited(cgroup):
             others = self.bystanders.hold(cgroup, pids, requester)
         if after_signal is not None:
             after_signal()
@@ -424,6 +427,13 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
+
+
+def _limited(cgroup: MemoryCgroup) -> bool:
+    try:
+        return cgroup.limit() is not None
+    except (OSError, CgroupGone):
+        return False
 
 
 def _both(last: Callable[[], None], first: Callable[[], None] | None) -> Callable[[], None]:

@@ -198,3 +198,17 @@ def test_a_cgroup_gone_holds_nobody(tmp_path: Path) -> None:
     (cgroup.path / "cgroup.procs").unlink()
     cgroup.path.rmdir()
     assert _bystanders(tmp_path, os.getpid()).hold(cgroup, [1]).pids == []  # type: ignore[arg-type]
+
+
+def test_only_a_cgroup_with_a_limit_to_share_has_bystanders_held(tmp_path: Path) -> None:
+    """Never the rest of an unlimited cgroup (the root one a system rule's victim may live in:
+    holding it would stop the machine for the dump)."""
+    from oomguard.cgroup.v1 import V1MemoryCgroup
+    from oomguard.lifecycle.checkpoint import _limited
+
+    mount = tmp_path / "memory"
+    limited, unlimited, gone = (V1MemoryCgroup(mount / n, mount) for n in ("a", "b", "c"))
+    for cg, text in ((limited, str(256 << 20)), (unlimited, "9223372036854771712")):
+        cg.path.mkdir(parents=True)
+        (cg.path / "memory.limit_in_bytes").write_text(text + "\n")
+    assert _limited(limited) and not _limited(unlimited) and not _limited(gone)
