@@ -103,17 +103,20 @@ class Standby:
         if self.handle is not None or self.failed:
             return
         try:
+            self.store.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.handle = subprocess.Popen(
                 [sys.executable, "-m", "oomguard.daemon.standby", "--ledger",
                  str(self.store / ".frozen.json"), "--saved",
                  str(self.store / ".memory-high.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True)
+            # Recorded, or not kept: one the next start cannot find would guard on its own.
             record = {"pid": self.handle.pid, "start": self.proc.starttime(self.handle.pid)}
             tmp = self.store / f"{RECORD}.tmp"
             tmp.write_text(json.dumps(record))
             tmp.replace(self.store / RECORD)
         except OSError as exc:
+            self.bye()
             self.failed = True
             self.log.warning("standby.unavailable", error=str(exc),
                              explanation="while no daemon runs (between a crash and the next "

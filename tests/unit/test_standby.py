@@ -217,3 +217,20 @@ def test_it_is_light(tmp_path: Path) -> None:
                             cwd=REPO, check=True).stdout.split()
     assert not [m for m in loaded if m.split(".")[0] in ("structlog", "pyroute2", "psutil")
                 or m in ("oomguard.act.criu", "oomguard.act.freezer")]
+
+
+def test_one_that_cannot_be_recorded_is_not_kept(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next start finds a standby through its record: one that could not be recorded would
+    guard on its own after a crash, so it is ended and the daemon says it goes without."""
+    monkeypatch.chdir(REPO)
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / f"{RECORD}.tmp").mkdir()  # the record cannot be written
+    standby = _standby(store)
+    standby.tell("/m/a", 100, "/m", 30.0)
+    standby.take_over()
+    assert standby.handle is None and standby.failed
+    assert [event for event, _ in standby.log.seen] == ["standby.unavailable"]
+    standby.tell("/m/b", 100, "/m", 30.0)  # not tried again
+    assert standby.handle is None
