@@ -1,7 +1,10 @@
 """The soak drill (`scripts/soak MINUTES`): 20 guarded cgroups, hogs of random sizes at random
-rates (some outgrow their limit, some do not), random restores, and the daemon SIGKILLed and
-restarted at random. At the end every job has finished, is running, or is restorable from a
-verified checkpoint; nothing is left stopped; no limit has changed; no OOM kill happened.
+rates (some outgrow their limit, some do not), up to two at a time in each cgroup, half of them
+also writing a file through write(2) (page cache, which fails with ENOMEM rather than waiting
+at the limit), random restores, and the daemon SIGKILLed and restarted at random. At the end
+every job has finished, is running, or is restorable from a verified checkpoint (none ended
+with ENOMEM or was OOM-killed: each loss is named with its path, bench/soakcheck.py); nothing
+is left stopped; no limit has changed; no OOM kill happened.
 
 Exit status 0 when every invariant holds, 1 (with what broke) otherwise."""
 
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import machine
+from bench.soakcheck import ending, handlings, last_sign_of_life, restart_gaps
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
@@ -35,7 +39,9 @@ from tests.helpers import (
 )
 
 GROUPS = 20
-MAX_RUNNING = 5  # hogs alive at once (2 cores)
+MAX_RUNNING = 6  # hogs alive at once (2 cores)
+PER_CGROUP = 2  # hogs alive at once in one cgroup
+RESTART_EVERY = (20.0, 60.0)  # seconds between daemon SIGKILLs, at random in this range
 MIN_FREE_DISK = 10 << 30  # no new job while the disk holding the store has less free
 
 
@@ -48,6 +54,7 @@ class Job:
     rate: int
     count: int
     pid: int
+    writes: bool = False  # also appends to a file through write(2)
     proc: subprocess.Popen[bytes] | None = None
     restored_pid: int | None = None
     checkpoint: str | None = None
@@ -67,7 +74,12 @@ class Tally:
     restores: int = 0
     restore_refusals: int = 0
     daemon_kills: int = 0
+    writers: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)  # wall-clock times of the SIGKILLs
+    refusals: list[str] = field(default_factory=list)  # why restores were refused
+    losses: dict[str, int] = field(default_factory=dict)  # cause -> jobs
+    restart_gaps: list[float] = field(default_factory=list)  # SIGKILL -> next guard.ready, s
 
 
 def alive(pid: int | None, reader: ProcReader) -> bool:
@@ -79,7 +91,8 @@ def alive(pid: int | None, reader: ProcReader) -> bool:
         return False
 
 
-def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]:
+def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
+        restart_every: tuple[float, float] = RESTART_EVERY) -> tuple[bool, dict[str, Any]]:
     rng = random.Random(seed)
     parent = own_memory_cgroup()
     if parent is None:
@@ -109,23 +122,31 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
         # Jobs start once every guard is armed (the invariant is about armed guards).
         daemon.wait_event("guard.armed", count=GROUPS + 1, timeout=60)
         deadline = time.monotonic() + minutes * 60
-        next_kill = time.monotonic() + rng.uniform(20, 60)
+        next_kill = time.monotonic() + rng.uniform(*restart_every)
         while time.monotonic() < deadline:
             running = [j for j in jobs if j.proc is not None and j.proc.poll() is None]
-            busy = {j.cgroup for j in running}
-            free = [g for g in groups if str(g.path) not in busy]
+            busy: dict[str, int] = {}
+            for j in running:
+                busy[j.cgroup] = busy.get(j.cgroup, 0) + 1
+            free = [g for g in groups if busy.get(str(g.path), 0) < per_cgroup]
             room = shutil.disk_usage(workdir).free >= MIN_FREE_DISK
             if len(running) < MAX_RUNNING and free and room:
-                # One job per cgroup at a time, as a batch scheduler gives each job its own.
+                # Up to `per_cgroup` jobs in a cgroup at a time, as people share one.
                 cg = rng.choice(free)
                 limit_mib = (cg.limit() or 0) // MiB
-                target = rng.randint(16, int(limit_mib * 1.6))
+                # Together they outgrow the threshold about as often as one job alone did.
+                share = 1.6 if per_cgroup == 1 else 1.0
+                target = rng.randint(16, int(limit_mib * share))
                 rate = rng.choice([50, 100, 300, 1000])
                 job = Job(name=f"j{len(jobs):04d}", log=workdir / f"j{len(jobs):04d}.log",
                           cgroup=str(cg.path), target_mib=target, rate=rate,
-                          count=rng.randint(100, 400), pid=0)
+                          count=rng.randint(100, 400), pid=0, writes=rng.random() < 0.5)
                 argv = [sys.executable, str(HOG), "--log", str(job.log), "--target", str(target),
                         "--rate", str(rate), "--count", str(job.count), "--tick", "0.02"]
+                if job.writes:  # page cache through write(2): ENOMEM at the limit, no wait
+                    argv += ["--write", str(workdir / f"{job.name}.dat"), "--write-kib",
+                             str(rng.choice([64, 256, 1024])), "--write-max", "32"]
+                    tally.writers += 1
                 job.proc = start_in_cgroup(cg, argv, cwd=workdir,
                                            log=workdir / f"{job.name}.err")
                 job.pid = job.proc.pid
@@ -137,12 +158,13 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
             if rng.random() < 0.5:
                 _restore_one(jobs, store, big.path, tally, rng, oldest=2)
             if time.monotonic() >= next_kill:
+                tally.restarts.append(time.time())
                 daemon.handle.send_signal(signal.SIGKILL)
                 daemon.handle.wait()
                 tally.daemon_kills += 1
                 daemon = DaemonProcess(store, daemon_log, "--config", str(config),
                                        socket=daemon.socket)
-                next_kill = time.monotonic() + rng.uniform(20, 60)
+                next_kill = time.monotonic() + rng.uniform(*restart_every)
             time.sleep(rng.uniform(0.2, 1.0))
         # Wind down: no new jobs; let the running ones finish, restore what is left once.
         end = time.monotonic() + 90
@@ -155,10 +177,13 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
         while time.monotonic() < end and any(alive(j.restored_pid, reader) and not j.done_ok()
                                              for j in jobs):
             time.sleep(0.5)
-        for event in daemon.events():
+        events = daemon.events()
+        for event in events:
             name = str(event.get("event"))
             tally.events[name] = tally.events.get(name, 0) + 1
-        problems = _check(jobs, store, groups, big, limits, reader, daemon.handle.poll())
+        problems = _check(jobs, store, groups, big, limits, reader, daemon.handle.poll(),
+                          tally, events, workdir)
+        tally.restart_gaps = restart_gaps(tally.restarts, events)
         daemon.stop()
     finally:
         for job in jobs:
@@ -167,7 +192,7 @@ def run(minutes: float, workdir: Path, seed: int) -> tuple[bool, dict[str, Any]]
                 kill_pid(job.restored_pid)
         factory.cleanup()
     tally.checkpoints = tally.events.get("checkpoint.done", 0)
-    report = {"minutes": minutes, "seed": seed, "tally": tally.__dict__,
+    report = {"minutes": minutes, "seed": seed, "per_cgroup": per_cgroup, "tally": tally.__dict__,
               "problems": problems, "jobs": len(jobs),
               "finished": sum(j.done_ok() for j in jobs)}
     return not problems, report
@@ -189,12 +214,16 @@ def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: ran
                 job.checkpoint = meta.id
         else:
             tally.restore_refusals += 1
+            lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+            tally.refusals.append(f"{meta.id}: {lines[-1][-300:] if lines else result.returncode}")
 
 
 def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
            limits: dict[str, int | None], reader: ProcReader,
-           daemon_exit: int | None) -> list[str]:
+           daemon_exit: int | None, tally: Tally, events: list[dict[str, Any]],
+           workdir: Path) -> list[str]:
     problems = []
+    handled = handlings(events)
     if daemon_exit is not None:
         problems.append(f"the daemon died on its own (exit {daemon_exit})")
     stored = {m.pid: m for m in Store(store).list()}
@@ -211,8 +240,14 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
                 problems.append(f"{job.name}: checkpoint {meta.id} does not verify: {exc}")
                 continue
         code = job.proc.returncode if job.proc is not None else None
-        problems.append(f"{job.name} (pid {job.pid}, {job.target_mib} MiB at {job.rate} MB/s "
-                        f"in {Path(job.cgroup).name}) is lost: exit {code}, no checkpoint")
+        err = workdir / f"{job.name}.err"
+        why = ending(code, err.read_text(errors="replace") if err.exists() else "",
+                     last_sign_of_life(job.log, err), job.cgroup, job.pid, tally.restarts,
+                     handled, events)
+        tally.losses[why.cause] = tally.losses.get(why.cause, 0) + 1
+        writes = ", writing a file" if job.writes else ""
+        problems.append(f"{job.name} (pid {job.pid}, {job.target_mib} MiB at {job.rate} MB/s"
+                        f"{writes} in {Path(job.cgroup).name}) is lost: {why.words()}")
     for cg in [*groups, big]:
         if cg.limit() != limits[str(cg.path)]:
             problems.append(f"{cg.path.name}: limit {cg.limit()} != {limits[str(cg.path)]}")
@@ -230,10 +265,16 @@ def markdown(report: dict[str, Any]) -> str:
     rows = [("minutes", report["minutes"]), ("seed", report["seed"]),
             ("jobs started", t["started"]), ("jobs meant to outgrow the threshold",
                                              t["over_limit"]),
+            ("jobs writing a file through write(2)", t["writers"]),
+            ("jobs at a time in one cgroup (at most)", report["per_cgroup"]),
             ("jobs finished (counter complete, memory verified)", report["finished"]),
             ("checkpoints", t["checkpoints"]), ("restores", t["restores"]),
             ("restores refused (PID in use, no room...)", t["restore_refusals"]),
             ("daemon SIGKILLs and restarts", t["daemon_kills"]),
+            ("restart gap, SIGKILL to every guard armed (max s)",
+             max(t["restart_gaps"], default="-")),
+            ("jobs lost to ENOMEM", t["losses"].get("enomem", 0)),
+            ("jobs OOM-killed", t["losses"].get("oom-killed", 0)),
             ("invariants broken", len(report["problems"]))]
     lines = ["| what | count |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
     if report.get("machine"):
@@ -250,13 +291,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=int(time.time()))
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, help="write the markdown table here")
+    parser.add_argument("--per-cgroup", type=int, default=PER_CGROUP,
+                        help="jobs at a time in one cgroup (default 2)")
+    parser.add_argument("--restart-every", type=float, nargs=2, default=RESTART_EVERY,
+                        metavar=("MIN", "MAX"), help="seconds between daemon SIGKILLs "
+                        "(default 20 60)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directory (logs, store) instead of deleting it")
     args = parser.parse_args()
     workdir = args.workdir or Path(subprocess.check_output(
         ["mktemp", "-d", "/var/tmp/oomguard-soak.XXXXXX"], text=True).strip())
     try:
-        ok, report = run(args.minutes, workdir, args.seed)
+        ok, report = run(args.minutes, workdir, args.seed, args.per_cgroup,
+                         tuple(args.restart_every))
         report["machine"] = machine(workdir)
     finally:
         if not args.keep:

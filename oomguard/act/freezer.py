@@ -73,6 +73,7 @@ class Frozen:
     follow: ForkFollow | None = field(default=None, compare=False, repr=False)
     # Continued by another process after oomguard's SIGSTOP: {"pid", "comm", "why"} each.
     not_held: list[dict[str, object]] = field(default_factory=list)
+    others_held: tuple[int, ...] = ()  # the rest of its cgroup, stopped for the dump
 
     @property
     def ours(self) -> list[int]:
@@ -99,6 +100,8 @@ class Frozen:
             found["all_stopped"] = False  # the wait timed out: some task had not stopped
         if self.not_held:
             found["not_held"] = self.not_held
+        if self.others_held:
+            found["others_held"] = list(self.others_held)
         return found
 
 
@@ -186,8 +189,11 @@ class ForkFollow:
             self.settled.add(pid)
             return
         self.members[pid] = stat.starttime
-        if stat.state == USER_STOPPED_STATE and pid not in self.held:
-            self.user_stopped.append(pid)
+        if stat.state == USER_STOPPED_STATE:
+            # Held: stopped by oomguard already. No second SIGSTOP: it would stay pending in
+            # the stopped task and read as the user's (stopped_again).
+            if pid not in self.held:
+                self.user_stopped.append(pid)
         elif not _signal(pid, signal.SIGSTOP, self.kill):
             self.settled.add(pid)
 
@@ -321,8 +327,9 @@ class SigstopFreezer:
                     state = self.proc.state(pid)
                 except ProcessGone:
                     continue
-                if state == USER_STOPPED_STATE and pid not in held:
-                    user_stopped.append(pid)
+                if state == USER_STOPPED_STATE:
+                    if pid not in held:  # held: stopped by oomguard already (see take)
+                        user_stopped.append(pid)
                 else:
                     _signal(pid, signal.SIGSTOP, self.kill)
         if not seen or not self.proc.exists(root_pid):

@@ -27,6 +27,9 @@ from oomguard.model.errors import CgroupGone
 
 # The kernel reports "no limit" as PAGE_COUNTER_MAX rounded to pages: anything this big is unlimited.
 V1_UNLIMITED_FLOOR = 1 << 62
+# vmpressure's window (mm/vmpressure.c: SWAP_CLUSTER_MAX * 16 pages scanned): each event of
+# register_pressure stands for at most this much reclaimed.
+RECLAIM_WINDOW_BYTES = 32 * 16 * 4096
 
 
 class _Node:
@@ -156,6 +159,12 @@ class V1MemoryCgroup:
     def register_oom(self) -> int:
         """An eventfd that becomes readable when the cgroup enters an OOM episode."""
         return self._register("memory.oom_control", None)
+
+    def register_pressure(self) -> int:
+        """An eventfd that counts the kernel's reclaim in this cgroup (and those beneath it):
+        one event per window of RECLAIM_WINDOW pages scanned (vmpressure, level "low": any
+        reclaim). Nothing while nothing is reclaimed; at the limit, every allocation is."""
+        return self._register("memory.pressure_level", "low")
 
     def _register(self, control_file: str, argument: str | None) -> int:
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)

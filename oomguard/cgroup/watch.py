@@ -24,7 +24,9 @@ from oomguard.model.errors import CgroupGone
 from oomguard.sense.psi import parse_pressure
 
 EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
-EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI}
+RECLAIM = "reclaim"  # v1 vmpressure: an eventfd that counts the cgroup's reclaim windows
+EPOLL_MASK = {EVENTFD: select.EPOLLIN, KERNFS: select.EPOLLPRI, PSI: select.EPOLLPRI,
+              RECLAIM: select.EPOLLIN}
 OOM_KILL_KEY = "#oom_kill_disable"  # SavedLimits key suffix: the cgroup's path + this
 # Sixteenths of the way from the threshold to the limit. Each v1 registration costs the
 # kernel an RCU grace period (~8 ms here): three marks keep a 1000-cgroup start near 25 s.
@@ -160,6 +162,11 @@ def arm_first(guard: Watched, limit: int, change: bool, original: int | None,
             guard.fds[cgroup.register_threshold(mark)] = EVENTFD
         guard.fds[cgroup.register_oom()] = EVENTFD
         guard.detection = "v1 memory threshold eventfd + OOM notification"
+        # Usage pinned at the limit (page cache reclaimed as resident memory grows) crosses no
+        # mark: the kernel's reclaim there wakes the daemon instead (cheap: no RCU wait).
+        with contextlib.suppress(OSError, CgroupGone):
+            guard.fds[cgroup.register_pressure()] = RECLAIM
+            guard.detection += " + reclaim (vmpressure)"
         if change:
             disable_oom_kill(guard, cgroup, original)
         return True
@@ -202,13 +209,15 @@ def arm_v2(guard: Watched, psi_trigger: str) -> None:
     guard.detection = " + ".join(paths)
 
 
-def consume(fd: int, kind: str) -> None:
-    """Reset an fd after it woke us, so it does not report ready again for the same event."""
+def consume(fd: int, kind: str) -> int:
+    """Reset an fd after it woke us, so it does not report ready again for the same event;
+    returns how many events it had counted (1 where it does not count)."""
     with contextlib.suppress(BlockingIOError, OSError):
-        if kind == EVENTFD:
-            os.read(fd, 8)
-        elif kind == KERNFS:
+        if kind in (EVENTFD, RECLAIM):
+            return int.from_bytes(os.read(fd, 8), "little")
+        if kind == KERNFS:
             rearm_watch(fd)
+    return 1
 
 
 def high_to_set(guard: Watched, limit: int, current: int | None) -> bool:

@@ -16,6 +16,7 @@ from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.daemon.loop import Daemon
+from oomguard.daemon.standby import Standby
 from oomguard.daemon.startup import gpu_summary
 from oomguard.daemon.wiring import (
     build_checkpointer,
@@ -101,8 +102,9 @@ def build_slurm(settings: SlurmConfig) -> SlurmNotifier | None:
 
 
 def raise_open_files_limit() -> int:
-    """Each guarded v1 cgroup holds six eventfds (five usage marks and the OOM notification):
-    a thousand cgroups need more than the soft limit systemd gives services (1024). Raise it
+    """Each guarded v1 cgroup holds up to six eventfds (usage marks, the OOM notification, the
+    reclaim count): a thousand cgroups need more than the soft limit systemd gives services
+    (1024). Raise it
     to the hard limit; returns the limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and soft < hard:
@@ -175,7 +177,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes), after_arming=settle_heap,
-                    events=log)
+                    events=log, standby=None if config.dry_run else Standby(config.store, log,
+                                                                             proc))
     daemon.install_signal_handlers()
     textfile = None
     metrics_server = None

@@ -27,6 +27,7 @@ from oomguard.daemon.guards import (
     put_back_leftovers,
 )
 from oomguard.daemon.parkwatch import ParkWatchdog
+from oomguard.daemon.standby import Standby
 from oomguard.daemon.startup import guard_line
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone
@@ -62,6 +63,7 @@ class CgroupGuardsMixin:
     later_marks: LaterMarks
     files: CgroupFiles
     park_watch: ParkWatchdog
+    standby: Standby | None
     _fd_owner: dict[int, tuple[Guard, str]]
     _timed: dict[int, CgroupGuard]  # id -> the guard, for those with a due_at
     _globs: list[tuple[GuardConfig, str]]
@@ -198,6 +200,9 @@ class CgroupGuardsMixin:
             parking = watch.parks_at_limit(guard)
             if parking is not None:
                 self.park_watch.watch(guard.name, parking, guard.spec.park_deadline)
+                if self.standby is not None:  # stops it at the threshold while no daemon runs
+                    self.standby.tell(guard.name, int(snap.limit_bytes * guard.spec.threshold),
+                                      str(parking.mount), guard.spec.park_deadline)
         self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
                       detection=guard.detection, limit=snap.limit_bytes,
                       threshold=guard.spec.threshold, usage=snap.usage_bytes,
@@ -346,6 +351,8 @@ class CgroupGuardsMixin:
     def _put_back(self, guard: CgroupGuard) -> list[str]:
         """memory.high and oom_kill_disable as they were; returns the SavedLimits keys."""
         self.park_watch.unwatch(guard.name)  # first: the watchdog must not write after it
+        if self.standby is not None:
+            self.standby.forget(guard.name)
         return watch.put_back(guard)
 
     def _release_cgroup_guards(self) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from oomguard.act.acting import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
+from oomguard.cgroup.v1 import RECLAIM_WINDOW_BYTES
 from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
@@ -24,7 +25,15 @@ from oomguard.observe.decisionlog import DecisionLog
 from oomguard.policy.forecast import forecast
 from oomguard.policy.jobs import below_namespace_init, lift_to_jobs
 from oomguard.policy.preferences import select_victims
-from oomguard.policy.pressure import Verdict, below_min_available, evaluate, next_watch_look
+from oomguard.policy.pressure import (
+    Verdict,
+    below_min_available,
+    evaluate,
+    next_watch_look,
+    reclaim_due,
+    reclaim_room,
+    watch_baseline,
+)
 from oomguard.policy.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 from oomguard.policy.victims import (
     ProcessTree,
@@ -83,6 +92,8 @@ class ExaminingMixin:
             self._cgroup_gone(guard)
             return
         guard.last_snapshot = snap
+        guard.reclaim_room = reclaim_room(snap, guard.spec.threshold)
+        guard.reclaim_events = 0
         self._note_oom_kills(guard, snap)
         decision = evaluate(snap, guard.spec.threshold)
         watching = decision.verdict is Verdict.WATCH
@@ -94,7 +105,7 @@ class ExaminingMixin:
         guard.watching = watching
         reason = decision.reason
         predicted = self._predict(guard, snap) if decision.verdict is not Verdict.ACT else None
-        self._schedule(guard, snap)
+        self._schedule(guard, snap, woken=source == "event")
         if decision.verdict is not Verdict.ACT:
             if predicted is None:
                 self.decisions.forget(guard.name)
@@ -111,16 +122,24 @@ class ExaminingMixin:
                           limit=snap.limit_bytes, reason=reason)
         self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT)
 
-    def _schedule(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
+    def _reclaim_due(self, guard: CgroupGuard, events: int) -> bool:
+        """The kernel's reclaim in the cgroup woke the loop (`events` windows): whether to look
+        now (see policy.pressure.reclaim_due)."""
+        guard.reclaim_events += events
+        return reclaim_due(guard.reclaim_events, guard.reclaim_room, RECLAIM_WINDOW_BYTES)
+
+    def _schedule(self, guard: CgroupGuard, snap: MemorySnapshot, woken: bool = False) -> None:
         """When to look at this guard again without an event: a cache-only watch follows the
-        growth of resident memory; time-to-limit and polled guards every poll_interval."""
+        growth of resident memory (measured afresh after a wake-up by the kernel);
+        time-to-limit and polled guards every poll_interval."""
         now = self.clock()
         due: float | None = None
         if guard.poll_only or guard.predicting:
             due = now + self.config.poll_interval
         if guard.watching and snap.limit_bytes is not None:
             look = next_watch_look(now, snap.unreclaimable_bytes,
-                                   snap.limit_bytes * guard.spec.threshold, guard.watch_sample,
+                                   snap.limit_bytes * guard.spec.threshold,
+                                   watch_baseline(guard.watch_sample, now, woken),
                                    guard.watch_interval, self.config.poll_interval)
             guard.watch_sample = (now, snap.unreclaimable_bytes)
             guard.watch_interval = look.idle_interval

@@ -46,6 +46,8 @@ class CgroupGuard:
     due_at: float | None = None  # look again then without an event (polls, a cache-only watch)
     watch_sample: tuple[float, int] | None = None  # (when, resident) at the last watch look
     watch_interval: float = 0.0  # the cache-only watch's current interval when not growing
+    reclaim_room: int = 0  # reclaim needed for resident memory to reach the threshold, at the last look
+    reclaim_events: int = 0  # the kernel's reclaim windows counted since (watch.RECLAIM)
 
     @property
     def name(self) -> str:

@@ -37,6 +37,8 @@ class StoreKeeper:
         self._busy_logged: set[str] = set()  # partials being written, already logged once
         self.throughput = DEFAULT_THROUGHPUT  # dump bytes/s, learnt from this machine's dumps
         self._listing: tuple[tuple[int, int] | None, float, list[CheckpointMeta]] | None = None
+        # The daemon's: whether a task a dead run left stopped waits (its cgroup is acted on).
+        self.hold_back: Callable[[int], bool] | None = None
 
     def forget_listing(self) -> None:
         """A checkpoint's state changed inside its own directory (a restore): read it again."""
@@ -91,7 +93,7 @@ class StoreKeeper:
         return {m.cgroup for m in self.listed() if m.state == "checkpointed"}
 
     def _thaw_leftovers(self) -> None:
-        thawed = self.ledger.recover()
+        thawed = self.ledger.recover(self.hold_back)
         if thawed:
             self.log.warning("victim.thawed_after_crash", thawed=thawed,
                              explanation="a previous run stopped these and did not finish")

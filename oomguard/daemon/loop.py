@@ -29,7 +29,7 @@ from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.cgroup.watch import consume
+from oomguard.cgroup.watch import RECLAIM, consume
 from oomguard.config.checks import check_config, config_warnings
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
@@ -41,6 +41,7 @@ from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, 
 from oomguard.daemon.keeper import StoreKeeper
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.settling import SettlingMixin
+from oomguard.daemon.standby import Standby
 from oomguard.daemon.startup import guard_line
 from oomguard.daemon.status import guard_entries, summary_line
 from oomguard.daemon.triggers import Trigger, daemon_triggers
@@ -77,7 +78,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                  ranking: ProcessRanking | None = None,
                  poller: Callable[[], Any] = select.epoll,
                  after_arming: Callable[[], None] = lambda: None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None,
+                 standby: Standby | None = None) -> None:
         self.config = config
         self.after_arming = after_arming  # the daemon's: settle_heap
         self.checkpointer = checkpointer
@@ -114,6 +116,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
+        self.keeper.hold_back = self._leftover_waits
+        self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
                                          events=self.events, clock=clock,
                                          restored=self.keeper.forget_listing)
@@ -145,6 +149,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._turn_began: float | None = None  # set while the loop is inside a turn
         self._acted = threading.Event()  # an action ended (set from the Actor's threads)
         self.park_watch = ParkWatchdog(self.log, self._park_reason, clock=clock)
+        self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -166,17 +171,30 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         finally:
             self._examine_on_arm = True
         try:
+            self._take_over_standby()  # before the leftovers are continued: it may hold some
             self._put_back_leftovers()
             self.park_watch.start()
+            self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.keeper.thaw_leftovers()
             self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
             for guard in self._cgroup_guards():
                 if guard.present and guard.armed_limit is not None:
                     self._examine_cgroup(guard, self.clock(), source="arm")
+            self._starting = False
             self._next_rescan = self.clock() + self.config.rescan_interval
             self.after_arming()
         finally:
             self.later_marks.release()
+
+    def _take_over_standby(self) -> None:
+        if self.standby is None:
+            return
+        previous = self.standby.take_over()
+        if previous is not None:
+            self.log.info("standby.taken_over", pid=previous,
+                          explanation="the standby of the previous run ended; what it stopped "
+                          "while no daemon ran is continued once the guards have acted on its "
+                          "cgroup")
 
     def armed_count(self) -> int:
         """Guards armed now: the system rule's, and each present cgroup with a limit."""
@@ -272,6 +290,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._release_cgroup_guards()
 
     def close(self) -> None:
+        if self.standby is not None:
+            self.standby.bye()  # a clean stop: nothing to stand in for
         self._release_guards()
         if running_keepers():  # lazily restored jobs still need their lazy-pages daemons
             self.log.info("restore.lazy_waiting", keepers=running_keepers(),
@@ -330,7 +350,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             if owner is None:
                 continue
             guard, kind = owner
-            consume(fd, kind)
+            events = consume(fd, kind)
+            if kind == RECLAIM and isinstance(guard, CgroupGuard) \
+                    and not self._reclaim_due(guard, events):
+                continue  # reclaim, but not enough since the last look to reach the threshold
             if guard not in fired:
                 fired.append(guard)
         if self._stopping:

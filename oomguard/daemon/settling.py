@@ -9,12 +9,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oomguard.act.acting import Actor
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.keeper import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.model.errors import CgroupGone, ProcessGone
+from oomguard.policy.pressure import Verdict, evaluate
+from oomguard.sense.procfs import ProcReader
 
 SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often
 
@@ -27,7 +31,10 @@ class SettlingMixin:
     checkpointer: Checkpointer
     keeper: StoreKeeper
     auto_restore: AutoRestorer
+    actor: Actor
+    proc: ProcReader
     clock: Callable[[], float]
+    _starting: bool
     _limit_busy: set[str]  # cgroups whose lifted limit could not be put back yet
     _next_settle: float | None  # None: nothing waits to be settled
 
@@ -88,6 +95,32 @@ class SettlingMixin:
                 guard = self._guard_at(Path(settled.path))
                 if guard is not None:
                     self._examine_cgroup(guard, self.clock(), "limit-restore")
+
+    def _leftover_waits(self, pid: int) -> bool:
+        """Whether a task a dead run (or its standby) left stopped stays stopped for now: while
+        an action on its cgroup runs (it is a bystander of that dump), and at the start while
+        its cgroup is over its threshold (the first look acts on it at once). Continued all at
+        once before that, the jobs of such a cgroup, catching up on the time they had been
+        stopped, reached its limit before the new daemon had stopped a victim (a write(2)
+        there failed with ENOMEM)."""
+        try:
+            rel = self.proc.memory_cgroup(pid) or ""
+        except ProcessGone:
+            return False
+        held = [g for g in self._cgroup_guards() if g.present
+                and (rel == g.cgroup.rel_path or rel.startswith(g.cgroup.rel_path.rstrip("/") + "/"))]
+        if not held:
+            return False
+        guard = max(held, key=lambda g: len(g.cgroup.rel_path))
+        if self.actor.busy(guard.name):
+            return True
+        if not self._starting:
+            return False
+        try:
+            snap = self.checkpointer.own_snapshot(guard.cgroup)
+        except (CgroupGone, OSError):
+            return False
+        return evaluate(snap, guard.spec.threshold).verdict is Verdict.ACT
 
     def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
         self.keeper.note_dump(image_bytes, dump_seconds)

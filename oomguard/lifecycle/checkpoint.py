@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from oomguard.act.bystanders import Bystanders, Held
 from oomguard.act.criu import Criu, format_version
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen
 from oomguard.act.lifts import LIFTS_LEDGER, LimitLifts
@@ -110,6 +111,8 @@ class Checkpointer:
         # Limits lifted for a dump's headroom: recorded durably first, bounded, put back by
         # whoever can; the daemon never takes a lifted limit for the cgroup's own.
         self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
+        # The other processes of the victim's cgroup, held stopped while it is dumped.
+        self.bystanders = Bystanders(self.proc, self.ledger)
         self.clock = clock
         self.wall_clock = wall_clock
         self.compress_level = compress_level  # zstd level of the pages; None: not compressed
@@ -152,11 +155,24 @@ class Checkpointer:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
+            # Found stopped but in the ledger: oomguard's stop (a bystander, the standby's).
+            held = [*held, *self.ledger.recorded(
+                [p.pid for p in tree.members if p.state == USER_STOPPED_STATE])]
             self.ledger.record([p.pid for p in tree.members
                                 if p.state != USER_STOPPED_STATE or p.pid in held])
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
+        with self.bystanders.victim(tree.pids):
+            return self._checkpoint(tree, cgroup, reason, on_frozen, headroom, after_signal,
+                                    requester, held, start)
+
+    def _checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
+                    on_frozen: Callable[[Frozen, float], None] | None, headroom: int | None,
+                    after_signal: Callable[[], None] | None, requester: int | None,
+                    held: Collection[int], start: float) -> CheckpointResult:
+        # Held by another dump as a bystander: stopped by oomguard, not by its user.
+        held = [*held, *self.bystanders.held_now(tree.pids)]
         # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
         # (memory taken inside one system call fails there instead of killing the job).
         shielding = shields_needed(cgroup)
@@ -177,6 +193,14 @@ class Checkpointer:
         self._unrecord(frozen.user_stopped)
         if shielding:  # children forked before the stop inherited -1000
             self.shield.shield(pids, inherited=self.shield.original_of(tree.root.pid))
+        # The room lifted for the dump is the victim's alone: the rest of its cgroup waits
+        # (where headroom is given: the daemon's victims and root's on-demand checkpoints;
+        # and where there is a limit to share: never the rest of an unlimited cgroup, such as
+        # the root one a system rule's victim may live in).
+        others = Held()
+        if cgroup is not None and (self.headroom if headroom is None else headroom) > 0 \
+                and _limited(cgroup):
+            others = self.bystanders.hold(cgroup, pids, requester)
         if after_signal is not None:
             after_signal()
         undo_limit: Callable[[], None] | None = None
@@ -195,6 +219,8 @@ class Checkpointer:
             frozen = self.freezer.wait_frozen(frozen, self.freeze_timeout)
             pids, left = frozen.pids, frozen.left  # left: reparented out of the tree, let go
             frozen_at = self.clock()
+            if others.pids:
+                frozen = replace(frozen, others_held=tuple(others.pids))
             if on_frozen is not None:
                 on_frozen(frozen, frozen_at)
             caught = [pid for pid in frozen.ours if pid not in ours]
@@ -247,6 +273,8 @@ class Checkpointer:
                 # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
                 self._wait_dead(pids)
                 dumped_at = self.clock()
+                self._put_back_room(undo_limit, others)  # the memory is back: so are they
+                undo_limit = None
                 digests = digester.result()
                 if packer is not None:
                     digests = with_packed(digests, *packer.finish())
@@ -287,14 +315,20 @@ class Checkpointer:
                 put_back_limit(hold)
             if lock_fd is not None:
                 os.close(lock_fd)
-            if undo_limit is not None:
-                with contextlib.suppress(OSError, CgroupGone):
-                    undo_limit()
+            self._put_back_room(undo_limit, others)
             with contextlib.suppress(OSError):
                 self.ledger.clear(pids + list(tree.pids) + left)
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:
+        """The limit as it was, then the rest of the cgroup continued (in that order: what
+        was lifted for the dump is never theirs)."""
+        if undo_limit is not None:
+            with contextlib.suppress(OSError, CgroupGone):
+                undo_limit()
+        self.bystanders.release(others)
 
     def _packer(self, images: Path) -> Packer | None:
         if self.compress_level is None:
@@ -408,6 +442,13 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
+
+
+def _limited(cgroup: MemoryCgroup) -> bool:
+    try:
+        return cgroup.limit() is not None
+    except (OSError, CgroupGone):
+        return False
 
 
 def _both(last: Callable[[], None], first: Callable[[], None] | None) -> Callable[[], None]:

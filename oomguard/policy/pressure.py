@@ -52,6 +52,7 @@ def evaluate(snapshot: MemorySnapshot, threshold: float) -> Decision:
 WATCH_FIRST_S = 0.002  # right after the crossing: the second reading gives the growth
 WATCH_MIN_S = 0.001
 WATCH_MAX_S = 1.0  # while nothing grows (a cgroup full of page cache): backs off up to this
+WATCH_STALE_S = 0.05  # a reading older than this says nothing of the growth a wake-up reports
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,40 @@ def next_watch_look(now: float, resident: int, mark: float, previous: tuple[floa
         return WatchLook(backed_off, backed_off)
     eta = (mark - resident) / growth
     return WatchLook(min(poll_interval, max(WATCH_MIN_S, eta / 2)), 0.0)
+
+
+def watch_baseline(previous: tuple[float, int] | None, now: float,
+                   woken: bool) -> tuple[float, int] | None:
+    """The reading a cache-only watch measures growth from. After a wake-up by the kernel (a
+    mark crossed, reclaim at the limit) one older than WATCH_STALE_S is dropped: the next look
+    then comes WATCH_FIRST_S later and measures the growth as it is now. (A job that starts
+    growing fast after a quiet spell, which backed the watch off, would otherwise be measured
+    against a reading from before the spell: its growth averaged down, the next look due too
+    late, the limit reached in between.)"""
+    if woken and previous is not None and now - previous[0] > WATCH_STALE_S:
+        return None
+    return previous
+
+
+def reclaim_room(snapshot: MemorySnapshot, threshold: float) -> int:
+    """How much the kernel must reclaim in the cgroup before resident memory can reach the
+    threshold: the way there, less the free room under the limit (which it can grow into
+    without any reclaim). 0 at or over the threshold, when the free room alone reaches it, or
+    without a limit."""
+    limit = snapshot.limit_bytes
+    if limit is None:
+        return 0
+    to_threshold = int(threshold * limit) - snapshot.unreclaimable_bytes
+    return max(0, to_threshold - max(0, limit - snapshot.usage_bytes))
+
+
+def reclaim_due(events: int, room: int, window_bytes: int) -> bool:
+    """Whether `events` of the kernel's reclaim windows since the last look (`room` from
+    reclaim_room then) call for another look. A window reclaims at most `window_bytes`, so the
+    look comes before resident memory can be more than half way to the threshold: a cgroup full
+    of page cache that is being read through (reclaim all the time, nothing resident growing)
+    costs a read every room / (2 x window) events, not one each."""
+    return (events + 1) * window_bytes * 2 >= room
 
 
 def below_min_available(available: int, total: int, min_available: float | int) -> bool:

@@ -30,6 +30,10 @@ class FrozenEntry:
     cgroup: str = ""  # the cgroup directory whose cgroup.freeze we set
     owner: int = 0  # the oomguard process that stopped it...
     owner_start: int = 0  # ...and its start time (PIDs are reused)
+    # A bystander (held while another task of its cgroup is dumped): that task, and its start
+    # time. After a crash it stays held while a CRIU is still at work on that task.
+    waits_for: int = 0
+    waits_for_start: int = 0
 
 
 def _write_json_durably(path: Path, data: object) -> None:
@@ -55,11 +59,18 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
+def _as_json(entry: FrozenEntry) -> dict[str, object]:
+    """An entry as written: a bystander's fields only on a bystander's entry."""
+    return {k: v for k, v in entry.__dict__.items()
+            if v or k not in ("waits_for", "waits_for_start")}
+
+
 def _parse_entries(text: bytes) -> list[FrozenEntry]:
     """The ledger's entries; none from an empty or unreadable file."""
     try:
         return [FrozenEntry(int(e["pid"]), int(e["starttime"]), str(e.get("cgroup", "")),
-                            int(e.get("owner", 0)), int(e.get("owner_start", 0)))
+                            int(e.get("owner", 0)), int(e.get("owner_start", 0)),
+                            int(e.get("waits_for", 0)), int(e.get("waits_for_start", 0)))
                 for e in json.loads(text or b"[]")]
     except (ValueError, KeyError, TypeError, AttributeError):
         return []
@@ -109,7 +120,7 @@ class FrozenLedger:
         die: there is no half-written file and no rename), then the padding cut off."""
         with self._file() as fd:
             old = _read_all(fd)
-            text = json.dumps([e.__dict__ for e in change(_parse_entries(old))]).encode()
+            text = json.dumps([_as_json(e) for e in change(_parse_entries(old))]).encode()
             data = text + b" " * max(0, len(old) - len(text))
             # The blocks first: on a full disk a write that grows the file would stop short
             # and leave a half-new ledger (every entry lost); this fails with nothing changed.
@@ -123,13 +134,16 @@ class FrozenLedger:
         return (entry.owner == self.owner and entry.owner_start == self._owner_start
                 and self._owner_start > 0)
 
-    def record(self, pids: list[int]) -> None:
-        """Note the tasks about to be stopped (a stale entry for a reused PID is replaced)."""
+    def record(self, pids: list[int], waits_for: int = 0) -> None:
+        """Note the tasks about to be stopped (a stale entry for a reused PID is replaced);
+        `waits_for`: they are bystanders held while that task is dumped."""
         fresh = {}
+        victim_start = self.proc.starttime(waits_for) if waits_for else 0
         for pid in pids:
             started = self.proc.starttime(pid)  # one read of /proc/PID/stat; 0: gone
             if started:
-                fresh[pid] = FrozenEntry(pid, started, "", self.owner, self._owner_start)
+                fresh[pid] = FrozenEntry(pid, started, "", self.owner, self._owner_start,
+                                         waits_for if victim_start else 0, victim_start)
         with self._lock:
             self._update(lambda entries: [e for e in entries if e.cgroup or e.pid not in fresh]
                          + list(fresh.values()))
@@ -152,13 +166,28 @@ class FrozenLedger:
     def _owner_alive(self, entry: FrozenEntry) -> bool:
         if self._mine(entry):
             return True
-        return (entry.owner > 0 and entry.owner_start > 0
-                and self.proc.starttime(entry.owner) == entry.owner_start)
+        if not (entry.owner > 0 and entry.owner_start > 0
+                and self.proc.starttime(entry.owner) == entry.owner_start):
+            return False
+        try:  # a zombie has ended (an orphan's reaper may take its time)
+            return self.proc.state(entry.owner) not in ("Z", "X")
+        except ProcessGone:
+            return False
 
-    def recover(self) -> list[str]:
+    def recorded(self, pids: list[int]) -> list[int]:
+        """Those of `pids` the ledger names (as the same process), whoever recorded them: a
+        task found stopped that oomguard stopped (a bystander held by a dump, or by the
+        standby while no daemon ran), not its user."""
+        if not pids:
+            return []
+        named = {(e.pid, e.starttime) for e in self._load() if not e.cgroup}
+        return [pid for pid in pids if (pid, self.proc.starttime(pid)) in named]
+
+    def recover(self, hold_back: Callable[[int], bool] | None = None) -> list[str]:
         """Thaw what dead oomguard processes left stopped: each recorded cgroup, and each task
-        that still exists as the same process and is not being dumped right now. Returns what
-        was thawed; entries still pending stay (see `pending`)."""
+        that still exists as the same process and is not being dumped right now, nor held back
+        by `hold_back(pid)` (the daemon: its cgroup is being acted on). Returns what was
+        thawed; entries still pending stay (see `pending`)."""
         thawed: list[str] = []
 
         def settle(entries: list[FrozenEntry]) -> list[FrozenEntry]:
@@ -177,9 +206,10 @@ class FrozenLedger:
                         continue
                     if info.starttime != entry.starttime or info.state in ("Z", "X"):
                         continue  # the PID was reused (not ours), or the task is dead
-                    if info.tracer_pid:
-                        keep.append(entry)  # a CRIU is at work on it: it decides
-                        continue
+                    if info.tracer_pid or self._still_dumped(entry) or (
+                            hold_back is not None and hold_back(entry.pid)):
+                        keep.append(entry)  # a CRIU is at work on it (or on the task it
+                        continue  # waits for), or its cgroup is being acted on: later
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(entry.pid, signal.SIGCONT)
                         thawed.append(str(entry.pid))
@@ -188,6 +218,18 @@ class FrozenLedger:
         with self._lock:
             self._update(settle)
         return thawed
+
+    def _still_dumped(self, entry: FrozenEntry) -> bool:
+        """A bystander's dump is still in progress: the task it waits for is alive, the same
+        process, and traced (a dead owner's CRIU still at work on it)."""
+        if not entry.waits_for:
+            return False
+        try:
+            victim = self.proc.process(entry.waits_for)
+        except ProcessGone:
+            return False
+        return victim.starttime == entry.waits_for_start and bool(victim.tracer_pid) \
+            and victim.state not in ("Z", "X")
 
     def pending(self) -> bool:
         """Entries left by dead owners that could not be settled yet."""

@@ -14,6 +14,7 @@ import pytest
 
 from oomguard.cgroup.mounts import read_layout
 from oomguard.cgroup.v1 import V1MemoryCgroup
+from oomguard.cgroup.watch import RECLAIM
 from oomguard.config.loading import load_config
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
@@ -70,13 +71,14 @@ def test_a_guard_is_armed_with_its_threshold_and_its_later_marks_follow(
         daemon.arm()
         guards = [g for g in daemon.guards if isinstance(g, CgroupGuard)]
         assert len(guards) == 3 and len(log.named("guard.armed")) == 3
-        # Armed: the threshold mark and the OOM notification; the later marks are the loop's
-        # to add, whether or not their thread is done yet.
-        assert all(len(g.fds) == 2 for g in guards), [g.fds for g in guards]
-        assert _turns_until(daemon, lambda: all(len(g.fds) == 4 for g in guards))
+        # Armed: the threshold mark, the OOM notification and the reclaim count; the later
+        # marks are the loop's to add, whether or not their thread is done yet.
+        assert all(sorted(g.fds.values()) == ["eventfd", "eventfd", RECLAIM] for g in guards), \
+            [g.fds for g in guards]
+        assert _turns_until(daemon, lambda: all(len(g.fds) == 5 for g in guards))
         for guard in guards:
             for fd, kind in guard.fds.items():
-                assert kind == "eventfd" and daemon._fd_owner[fd] == (guard, "eventfd")
+                assert kind in ("eventfd", RECLAIM) and daemon._fd_owner[fd] == (guard, kind)
                 assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
         assert [e["guards"] for e in log.named("guard.marks_added")] == [3]
         assert log.named("guard.marks_incomplete") == []
@@ -99,14 +101,14 @@ def test_marks_that_come_in_for_a_guard_armed_again_are_closed(
 
         def rearmed_with_its_marks() -> bool:
             limits = [e["limit"] for e in log.named("guard.armed")]
-            return limits == [256 * MiB, 300 * MiB] and len(guard.fds) == 4 \
+            return limits == [256 * MiB, 300 * MiB] and len(guard.fds) == 5 \
                 and not daemon.later_marks.waiting()
 
         assert _turns_until(daemon, rearmed_with_its_marks), (log.seen, guard.fds)
         # The first batch's two marks were closed when they came in stale: the guard holds
-        # its threshold, its OOM notification and the new batch's two marks, the park
-        # watchdog its own OOM notification, and nothing else is open.
-        assert _eventfds() == before + 4 + len(daemon.park_watch.watching())
+        # its threshold, its OOM notification, its reclaim count and the new batch's two
+        # marks, the park watchdog its own OOM notification, and nothing else is open.
+        assert _eventfds() == before + 5 + len(daemon.park_watch.watching())
     finally:
         daemon.close()
     assert _eventfds() == before

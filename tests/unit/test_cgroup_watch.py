@@ -124,3 +124,33 @@ def test_nothing_outside_the_cgroup_layer_asks_for_a_version() -> None:
                 if names & {"V1MemoryCgroup", "V2MemoryCgroup"}:
                     asking.append(f"{source.relative_to(REPO)}:{node.lineno}")
     assert asking == []
+
+
+def test_v1_arming_adds_the_reclaim_watch_where_the_kernel_has_one(tmp_path: Path) -> None:
+    guard = v1_guard(tmp_path)
+    (guard.cgroup.path / "memory.pressure_level").write_text("")
+    try:
+        assert watch.arm_first(guard, LIMIT, change=False, original=None, psi_trigger="")
+        assert sorted(guard.fds.values()) == ["eventfd", "eventfd", watch.RECLAIM]
+        assert guard.detection == ("v1 memory threshold eventfd + OOM notification + reclaim "
+                                   "(vmpressure)")
+        # Written last to cgroup.event_control: "<eventfd> <pressure_level fd> low".
+        assert (guard.cgroup.path / "cgroup.event_control").read_text().endswith(" low")
+        reclaim = next(fd for fd, kind in guard.fds.items() if kind == watch.RECLAIM)
+        os.eventfd_write(reclaim, 3)
+        assert watch.consume(reclaim, watch.RECLAIM) == 3  # the windows counted
+        assert watch.consume(reclaim, watch.RECLAIM) == 1  # none: a spurious wake counts one
+    finally:
+        for fd in guard.fds:
+            os.close(fd)
+
+
+def test_v1_arming_without_a_reclaim_watch_is_armed_all_the_same(tmp_path: Path) -> None:
+    guard = v1_guard(tmp_path)  # no memory.pressure_level
+    try:
+        assert watch.arm_first(guard, LIMIT, change=False, original=None, psi_trigger="")
+        assert sorted(guard.fds.values()) == ["eventfd", "eventfd"]
+        assert guard.detection == "v1 memory threshold eventfd + OOM notification"
+    finally:
+        for fd in guard.fds:
+            os.close(fd)

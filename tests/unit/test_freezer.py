@@ -97,6 +97,9 @@ def test_tasks_held_are_ours_even_when_found_stopped(family: tuple[int, list[int
     assert freezer.wait_frozen(first, 5.0).stopped
     again = freezer.freeze(root, held=first.ours)
     assert again.user_stopped == [] and sorted(again.ours) == sorted([root, *kids])
+    again = freezer.wait_frozen(again, 5.0)
+    # No second SIGSTOP: it would stay pending and read as the user's stop.
+    assert freezer.stopped_again(again.ours) == []
     freezer.thaw(again.ours)
 
 

@@ -326,3 +326,66 @@ def test_really_traced_task_is_kept(tmp_path: Path, sleepers: list[subprocess.Po
     assert len(read_entries(path)) == 1
     assert _state(stopped) in ("T", "t")
 
+
+
+def test_a_bystander_waits_until_the_dead_owners_dump_of_its_cgroup_mate_ends(
+        tmp_path: Path, proc_root: Path, kills: _KillRecorder) -> None:
+    path = tmp_path / "frozen.json"
+    # 10 was held while 13 (traced: a CRIU of the dead owner still dumps it) was dumped; 11
+    # waited for 16, whose dump is over (untraced), and 12 for a victim that is gone.
+    waiting = {**entry(10, 5000, DEAD_OWNER, DEAD_OWNER_START), "waits_for": 13,
+               "waits_for_start": 5003}
+    write_entries(path, [
+        waiting,
+        {**entry(11, 5001, DEAD_OWNER, DEAD_OWNER_START), "waits_for": 16,
+         "waits_for_start": 5006},
+        {**entry(12, 5002, DEAD_OWNER, DEAD_OWNER_START), "waits_for": 15,
+         "waits_for_start": 5005},
+    ])
+    ledger = FrozenLedger(path, ProcReader(proc_root), owner=LIVE_OWNER)
+    assert sorted(ledger.recover()) == ["11", "12"]
+    assert read_entries(path) == [waiting]
+    assert ledger.pending() is True
+    set_tracer(proc_root, 13, 0)  # that CRIU is done
+    assert ledger.recover() == ["10"]
+    assert read_entries(path) == []
+
+
+def test_a_bystander_waits_for_its_mate_only_while_it_is_the_same_process(
+        tmp_path: Path, proc_root: Path, kills: _KillRecorder) -> None:
+    path = tmp_path / "frozen.json"
+    write_entries(path, [{**entry(10, 5000, DEAD_OWNER, DEAD_OWNER_START), "waits_for": 13,
+                          "waits_for_start": 4000}])  # pid 13 is another process now
+    assert FrozenLedger(path, ProcReader(proc_root), owner=LIVE_OWNER).recover() == ["10"]
+
+
+def test_bystanders_are_recorded_with_the_task_they_wait_for(tmp_path: Path,
+                                                            proc_root: Path) -> None:
+    path = tmp_path / "frozen.json"
+    ledger = FrozenLedger(path, ProcReader(proc_root), owner=LIVE_OWNER)
+    ledger.record([10, 11], waits_for=13)
+    ledger.record([12])
+    assert [(e["pid"], e.get("waits_for"), e.get("waits_for_start"))
+            for e in read_entries(path)] == [(10, 13, 5003), (11, 13, 5003), (12, None, None)]
+
+
+def test_an_owner_that_is_a_zombie_has_ended(tmp_path: Path, kills: _KillRecorder) -> None:
+    """An orphaned owner (the standby of a dead daemon) waits as a zombie until its reaper
+    comes: its entries are the next start's to settle at once."""
+    root = fake_proc_tree(tmp_path / "proc", [
+        FakeProc(60, 1, state="Z", starttime=600, rss_kib=None),
+        FakeProc(10, 1, starttime=5000)])
+    path = tmp_path / "frozen.json"
+    write_entries(path, [entry(10, 5000, 60, 600)])
+    assert FrozenLedger(path, ProcReader(root), owner=12).recover() == ["10"]
+
+
+def test_recorded_names_the_tasks_oomguard_stopped_whoever_recorded_them(
+        tmp_path: Path, proc_root: Path) -> None:
+    path = tmp_path / "frozen.json"
+    write_entries(path, [entry(10, 5000, DEAD_OWNER, DEAD_OWNER_START),
+                         entry(11, 4000, LIVE_OWNER, LIVE_OWNER_START),  # pid 11 reused since
+                         entry(0, 0, LIVE_OWNER, LIVE_OWNER_START, cgroup="/sys/x")])
+    ledger = FrozenLedger(path, ProcReader(proc_root), owner=LIVE_OWNER)
+    assert ledger.recorded([10, 11, 12, 0]) == [10]
+    assert ledger.recorded([]) == []

@@ -281,3 +281,33 @@ def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> No
     timed.present = True
     daemon._set_due(timed, None)
     assert polls.due_in(clock.now) is None and daemon._timed == {}
+
+
+def test_reclaim_wakes_are_counted_until_a_look_is_due(tmp_path: Path, closing: Any) -> None:
+    import os
+    from types import SimpleNamespace
+
+    from oomguard.cgroup.watch import RECLAIM
+    from oomguard.config.schema import GuardConfig
+    from oomguard.daemon.guards import CgroupGuard
+
+    daemon, _clock, epoll, _log, _memory = make_daemon(tmp_path)
+    closing(daemon)
+    guard = CgroupGuard(spec=GuardConfig(cgroups=("/x",)),
+                        cgroup=SimpleNamespace(path=Path("/x")))  # type: ignore[arg-type]
+    guard.reclaim_room = 40 * (1 << 20)  # 40 MiB of reclaim before the threshold can be reached
+    fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    daemon._fd_owner[fd] = (guard, RECLAIM)
+    looks: list[str] = []
+    daemon._examine = lambda g, woke, source: looks.append(source)  # type: ignore[method-assign]
+    try:
+        for windows in (4, 4, 1):  # 2 MiB each: looked at once 9 + 1 windows could be 20 MiB
+            os.eventfd_write(fd, windows)
+            epoll.queued.append([(fd, select.EPOLLIN)])
+            daemon.tick()
+            with pytest.raises(BlockingIOError):
+                os.read(fd, 8)  # the count was read (consumed) by the turn
+        assert looks == ["event"]
+        assert guard.reclaim_events == 9  # reset by the look itself (_examine_cgroup)
+    finally:
+        os.close(fd)

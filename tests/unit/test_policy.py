@@ -282,3 +282,54 @@ def test_watch_look_backs_off_while_nothing_grows_and_comes_back_when_it_does() 
     assert delays == [0.1, 0.2, 0.4, 0.8, WATCH_MAX_S, WATCH_MAX_S, WATCH_MAX_S, WATCH_MAX_S]
     growing = next_watch_look(20.0, resident + 50 * MiB, mark, (19.0, resident), interval, 0.1)
     assert growing.idle_interval == 0.0 and growing.delay <= 0.1
+
+
+# -- a wake-up by the kernel measures the growth afresh; reclaim at the limit ------------------
+
+def test_a_wake_up_drops_a_stale_reading_so_the_growth_is_measured_as_it_is_now() -> None:
+    from oomguard.policy.pressure import (
+        WATCH_FIRST_S,
+        WATCH_STALE_S,
+        next_watch_look,
+        watch_baseline,
+    )
+    mark = 163 * MiB
+    quiet = (10.0, 142 * MiB)  # read a second ago, before a job began growing at 1000 MB/s
+    now, resident = 11.0, 150 * MiB
+    # Against the old reading the growth looks like 8 MiB/s: the next look would be 0.1 s
+    # away, where the job reaches the limit in 40 ms.
+    assert next_watch_look(now, resident, mark, quiet, 1.0, 0.1).delay == 0.1
+    fresh = watch_baseline(quiet, now, woken=True)
+    assert fresh is None
+    assert next_watch_look(now, resident, mark, fresh, 1.0, 0.1).delay == WATCH_FIRST_S
+    recent = (now - WATCH_STALE_S / 2, 149 * MiB)
+    assert watch_baseline(recent, now, woken=True) == recent
+    assert watch_baseline(quiet, now, woken=False) == quiet  # a poll keeps its baseline
+
+
+def _snap(usage: int, resident: int, limit: int | None = 192 * MiB) -> MemorySnapshot:
+    return MemorySnapshot(usage_bytes=usage, limit_bytes=limit, anon_bytes=resident,
+                          file_bytes=usage - resident, oom_kills=0, under_oom=False)
+
+
+def test_reclaim_room_is_the_way_to_the_threshold_less_the_free_room() -> None:
+    from oomguard.policy.pressure import reclaim_room
+    threshold_mib = 0.85 * 192  # 163.2 MiB
+    # Full of page cache, 40 MiB resident: 123.2 MiB to go, all of it through reclaim.
+    assert reclaim_room(_snap(192 * MiB, 40 * MiB), 0.85) == int(threshold_mib * MiB) - 40 * MiB
+    # 20 MiB free under the limit: that much can grow with no reclaim at all.
+    assert reclaim_room(_snap(172 * MiB, 40 * MiB), 0.85) == \
+        int(threshold_mib * MiB) - 40 * MiB - 20 * MiB
+    # Little cache: the free room alone reaches the threshold; at or over it; no limit.
+    assert reclaim_room(_snap(150 * MiB, 145 * MiB), 0.85) == 0
+    assert reclaim_room(_snap(192 * MiB, 170 * MiB), 0.85) == 0
+    assert reclaim_room(_snap(192 * MiB, 40 * MiB, limit=None), 0.85) == 0
+
+
+def test_reclaim_wakes_look_before_resident_memory_is_half_way() -> None:
+    from oomguard.cgroup.v1 import RECLAIM_WINDOW_BYTES as window
+    from oomguard.policy.pressure import reclaim_due
+    room = 40 * MiB  # 20 windows of 2 MiB
+    looks = [events for events in range(1, 30) if reclaim_due(events, room, window)]
+    assert looks[0] == 9  # (9 + 1) x 2 MiB = 20 MiB: half way, at the most
+    assert all(reclaim_due(n, 0, window) for n in (0, 1, 5))  # nothing to count: every wake

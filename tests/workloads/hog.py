@@ -5,11 +5,20 @@ pattern, and appends "<count> <mib>" to `--log` (an open file it keeps appending
 step. Once at the target it keeps counting, one line per `--tick` seconds, until `--count`
 steps, then checks that every chunk still holds its pattern and writes "done <count> ok".
 After a checkpoint and restore it must go on from its last count, with its memory intact.
+
+With `--write FILE` every step also appends `--write-kib` KiB to FILE through write(2) (page
+cache charged to the hog's memory cgroup as it is written; the file starts again from empty at
+`--write-max` MiB, so that new page cache keeps being charged). Any error of a system call
+(ENOMEM from a write at the cgroup's limit) ends the hog with the errno as its exit status
+(12: ENOMEM) and a line "hog: error ERRNO in WHAT" on stderr and in the log, where they can
+still be written (at the limit they often cannot).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import signal
 import sys
@@ -30,7 +39,52 @@ def main() -> int:
                         "it, grown: at --target)")
     parser.add_argument("--usage-file", help="the cgroup's usage file, read after every chunk")
     parser.add_argument("--cross-at", type=int, default=0, help="bytes of usage for 'cross'")
+    parser.add_argument("--write", help="a file to append to through write(2) at every step")
+    parser.add_argument("--write-kib", type=int, default=256, help="KiB written per step")
+    parser.add_argument("--write-max", type=int, default=64, help="MiB before FILE restarts")
     args = parser.parse_args()
+    try:
+        return grow(args)
+    except OSError as exc:
+        where = getattr(exc, "where", "a system call")
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        report(args.log, f"hog: error {name} in {where}: {exc}")
+        os._exit(min(max(exc.errno or 1, 1), 125))  # the errno: 12 is ENOMEM
+
+
+def report(log: str, line: str) -> None:
+    """Said on stderr and in the log, as far as either can still be written."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode())
+    with contextlib.suppress(OSError), open(log, "a") as handle:
+        handle.write(line + "\n")
+
+
+class Writer:
+    """Appends `kib` KiB through write(2) per step; the file starts again at `max_mib`."""
+
+    def __init__(self, path: str | None, kib: int, max_mib: int) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if path else None
+        self.block = b"w" * (kib << 10)
+        self.max_bytes = max_mib << 20
+        self.written = 0
+
+    def step(self) -> None:
+        if self.fd is None:
+            return
+        if self.written + len(self.block) > self.max_bytes:
+            os.ftruncate(self.fd, 0)
+            os.lseek(self.fd, 0, os.SEEK_SET)
+            self.written = 0
+        try:
+            done = os.write(self.fd, self.block)
+        except OSError as exc:
+            exc.where = "write(2) of the data file"  # type: ignore[attr-defined]
+            raise
+        self.written += done
+
+
+def grow(args: argparse.Namespace) -> int:
     stamps = Stamps(args.stamps, args.usage_file, args.cross_at)
 
     kids = []
@@ -41,6 +95,7 @@ def main() -> int:
         kids.append(pid)
 
     log = open(args.log, "a", buffering=1)  # noqa: SIM115 - held open on purpose
+    writer = Writer(args.write, args.write_kib, args.write_max)
     chunks: list[bytes] = []
     chunk_bytes = args.chunk << 20
     start = time.monotonic()
@@ -57,7 +112,12 @@ def main() -> int:
                 time.sleep(delay)
         else:
             time.sleep(args.tick)
-        log.write(f"{count} {len(chunks) * args.chunk}\n")
+        writer.step()
+        try:
+            log.write(f"{count} {len(chunks) * args.chunk}\n")
+        except OSError as exc:
+            exc.where = "write(2) of the log"  # type: ignore[attr-defined]
+            raise
     intact = all(c == bytes([i % 251]) * chunk_bytes for i, c in enumerate(chunks))
     log.write(f"done {count} {'ok' if intact else 'CORRUPT'}\n")
     log.close()
