@@ -105,7 +105,7 @@ class Standby:
         try:
             self.store.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.handle = subprocess.Popen(
-                [sys.executable, "-m", "oomguard.daemon.standby", "--ledger",
+                [sys.executable, "-I", "-m", "oomguard.daemon.standby", "--ledger",
                  str(self.store / ".frozen.json"), "--saved",
                  str(self.store / ".memory-high.json")],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,

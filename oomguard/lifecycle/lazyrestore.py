@@ -134,7 +134,7 @@ class LazySession:
         try:
             # Its own session: it outlives the CLI (and a daemon restart) like the job does.
             keeper = subprocess.Popen(
-                criu.confined([sys.executable, "-m", "oomguard.lifecycle.lazykeeper", str(work_dir),
+                criu.confined([sys.executable, "-I", "-m", "oomguard.lifecycle.lazykeeper", str(work_dir),
                                str(lock_fd)]),
                 stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(lock_fd,),
                 start_new_session=True, close_fds=True)
