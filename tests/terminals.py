@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from tests.helpers import EMULATION_FACTOR, wait_until
@@ -201,3 +201,30 @@ def pids_running(pattern: str) -> list[int]:
             if pattern.encode() in cmdline:
                 found.append(int(entry))
     return sorted(found)
+
+
+def state_of(pid: int) -> str | None:
+    """A process's state letter, None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()[0]
+
+
+def stop_and_continue(pane: TmuxPane, pid: int, progress: Callable[[], int]) -> int:
+    """Ctrl-Z in `pane`, whose shell's foreground job shows the job `pid`: the shell says
+    Stopped and gives its prompt back, the job is stopped and makes no progress while the
+    shell runs a command; `fg` brings it back and it goes on. Returns where it stopped."""
+    prompts = pane.prompts()
+    pane.keys("C-z")
+    pane.wait_for("Stopped")
+    pane.wait_prompt(prompts + 1)
+    assert wait_until(lambda: state_of(pid) == "T", 10), "Ctrl-Z did not stop the job"
+    stopped_at = progress()
+    pane.run("sleep 0.5")  # a while in which nothing may happen
+    assert progress() == stopped_at, "the job went on while stopped"
+    pane.type("fg")
+    assert wait_until(lambda: progress() >= stopped_at + 3, 30 * EMULATION_FACTOR), \
+        "fg did not continue the job"
+    return stopped_at

@@ -39,19 +39,25 @@ def moved(script: str, paths: dict[str, str]) -> str:
     return script
 
 
-def test_readme_first_ten_minutes_as_written(cgroups: CgroupFactory, tmp_path: Path) -> None:
-    demo = cgroups.make("demo", None)  # the README's mkdir -p finds it; its echo sets the limit
+def walkthrough_moved(cgroup: Path, tmp_path: Path) -> tuple[str, Path, Path]:
+    """README's walkthrough with its paths in `tmp_path` (the cgroup beneath the test's own,
+    a free metrics port): (the script, the config's directory, the working directory)."""
     etc, work = tmp_path / "etc-oomguard", tmp_path / "home"
     work.mkdir()
-    port = free_port()
     script = moved(readme_walkthrough(), {
-        README_CGROUP: str(demo.path),
+        README_CGROUP: str(cgroup),
         "/etc/oomguard": str(etc),
         "/var/lib/oomguard": str(tmp_path / "store"),
         "/run/oomguard/control.sock": str(tmp_path / "control.sock"),
         "/var/log/oomguard-demo.log": str(tmp_path / "daemon.log"),
-        "9464": str(port),
+        "9464": str(free_port()),
     })
+    return script, etc, work
+
+
+def test_readme_first_ten_minutes_as_written(cgroups: CgroupFactory, tmp_path: Path) -> None:
+    demo = cgroups.make("demo", None)  # the README's mkdir -p finds it; its echo sets the limit
+    script, etc, work = walkthrough_moved(demo.path, tmp_path)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            # the README relies on /etc/oomguard/oomguard.toml being found: moved, it is found so
            "OOMGUARD_CONFIG": str(etc / "oomguard.toml")}
@@ -104,17 +110,7 @@ def test_readme_first_ten_minutes_pasted_block_by_block_into_a_terminal(
     from tests.terminals import pids_running, tmux_shell
 
     demo = cgroups.make("pasted", None)
-    etc, work = tmp_path / "etc-oomguard", tmp_path / "home"
-    work.mkdir()
-    port = free_port()
-    script = moved(readme_walkthrough(), {
-        README_CGROUP: str(demo.path),
-        "/etc/oomguard": str(etc),
-        "/var/lib/oomguard": str(tmp_path / "store"),
-        "/run/oomguard/control.sock": str(tmp_path / "control.sock"),
-        "/var/log/oomguard-demo.log": str(tmp_path / "daemon.log"),
-        "9464": str(port),
-    })
+    script, etc, work = walkthrough_moved(demo.path, tmp_path)
     env = {**os.environ, "OOMGUARD_CONFIG": str(etc / "oomguard.toml"),
            "XDG_RUNTIME_DIR": str(tmp_path)}
     env.pop("OOMGUARD_SOCKET", None)

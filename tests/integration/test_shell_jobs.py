@@ -29,7 +29,7 @@ from tests.helpers import (
     wait_until,
 )
 from tests.integration.test_service import ALICE, _cap_sys_resource
-from tests.terminals import pids_running, tmux_shell, wait_gone
+from tests.terminals import pids_running, stop_and_continue, tmux_shell, wait_gone
 
 pytestmark = pytest.mark.integration
 TTY_JOB = REPO / "tests" / "workloads" / "tty_job.py"
@@ -159,14 +159,7 @@ def test_restored_from_no_terminal_then_attached_stopped_and_continued(
             seen = len(counts(log))
             viewer.type(f"oomguard attach {done['id']}")
             viewer.wait_for(f"count {seen + 3}")
-            viewer.keys("C-z")
-            viewer.wait_for("Stopped")
-            viewer.wait_prompt(2)
-            assert wait_until(lambda: _state(pid) == "T", 10), "Ctrl-Z did not stop the job"
-            stopped_at = len(counts(log))
-            viewer.run("sleep 0.5")
-            assert len(counts(log)) == stopped_at, "the job went on while stopped"
-            viewer.type("fg")
+            stopped_at = stop_and_continue(viewer, pid, lambda: len(counts(log)))
             viewer.wait_for(f"count {stopped_at + 3}")
             viewer.wait_for("the job exited with status 0", timeout=90)
             assert "status 0" in viewer.run('echo "status $?"')
@@ -199,14 +192,6 @@ def test_a_tree_criu_could_not_restore_is_refused_before_it_is_stopped(
     assert len(guard.events("checkpoint.refused")) == 1
     assert not guard.events("checkpoint.failed")
     assert not list(Path(setup["store"]).glob("2*")), "a checkpoint was taken anyway"
-
-
-def _state(pid: int) -> str | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()[0]
 
 
 @pytest.mark.skipif(not _cap_sys_resource(),

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, run_cli, wait_until
-from tests.terminals import pids_running, tmux_shell
+from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, run_cli
+from tests.terminals import pids_running, stop_and_continue, tmux_shell
 
 pytestmark = pytest.mark.integration
 TTY_JOB = REPO / "tests" / "workloads" / "tty_job.py"
@@ -47,14 +47,6 @@ def job(log: Path, *, target: int = 8, count: int = 60, tick: float = 0.05,
 
 def counts(log: Path) -> list[int]:
     return [int(line) for line in log.read_text().splitlines() if line.isdigit()]
-
-
-def state_of(pid: int) -> str | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()[0]
 
 
 def test_lines_pasted_after_exec_run_in_the_shell(tmp_path: Path, env: dict[str, str]) -> None:
@@ -102,17 +94,10 @@ def test_ctrl_z_stops_an_exec_job_and_fg_continues_it(tmp_path: Path,
     with tmux_shell("ctrlz", tmp_path, env) as shell:
         shell.type(f"oomguard exec -- {job(log, count=120)}")
         shell.wait_for("count 5")
-        shell.keys("C-z")
-        shell.wait_for("the job is stopped; `fg` continues it")
-        shell.wait_for("Stopped")
-        shell.wait_prompt(2)
         pid = next(p for p in pids_running(str(log)) if "nsinit" not in
                    Path(f"/proc/{p}/cmdline").read_text())
-        assert wait_until(lambda: state_of(pid) == "T", 10), "the job did not stop"
-        stopped_at = len(counts(log))
-        shell.run("sleep 0.5")
-        assert len(counts(log)) == stopped_at, "the job went on while stopped"
-        shell.type("fg")
+        stopped_at = stop_and_continue(shell, pid, lambda: len(counts(log)))
+        assert "the job is stopped; `fg` continues it" in shell.screen()
         shell.wait_for(f"count {stopped_at + 3}")
         shell.wait_prompt(4, timeout=60)  # the job ran to its end under exec
         assert "status 0" in shell.run('echo "status $?"')

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,3 +117,28 @@ def make_executable(path: Path, text: str = "#!/bin/sh\nexit 0\n", mode: int = 0
     path.write_text(text)
     os.chmod(path, mode)
     return path
+
+
+@contextlib.contextmanager
+def sleeping_processes(count: int) -> Iterator[list[int]]:
+    """`count` real processes that sleep (children of the test, so all siblings), killed and
+    reaped afterwards."""
+    procs = [subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL) for _ in range(count)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def task_state(pid: int) -> str:
+    """A live process's state letter (/proc/PID/stat), "gone" when it is not there."""
+    from oomguard.model.errors import ProcessGone
+    from oomguard.sense.procfs import ProcReader
+
+    try:
+        return ProcReader().state(pid)
+    except ProcessGone:
+        return "gone"

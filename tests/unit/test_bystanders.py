@@ -5,14 +5,12 @@ that is read of it)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,6 +18,8 @@ from oomguard.act.bystanders import Bystanders
 from oomguard.policy.bystanders import Bystander, to_hold
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.ledger import FrozenLedger
+from tests.helpers import wait_until
+from tests.unit._support import sleeping_processes, task_state
 
 # -- which ones ------------------------------------------------------------------------------
 
@@ -50,19 +50,6 @@ def test_a_parent_loop_in_the_readings_ends() -> None:
 # -- holding ---------------------------------------------------------------------------------
 
 
-def _state(pid: int) -> str:
-    return ProcReader().state(pid)
-
-
-def _until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.005)
-    return False
-
-
 class _Cgroup:
     def __init__(self, path: Path, pids: list[int]) -> None:
         self.path = path
@@ -74,14 +61,8 @@ class _Cgroup:
 def sleepers() -> Iterator[list[int]]:
     """Five sleeping processes: [victim, a, b, c, oomguard] (the test's children are all
     descendants of the test: the stand-in for oomguard is a sibling of the others)."""
-    procs = [subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL) for _ in range(5)]
-    try:
-        yield [p.pid for p in procs]
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with sleeping_processes(5) as pids:
+        yield pids
 
 
 def _bystanders(tmp_path: Path, oomguard: int, owner: int | None = None) -> Bystanders:
@@ -101,17 +82,17 @@ def test_the_others_are_stopped_recorded_and_continued(tmp_path: Path,
                                                         sleepers: list[int]) -> None:
     victim, a, b, user_stopped, me = sleepers
     os.kill(user_stopped, signal.SIGSTOP)
-    assert _until(lambda: _state(user_stopped) == "T")
+    assert wait_until(lambda: task_state(user_stopped) == "T", 5.0)
     cgroup = _Cgroup(tmp_path / "cg", sleepers[:4])
     hold = _bystanders(tmp_path, me)
     held = hold.hold(cgroup, [victim])  # type: ignore[arg-type]
     assert sorted(held.pids) == sorted([a, b])
-    assert _until(lambda: _state(a) == "T" and _state(b) == "T")
-    assert _state(victim) != "T"
+    assert wait_until(lambda: task_state(a) == "T" and task_state(b) == "T", 5.0)
+    assert task_state(victim) != "T"
     assert _recorded(tmp_path) == {a, b}  # before the stop: a crash continues them
     hold.release(held)
-    assert _until(lambda: _state(a) != "T" and _state(b) != "T")
-    assert _state(user_stopped) == "T"  # the user's stop is never undone
+    assert wait_until(lambda: task_state(a) != "T" and task_state(b) != "T", 5.0)
+    assert task_state(user_stopped) == "T"  # the user's stop is never undone
     assert _recorded(tmp_path) == set()
     assert held.pids == []
     hold.release(held)  # twice: nothing more
@@ -123,12 +104,12 @@ def test_one_the_user_stops_while_held_stays_stopped(tmp_path: Path,
     cgroup = _Cgroup(tmp_path / "cg", [victim, a, b])
     hold = _bystanders(tmp_path, me)
     held = hold.hold(cgroup, [victim])  # type: ignore[arg-type]
-    assert _until(lambda: _state(a) == "T" and _state(b) == "T")
+    assert wait_until(lambda: task_state(a) == "T" and task_state(b) == "T", 5.0)
     os.kill(b, signal.SIGTSTP)  # Ctrl-Z while oomguard holds it: stays pending
     hold.release(held)
-    assert _until(lambda: _state(a) != "T")
+    assert wait_until(lambda: task_state(a) != "T", 5.0)
     time.sleep(0.05)
-    assert _state(b) == "T"
+    assert task_state(b) == "T"
 
 
 def test_a_task_two_dumps_hold_is_continued_by_the_last(tmp_path: Path,
@@ -137,16 +118,16 @@ def test_a_task_two_dumps_hold_is_continued_by_the_last(tmp_path: Path,
     hold = _bystanders(tmp_path, me)
     one = hold.hold(_Cgroup(tmp_path / "cg", [first_victim, shared]),  # type: ignore[arg-type]
                     [first_victim])
-    assert _until(lambda: _state(shared) == "T")
+    assert wait_until(lambda: task_state(shared) == "T", 5.0)
     two = hold.hold(_Cgroup(tmp_path / "cg", [second_victim, shared]),  # type: ignore[arg-type]
                     [second_victim])
     assert one.pids == [shared] and two.pids == [shared]
     hold.release(one)
     time.sleep(0.05)
-    assert _state(shared) == "T"
+    assert task_state(shared) == "T"
     assert _recorded(tmp_path) == {shared}
     hold.release(two)
-    assert _until(lambda: _state(shared) != "T")
+    assert wait_until(lambda: task_state(shared) != "T", 5.0)
     # Not stopped twice: a second SIGSTOP would have stayed pending and read as the user's.
     assert _recorded(tmp_path) == set()
 
@@ -158,13 +139,13 @@ def test_a_victim_is_never_held_nor_continued_as_a_bystander(tmp_path: Path,
     cgroup = _Cgroup(tmp_path / "cg", [first_victim, later_victim, other])
     held = hold.hold(cgroup, [first_victim])  # type: ignore[arg-type]
     assert sorted(held.pids) == sorted([later_victim, other])
-    assert _until(lambda: _state(later_victim) == "T" and _state(other) == "T")
+    assert wait_until(lambda: task_state(later_victim) == "T" and task_state(other) == "T", 5.0)
     # Chosen by another checkpoint while held: stopped by oomguard, not by its user...
     with hold.victim([later_victim]):
         assert hold.held_now([later_victim, first_victim]) == [later_victim]
         hold.release(held)  # ...and not continued under that checkpoint's feet
-        assert _until(lambda: _state(other) != "T")
-        assert _state(later_victim) == "T"
+        assert wait_until(lambda: task_state(other) != "T", 5.0)
+        assert task_state(later_victim) == "T"
         assert hold.hold(cgroup, [first_victim]).pids == [other]  # type: ignore[arg-type]
     assert hold.held_now([later_victim]) == []
 
@@ -175,9 +156,9 @@ def test_oomguard_and_the_requester_are_spared(tmp_path: Path, sleepers: list[in
     hold = _bystanders(tmp_path, me)
     held = hold.hold(cgroup, [victim], requester=requester)  # type: ignore[arg-type]
     assert held.pids == [other]
-    assert _until(lambda: _state(other) == "T")
+    assert wait_until(lambda: task_state(other) == "T", 5.0)
     hold.release(held)
-    assert _until(lambda: _state(other) != "T")
+    assert wait_until(lambda: task_state(other) != "T", 5.0)
 
 
 def test_a_dead_holders_bystanders_are_continued_at_the_next_start(
@@ -188,9 +169,9 @@ def test_a_dead_holders_bystanders_are_continued_at_the_next_start(
     held = _bystanders(tmp_path, me, owner=gone.pid).hold(
         _Cgroup(tmp_path / "cg", [victim, a]), [victim])  # type: ignore[arg-type]
     assert held.pids == [a]
-    assert _until(lambda: _state(a) == "T")
+    assert wait_until(lambda: task_state(a) == "T", 5.0)
     assert FrozenLedger(tmp_path / "frozen.json", ProcReader()).recover() == [str(a)]
-    assert _until(lambda: _state(a) != "T")
+    assert wait_until(lambda: task_state(a) != "T", 5.0)
 
 
 def test_a_cgroup_gone_holds_nobody(tmp_path: Path) -> None:

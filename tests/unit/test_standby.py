@@ -5,14 +5,10 @@ files it reads; the processes it stops are real sleeping children of the test.""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,26 +19,9 @@ from oomguard.cgroup.watch import OOM_KILL_KEY
 from oomguard.daemon.standby import RECORD, Standby, Watched, listen
 from oomguard.daemon.standbyguard import JsonLog, StandbyGuard, over_level
 from oomguard.model.errors import CgroupGone
-from oomguard.sense.procfs import ProcReader
 from oomguard.store.ledger import SavedLimits
-from tests.helpers import REPO
-from tests.unit._support import MiB
-
-
-def _state(pid: int) -> str:
-    try:
-        return ProcReader().state(pid)
-    except Exception:
-        return "gone"
-
-
-def _until(predicate: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
+from tests.helpers import REPO, wait_until
+from tests.unit._support import MiB, sleeping_processes, task_state
 
 
 def scratch_cgroup(root: Path, name: str, usage: int, rss: int, cache: int,
@@ -62,14 +41,8 @@ def scratch_cgroup(root: Path, name: str, usage: int, rss: int, cache: int,
 def sleepers() -> Iterator[list[int]]:
     """[a, b, the standby's stand-in]: the test's children are all the test's descendants, so
     a standby run inside the test is a sibling of the processes it stops."""
-    procs = [subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL) for _ in range(3)]
-    try:
-        yield [p.pid for p in procs]
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with sleeping_processes(3) as pids:
+        yield pids
 
 
 # -- what it hears -----------------------------------------------------------------------------
@@ -118,12 +91,12 @@ def test_it_holds_a_cgroup_over_its_level_and_leaves_it_to_the_next_daemon(
     held: dict[Path, Any] = {}
     guard.round(watched, held)
     assert list(held) == [hot] and held[hot].pids == [over]
-    assert _until(lambda: _state(over) == "T")
-    assert _state(under) != "T"
+    assert wait_until(lambda: task_state(over) == "T", 10.0)
+    assert task_state(under) != "T"
     assert [e["pid"] for e in json.loads((tmp_path / "frozen.json").read_text())] == [over]
     guard.relieved.set()  # SIGTERM from the next daemon
     assert guard.run(watched) == 0
-    assert _state(over) == "T"  # left stopped, recorded: the next daemon continues it
+    assert task_state(over) == "T"  # left stopped, recorded: the next daemon continues it
     events = [json.loads(line)["event"] for line in out.getvalue().splitlines()]
     assert events == ["standby.held", "standby.guarding", "standby.relieved"]
 
@@ -138,7 +111,7 @@ def test_without_a_new_daemon_it_gives_the_cgroups_back_to_the_kernel(
     guard = StandbyGuard(tmp_path / "frozen.json", tmp_path / "saved.json", JsonLog(out),
                          clock=lambda: next(clock), self_pid=me)
     assert guard.run([Watched(hot, 200 * MiB, tmp_path / "memory", 30.0)]) == 0
-    assert _until(lambda: _state(over) != "T")  # continued
+    assert wait_until(lambda: task_state(over) != "T", 10.0)  # continued
     assert (hot / "memory.oom_control").read_text() == "0"  # the user's original
     assert SavedLimits(tmp_path / "saved.json").items() == {}
     assert json.loads((tmp_path / "frozen.json").read_text()) == []
@@ -189,11 +162,11 @@ def test_an_orphaned_standby_guards_until_the_next_daemon_relieves_it(
     assert first.handle is not None and first.handle.stdin is not None
     orphan = first.handle
     orphan.stdin.close()  # the daemon died: end of its stdin, no goodbye
-    assert _until(lambda: _state(over) == "T"), "the standby did not hold the cgroup"
+    assert wait_until(lambda: task_state(over) == "T", 10.0), "the standby did not hold the cgroup"
     second = _standby(store)
     assert second.take_over() == orphan.pid  # relieved, and waited for
     assert orphan.poll() == 0
-    assert _state(over) == "T"  # the next daemon continues it (thaw_leftovers)
+    assert task_state(over) == "T"  # the next daemon continues it (thaw_leftovers)
     entries = json.loads((store / ".frozen.json").read_text())
     assert [e["pid"] for e in entries] == [over] and entries[0]["owner"] == orphan.pid
     second.bye()
@@ -204,7 +177,7 @@ def test_a_stale_record_names_nobody(tmp_path: Path, sleepers: list[int]) -> Non
     store.mkdir()
     (store / RECORD).write_text(json.dumps({"pid": sleepers[0], "start": 1}))  # reused pid
     assert _standby(store).relieve_previous() is None
-    assert _state(sleepers[0]) != "gone"
+    assert task_state(sleepers[0]) != "gone"
     (store / RECORD).write_text("garbage")
     assert _standby(store).relieve_previous() is None
 
