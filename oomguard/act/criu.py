@@ -29,8 +29,8 @@ HOOK_MODULE = Path(__file__).with_name("criu_hook.py")
 # comma-separated): CRIU passes its environment on to its action scripts.
 KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"
 # The hook's post-resume continues nothing: the restore runs under the job's session leader
-# (oomguard/terminal/leader.py), which takes the terminal's foreground once CRIU is done, and
-# then the restorer continues the tree (a job continued earlier could read the terminal first).
+# (oomguard/terminal/leader.py), which takes the terminal's foreground once CRIU is done and
+# then continues the tree (a job continued earlier could read the terminal first).
 CONTINUE_LATER_ENV = "OOMGUARD_CONTINUE_LATER"
 RESTORE_PIDFILE = "restore.pid"
 

@@ -89,3 +89,15 @@ def _in_poll(pids: list[int]) -> bool:
     return False
 
 
+
+
+def ns_pid(pid: int) -> int | None:
+    """A task's pid in its own (innermost) PID namespace: NSpid's last field."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid

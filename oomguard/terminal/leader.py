@@ -12,9 +12,9 @@ standard input. So the restorer runs CRIU through this program
   terminal, becomes a child subreaper and runs CRIU with the pty on its standard input. CRIU
   puts the restored tree into this session, on this terminal (its termios from the images),
   and when CRIU exits the tree's root is reparented to the leader, which waits for it;
-- once CRIU has succeeded, the leader takes the terminal's foreground (the restored tree is
-  still stopped: the restorer continues it next), drops to the job's user and serves the pty
-  as its holder (oomguard/terminal/holder.py): the job gets the foreground when it reads or
+- once CRIU has succeeded, the leader takes the terminal's foreground, continues the restored
+  tree (restored stopped; the tasks the user had stopped stay so), drops to the job's user
+  and serves the pty as its holder (oomguard/terminal/holder.py): the job gets the foreground when it reads or
   sets the terminal (SIGTTIN/SIGTTOU stop it, the leader hands it the terminal and continues
   it), as a shell's job does; the leader knows when the job stops, goes on or ends, and with
   what status.
@@ -35,6 +35,9 @@ import sys
 import termios
 
 from oomguard.terminal.holder import Holder, detach_stdio, parse_options, serve
+from oomguard.terminal.jobprocs import descendants, ns_pid
+
+KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"  # act/criu.py's: CRIU's environment, ours too
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -112,6 +115,23 @@ class Reaper:
                     self.status = os.WEXITSTATUS(status)
 
 
+def keep_stopped(text: str) -> set[int]:
+    """The restorer's list of tasks the user had stopped (namespace pids, comma-separated)."""
+    return {int(part) for part in text.split(",") if part.strip().isdigit()}
+
+
+def continue_job(root: int, keep_ns: set[int]) -> None:
+    """Continue the restored tree (dumped stopped, so restored stopped), but the tasks the user
+    had stopped, now that we have the terminal's foreground: the restorer continues it too,
+    but a restorer killed halfway would have left it stopped. Its process group is not
+    orphaned (we are its parent, in the session), so a task left stopped stays so."""
+    for pid in [root, *descendants(root)]:
+        if keep_ns and ns_pid(pid) in keep_ns:
+            continue
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def drop_to(uid: int, gid: int) -> None:
     if uid == os.getuid() and gid == os.getgid():
         return
@@ -165,6 +185,7 @@ def lead(opts: dict[str, str], origin: list[str], command: list[str], report: in
         with open(opts["--pidfile"]) as f:
             root = int(f.read().strip())
         os.tcsetpgrp(master, os.getpgrp())  # the job gets the terminal when it asks for it
+        continue_job(root, keep_stopped(os.environ.get(KEEP_STOPPED_ENV, "")))
         drop_to(int(opts["--uid"]), int(opts["--gid"]))
     except (OSError, ValueError) as exc:
         os.write(report, f"{EXIT_LEADER_DIED}\n{exc}\n".encode())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -163,6 +164,47 @@ def test_restored_from_no_terminal_then_attached_stopped_and_continued(
             viewer.wait_for(f"count {stopped_at + 3}")
             viewer.wait_for("the job exited with status 0", timeout=90)
             assert "status 0" in viewer.run('echo "status $?"')
+    assert done_line(log) == "done 400 ok"
+    assert counts(log) == list(range(1, 401))
+
+
+def test_a_restore_whose_daemon_is_killed_halfway_leaves_the_checkpoint_whole(
+        setup: dict[str, Path]) -> None:
+    """The daemon restoring a job typed at a prompt is SIGKILLed while CRIU restores it: the
+    pages' verdict never comes, so the restored tree is killed before it runs (never a job
+    running twice, nor one left stopped), the new terminal's leader ends with it, and the
+    checkpoint stays whole: the next daemon restores it, and the job runs to its end."""
+    log = setup["log"]
+    with daemon(setup["store"], setup["dir"] / "daemon.log", config=setup["config"],
+                socket=setup["socket"]) as guard, \
+            tmux_shell("killed", setup["dir"], shell_env(setup["config"])) as shell:
+        guard.wait_event("guard.armed", count=2)
+        shell.type(job_command(log, setup["small"], count=400))
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        shell.wait_prompt(2)
+        work = Path(setup["store"]) / done["id"]
+        restore = subprocess.Popen(
+            [sys.executable, "-m", "oomguard", "--config", str(setup["config"]), "restore",
+             done["id"], "--cgroup", str(setup["big"])], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            assert wait_until(lambda: (work / "restore.log").exists(), 30), "CRIU never began"
+            guard.handle.kill()  # halfway: CRIU restores, the daemon is gone
+            guard.handle.wait()
+            assert restore.wait(timeout=60) != 0
+        finally:
+            if restore.poll() is None:
+                restore.kill()
+        assert wait_until(lambda: not pids_running(str(log)), 30), "the job runs twice"
+        assert Store(setup["store"]).get(done["id"]).state == "checkpointed"
+        assert wait_until(lambda: not pids_running(f"--pidfile {work}"), 30), \
+            "the leader of a restore that failed is still there"
+    with daemon(setup["store"], setup["dir"] / "daemon2.log", config=setup["config"],
+                socket=setup["socket"]) as guard, \
+            tmux_shell("again", setup["dir"], shell_env(setup["config"])) as shell:
+        guard.wait_event("guard.armed", count=2)
+        shell.type(f"oomguard restore {done['id']} --cgroup {setup['big']}")
+        shell.wait_for("the job exited with status 0", timeout=90)
     assert done_line(log) == "done 400 ok"
     assert counts(log) == list(range(1, 401))
 

@@ -193,3 +193,31 @@ def test_attach_to_a_checkpointed_shell_job_says_how_to_bring_it_back() -> None:
     restored = {**meta, "state": "restored",
                 "extra": {"shell_tty": {"key": None, "socket": "/run/oomguard/tty/0/t.sock"}}}
     assert holder_of_checkpoint(restored) == "/run/oomguard/tty/0/t.sock"
+
+
+def test_the_leader_continues_the_restored_tree_but_the_tasks_the_user_stopped() -> None:
+    """A restored tree comes back stopped; its leader continues it once it has the terminal
+    (the restorer would too, but it may have been killed), leaving the user's stops."""
+    import subprocess
+
+    from oomguard.terminal.jobprocs import descendants
+    from oomguard.terminal.leader import continue_job, keep_stopped
+    from tests.helpers import wait_until
+
+    root = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        assert wait_until(lambda: len(descendants(root.pid)) == 2, 10)
+        first, second = sorted(descendants(root.pid))
+        for pid in (root.pid, first, second):
+            os.kill(pid, signal.SIGSTOP)
+        assert wait_until(lambda: all(proc_state(p) == "T" for p in (root.pid, first, second)),
+                          10)
+        assert keep_stopped(f"{second},x,") == {second}
+        continue_job(root.pid, keep_stopped(str(second)))
+        assert wait_until(lambda: proc_state(root.pid) == "S" and proc_state(first) == "S", 10)
+        assert proc_state(second) == "T"
+    finally:
+        for pid in descendants(root.pid):
+            os.kill(pid, signal.SIGKILL)
+        root.kill()
+        root.wait()
