@@ -221,6 +221,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                     self._globs.append((spec, path))
                     continue
                 fixed.append(self._new_cgroup_guard(spec, path))
+        # Where cgroups appear is watched before the globs are read: one made in between
+        # (a scheduler's next job, while the daemon starts) is reported, not missed until the
+        # next rescan (the v2 lane caught it).
+        self._watch_directories()
         self._arm_guards(fixed + self._glob_matches())  # one batch: see arming.py
         self._watch_directories()
 
