@@ -119,7 +119,7 @@ def _flag_name(key: str) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     from oomguard.cgroup.mounts import read_layout
     from oomguard.config.checks import check_cgroup_paths
-    from oomguard.daemon.app import run_daemon
+    from oomguard.daemon.locks import held_for
 
     config = _base_config(args)
     if args.cgroup:
@@ -144,8 +144,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.socket is not None:
         config = replace(config, socket=args.socket)
     _need_root("oomguard run")
-    check_cgroup_paths(config, read_layout(), "--cgroup" if args.cgroup else None)
-    return run_daemon(config, get_logger())
+    layout = read_layout()
+    check_cgroup_paths(config, layout, "--cgroup" if args.cgroup else None)
+    # One daemon per store and per cgroup: a second one refuses here, before the daemon's
+    # parts are loaded or anything is written (its settings, socket, ledger, standby).
+    with held_for(config, layout) as locks:
+        from oomguard.daemon.app import run_daemon
+
+        return run_daemon(config, get_logger(), layout, locks)
 
 
 def _backend(args: argparse.Namespace) -> Backend:

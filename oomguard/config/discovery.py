@@ -16,6 +16,7 @@ from pathlib import Path
 from oomguard.config.loading import (
     DEFAULT_CONFIG_PATH,
     DaemonConfig,
+    decode_config,
     load_config_text,
     load_embedded_config,
 )
@@ -70,7 +71,7 @@ def merge_config_flags(global_flag: Path | None, run_flag: Path | None) -> Path 
 
 
 def _read(path: Path) -> str:
-    return path.read_text()
+    return decode_config(path.read_bytes(), str(path))
 
 
 def load_cli_config(choice: ConfigChoice, euid: int,

@@ -53,7 +53,7 @@ from oomguard.model.units import HOUR
 __all__ = [
     "DEFAULT_CONFIG_PATH", "EMBEDDED_CONFIG", "GPU_ENGINES", "GPU_PREFERENCES", "GUARD_KEYS",
     "CriuConfig", "DaemonConfig", "GpuConfig", "GuardConfig", "KubernetesConfig", "SlurmConfig",
-    "embedded_config_text",
+    "decode_config", "embedded_config_text",
     "load_config", "load_config_text", "load_embedded_config", "parse_config",
 ]
 
@@ -204,10 +204,19 @@ def _gpu_config(read: ConfigReader, gpu_t: dict[str, Any]) -> GpuConfig:
 def load_config(path: Path | str) -> DaemonConfig:
     source = str(path)
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError([ConfigIssue(source, "(file)", f"cannot read: {exc.strerror}")]) from exc
-    return load_config_text(text, source)
+    return load_config_text(decode_config(raw, source), source)
+
+
+def decode_config(raw: bytes, source: str) -> str:
+    """A config file's bytes as text; ConfigError where they are not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([ConfigIssue(source, "(file)", f"not UTF-8 text: byte "
+                                       f"0x{raw[exc.start]:02x} at offset {exc.start}")]) from None
 
 
 def load_config_text(text: str, source: str) -> DaemonConfig:
@@ -215,6 +224,9 @@ def load_config_text(text: str, source: str) -> DaemonConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([ConfigIssue(source, "(syntax)", str(exc))]) from exc
+    except RecursionError:  # tomllib descends once per level of nested arrays or tables
+        raise ConfigError([ConfigIssue(source, "(syntax)", "arrays or inline tables nested "
+                                       "too deeply")]) from None
     return parse_config(data, source)
 
 

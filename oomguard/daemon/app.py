@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from oomguard import __version__
-from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon.exitwatch import ExitWatch, record_exit, rewatch_restored
+from oomguard.daemon.locks import cgroup_keys
 from oomguard.daemon.loop import Daemon
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.startup import gpu_summary
@@ -42,6 +42,8 @@ from oomguard.store.checkpoints import Store
 from oomguard.terminal.restore import job_ended
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
+    from oomguard.cgroup.mounts import CgroupLayout
+    from oomguard.daemon.locks import DaemonLocks
     from oomguard.observe.metrics import Metrics, TextfileWriter
 
 
@@ -144,6 +146,16 @@ def wanted_metrics(config: DaemonConfig) -> Metrics | None:
     return Metrics()
 
 
+def apply_hooks(tap: EventTap, config: DaemonConfig) -> None:
+    """A reload's hooks take effect at once: added, changed or removed."""
+    if tap.hooks is None:
+        if config.hooks:
+            tap.hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout)
+        return
+    tap.hooks.commands = {event: cmd for event, cmd in config.hooks if cmd.strip()}
+    tap.hooks.timeout = config.hook_timeout
+
+
 def settle_heap() -> None:
     """Once the guards are built: what exists now (a thousand guards' objects and their
     snapshots) is moved out of the cyclic collector's sight (gc.freeze), so that its full
@@ -153,7 +165,10 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def run_daemon(config: DaemonConfig, base_log: Any) -> int:
+def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
+               locks: DaemonLocks) -> int:
+    """The daemon, once `locks` (oomguard.daemon.locks.held_for) are held: the store's and
+    the guarded cgroups'."""
     began = time.monotonic()
     open_files = raise_open_files_limit()
     metrics = wanted_metrics(config)
@@ -163,7 +178,6 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
     log = RecordingLogger(base_log, tap=tap.tell)  # also the daemon's EventSink
     tap.log = log
     notifier = Notifier.from_env()
-    layout = read_layout()
     proc = ProcReader()
     gpu = build_gpu(config.gpu)
     criu = build_criu(config.criu, layout, proc, gpu)
@@ -179,6 +193,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
                     containers=build_containers(config.kubernetes), after_arming=settle_heap,
                     events=log, standby=None if config.dry_run else Standby(config.store, log,
                                                                              proc))
+    daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
+    daemon.on_reload = lambda new: apply_hooks(tap, new)
     daemon.install_signal_handlers()
     textfile = None
     metrics_server = None
@@ -265,8 +281,8 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         exit_watch.close()
         if metrics_server is not None:
             metrics_server.close()
-        if hooks is not None:
-            hooks.join(config.hook_timeout)
+        if tap.hooks is not None:
+            tap.hooks.join(daemon.config.hook_timeout)
         if emitter is not None:
             emitter.close()
         remove_criu_cgroup(layout, proc)

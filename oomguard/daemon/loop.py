@@ -49,7 +49,7 @@ from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
 from oomguard.lifecycle.selfguard import ancestors_of, own_family
-from oomguard.model.errors import ConfigError, ConfigIssue
+from oomguard.model.errors import ConfigError, ConfigIssue, OomguardError
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
 from oomguard.policy.preferences import Preferences
@@ -128,6 +128,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                            clock=clock, decisions=self.decisions, on_done=self._action_done,
                            priority=self.priority, events=self.events)
         self._reload = False
+        # A reload's rules are checked with this before they replace the running ones (the
+        # app's: the new cgroups' locks, LockHeld where another daemon guards one).
+        self.claim: Callable[[DaemonConfig], None] = lambda new: None
+        self.on_reload: Callable[[DaemonConfig], None] = lambda new: None  # the app's: hooks
         self._globs: list[tuple[GuardConfig, str]] = []
         self._rule_parts: dict[int, Any] = {}
         self._sweep_turn = 0
@@ -249,9 +253,14 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         try:
             new = load_config(source)
             warnings = check_config(new, self.layout)
+            self.claim(new)
         except ConfigError as exc:
             issues = [str(i) for i in exc.issues]
             self.log.error("config.rejected", source=source, issues=issues,
+                           explanation="the running rules stay in force")
+            return
+        except OomguardError as exc:  # LockHeld: another daemon guards one of its cgroups
+            self.log.error("config.rejected", source=source, issues=[str(exc)],
                            explanation="the running rules stay in force")
             return
         for key in ("store", "socket", "criu", "nice"):
@@ -269,7 +278,9 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                               criu=self.config.criu, nice=self.config.nice)
         self._gpu_watching = self._wants_gpu_watch()
         self.actor.dry_run = self.armer.dry_run = self.config.dry_run
-        self.log.info("config.reloaded", source=source, guards=len(new.guards))
+        self.on_reload(self.config)
+        self.log.info("config.reloaded", source=source, guards=len(new.guards),
+                      hooks=[event for event, _ in new.hooks] or None)
         self._build_guards()
         self.after_arming()
 
