@@ -30,12 +30,13 @@ from oomguard.config.loading import (
     load_embedded_config,
     parse_config,
 )
-from oomguard.control.backend import Backend, open_backend
+from oomguard.control.backend import Backend, LocalBackend, open_backend
 from oomguard.control.client import ControlError
 from oomguard.control.protocol import ERROR_AMBIGUOUS
 from oomguard.lifecycle.restorewait import restore_when_it_fits
 from oomguard.model.errors import (
     AmbiguousId,
+    BadInput,
     CheckpointFailed,
     ConfigError,
     ConfigIssue,
@@ -65,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         for issue in exc.issues:
             print(f"oomguard: config error: {issue}", file=sys.stderr)
         return EXIT_USAGE
-    except AmbiguousId as exc:
-        print(f"oomguard: {exc}", file=sys.stderr)
+    except (AmbiguousId, BadInput) as exc:
+        print(f"oomguard: {args.command}: {exc}" if isinstance(exc, BadInput)
+              else f"oomguard: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except ControlError as exc:
         print(f"oomguard: {exc}", file=sys.stderr)
@@ -154,8 +156,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return run_daemon(config, get_logger(), layout, locks)
 
 
+# Verbs that may make the store they are given (the first checkpoint makes it).
+MAKE_STORE_COMMANDS = ("checkpoint", "exec")
+
+
 def _backend(args: argparse.Namespace) -> Backend:
     config = _base_config(args)
+    if args.store is not None and args.socket is None \
+            and args.command not in MAKE_STORE_COMMANDS and not args.store.is_dir():
+        raise BadInput(f"--store {args.store}: no such directory (no checkpoint store there)")
     return open_backend(config, args.socket, store_given=args.store is not None)
 
 
@@ -204,7 +213,15 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    listing = _call(args, "List")
+    backend = _backend(args)
+    try:
+        listing = backend.call("List")
+    finally:
+        backend.close()
+    if isinstance(backend, LocalBackend) and args.store is None:  # said: scripts read stdout
+        config = _base_config(args)
+        print(f"oomguard: no daemon answers on {args.socket or config.socket}: the store "
+              f"{config.store} as read directly", file=sys.stderr)
     metas = listing["checkpoints"]
     for bad in listing.get("skipped") or []:
         print(f"oomguard: warning: store entry {bad['entry']} skipped: {bad['reason']}",
@@ -340,8 +357,16 @@ def cmd_exec(args: argparse.Namespace) -> int:
     procs = None
     if args.cgroup:
         from oomguard.cgroup.mounts import open_cgroup, read_layout
-  # the job's init joins it; this process (not dumped) stays where it is
-        procs = open_cgroup(args.cgroup, read_layout()).path / "cgroup.procs"
+        try:  # the job's init joins it; this process (not dumped) stays where it is
+            cgroup = open_cgroup(args.cgroup, read_layout())
+        except ValueError as exc:
+            print(f"oomguard: exec: --cgroup: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if not cgroup.exists():
+            print(f"oomguard: exec: --cgroup: no such memory cgroup: {cgroup.path}",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        procs = cgroup.path / "cgroup.procs"
     return run_exec(command, procs, lambda method, **p: _call(args, method, **p))
 
 

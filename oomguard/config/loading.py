@@ -102,7 +102,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                              base.hook_timeout)
     hooks = []
     for event in ("on_checkpoint", "on_restore", "on_kill"):
-        command = read.take(hooks_t, "hooks.", event, nonempty_str, "")
+        command = read.take(hooks_t, "hooks.", event, hook_command, "")
         if command:
             hooks.append((event, command))
     read.leftovers(hooks_t, "hooks.")
@@ -199,6 +199,11 @@ def _gpu_config(read: ConfigReader, gpu_t: dict[str, Any]) -> GpuConfig:
         read.issues.append(ConfigIssue(read.source, "gpu.lock_timeout",
                                        "must be shorter than gpu.timeout"))
     return gpu
+
+
+def hook_command(value: Any) -> str:
+    """A hook's shell command; "" (as the shipped config shows it): no hook."""
+    return value if value == "" else nonempty_str(value)
 
 
 def load_config(path: Path | str) -> DaemonConfig:

@@ -43,7 +43,14 @@ from oomguard.control.protocol import (
 from oomguard.control.quietserve import QuietServing
 from oomguard.control.service import PermissionDenied, Service
 from oomguard.control.verbs import VERBS, Caller
-from oomguard.model.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
+from oomguard.model.errors import (
+    AmbiguousId,
+    CheckpointFailed,
+    NeverFits,
+    NoRoom,
+    OomguardError,
+    StoreError,
+)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -83,6 +90,8 @@ def dispatch(service: Service, raw: bytes, uid: int, pid: int | None = None,
         return method, error(kind, str(exc))
     except CheckpointFailed as exc:
         return method, error(ERROR_FAILED, f"{exc} (process {exc.outcome})")
+    except NeverFits as exc:  # not "no room now": a waiting client would wait forever
+        return method, error(ERROR_FAILED, str(exc))
     except NoRoom as exc:
         return method, error(ERROR_NO_ROOM, str(exc))
     except OomguardError as exc:

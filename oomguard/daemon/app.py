@@ -30,7 +30,7 @@ from oomguard.daemon.wiring import (
 from oomguard.lifecycle.restorefit import daemon_lookup
 from oomguard.model.errors import StoreError
 from oomguard.observe.dbus import SignalEmitter
-from oomguard.observe.hooks import HookRunner
+from oomguard.observe.hooks import HookRun, HookRunner
 from oomguard.observe.logsetup import RecordingLogger
 from oomguard.observe.sdnotify import Notifier
 from oomguard.observe.slurm import SlurmNotifier, find_scontrol
@@ -146,11 +146,25 @@ def wanted_metrics(config: DaemonConfig) -> Metrics | None:
     return Metrics()
 
 
+def hook_logger(log: Any) -> Callable[[HookRun], None]:
+    """Each hook run, as it ends: `hook.done`, or `hook.failed` with what it wrote."""
+    def done(run: HookRun) -> None:
+        if run.result == 0:
+            log.info("hook.done", hook=run.event, seconds=round(run.seconds, 3))
+        else:
+            log.warning("hook.failed", hook=run.event, result=run.result,
+                        seconds=round(run.seconds, 3), output=run.detail or None,
+                        explanation="the command in [hooks] did not succeed (run by /bin/sh "
+                        "-c; the event's fields are in its environment)")
+    return done
+
+
 def apply_hooks(tap: EventTap, config: DaemonConfig) -> None:
     """A reload's hooks take effect at once: added, changed or removed."""
     if tap.hooks is None:
-        if config.hooks:
-            tap.hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout)
+        if config.hooks and tap.log is not None:
+            tap.hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout,
+                                   on_done=hook_logger(tap.log))
         return
     tap.hooks.commands = {event: cmd for event, cmd in config.hooks if cmd.strip()}
     tap.hooks.timeout = config.hook_timeout
@@ -172,11 +186,11 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     began = time.monotonic()
     open_files = raise_open_files_limit()
     metrics = wanted_metrics(config)
-    hooks = HookRunner(dict(config.hooks), timeout=config.hook_timeout) if config.hooks else None
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
-    tap = EventTap(metrics, hooks, emitter, slurm=build_slurm(config.slurm))
+    tap = EventTap(metrics, None, emitter, slurm=build_slurm(config.slurm))
     log = RecordingLogger(base_log, tap=tap.tell)  # also the daemon's EventSink
     tap.log = log
+    apply_hooks(tap, config)
     notifier = Notifier.from_env()
     proc = ProcReader()
     gpu = build_gpu(config.gpu)

@@ -22,7 +22,7 @@ from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
-from oomguard.model.errors import CgroupGone, CriuError, NoRoom, RestoreFailed, StoreError
+from oomguard.model.errors import CgroupGone, CriuError, NeverFits, NoRoom, RestoreFailed, StoreError
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name
@@ -171,6 +171,12 @@ class Restorer:
         if snap.limit_bytes is None or force:
             return
         need = memory_pages_bytes(self.store, meta.id) + RESTORE_MARGIN
+        if need > snap.limit_bytes:
+            raise NeverFits(
+                f"checkpoint {meta.id} needs {need >> 20} MiB but target cgroup {target.path} "
+                f"is limited to {snap.limit_bytes >> 20} MiB: it can never fit there, waiting "
+                "would not help. Raise the limit, restore with --cgroup into a bigger one, "
+                "or pass --force")
         free = snap.limit_bytes - snap.usage_bytes
         if free < need:
             raise NoRoom(

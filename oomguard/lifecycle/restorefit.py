@@ -9,7 +9,7 @@ from pathlib import Path
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.daemon.guards import CgroupGuard, SystemGuard
-from oomguard.model.errors import NoRoom
+from oomguard.model.errors import NeverFits, NoRoom
 from oomguard.policy.pressure import free_under_threshold, restore_fits
 
 
@@ -44,12 +44,17 @@ def check_fits(checkpoint_id: str, cgroup: MemoryCgroup, snap: MemorySnapshot,
         return
     free = free_under_threshold(snap, guard.threshold) or 0
     assert snap.limit_bytes is not None  # restore_fits is True without a limit
+    figures = (f"cannot restore {checkpoint_id} into {cgroup.path} now: its guard acts at "
+               f"{guard.threshold:.0%} of {_mib(snap.limit_bytes)}, {_mib(max(free, 0))} are "
+               f"free under that, and the checkpoint needs {_mib(image_bytes)} + "
+               f"{_mib(guard.margin)} margin")
+    if image_bytes + guard.margin > int(guard.threshold * snap.limit_bytes):
+        raise NeverFits(f"{figures}, more than that even with nothing else in it (--wait "
+                        "would wait forever). Restore into a bigger cgroup with --cgroup "
+                        "PATH, raise its limit, or pass --force")
     raise NoRoom(
-        f"cannot restore {checkpoint_id} into {cgroup.path} now: its guard acts at "
-        f"{guard.threshold:.0%} of {_mib(snap.limit_bytes)}, {_mib(max(free, 0))} are free "
-        f"under that, and the checkpoint needs {_mib(image_bytes)} + {_mib(guard.margin)} "
-        "margin (it would be checkpointed again at once). Restore into a bigger cgroup with "
-        "--cgroup PATH, wait until it fits with --wait, or pass --force")
+        f"{figures} (it would be checkpointed again at once). Restore into a bigger cgroup "
+        "with --cgroup PATH, wait until it fits with --wait, or pass --force")
 
 
 def daemon_lookup(current: Callable[[], Iterable[CgroupGuard | SystemGuard]]) -> GuardLookup:

@@ -9,13 +9,15 @@ from typing import Any
 
 from oomguard.control.client import ControlError
 from oomguard.control.protocol import ERROR_NO_ROOM
-from oomguard.model.errors import NoRoom, RestoreFailed
+from oomguard.model.errors import NeverFits, NoRoom, RestoreFailed
 
 RETRY_INTERVAL = 2.0  # seconds between two asks while it does not fit
 
 
 def no_room(exc: Exception) -> bool:
     """A refusal for lack of room now (direct: NoRoom; through the daemon: its error name)."""
+    if isinstance(exc, NeverFits):  # larger than the cgroup could ever hold
+        return False
     return isinstance(exc, NoRoom) or (isinstance(exc, ControlError) and exc.name == ERROR_NO_ROOM)
 
 

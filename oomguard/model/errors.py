@@ -75,6 +75,15 @@ class NoRoom(RestoreFailed):
     under its limit); it may have later (`oomguard restore --wait`)."""
 
 
+class NeverFits(NoRoom):
+    """The checkpoint is larger than its target cgroup could ever hold (its limit, or its
+    guard's threshold, with nothing else in it): waiting would not help."""
+
+
+class BadInput(OomguardError):
+    """What the command was given cannot be acted on (exit status 2)."""
+
+
 class StoreError(OomguardError):
     """The checkpoint store cannot do what was asked (unknown id, bad id, unwritable...)."""
 

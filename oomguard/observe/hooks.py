@@ -122,7 +122,8 @@ class HookRunner:
     def __init__(self, commands: Mapping[str, str], timeout: float = 30.0,
                  runner: ProcessFactory = subprocess.Popen, *, base_env: Mapping[str, str] | None = None,
                  max_running: int = 8, keep: int = 50, shell: str = SHELL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_done: Callable[[HookRun], None] | None = None) -> None:
         unknown = sorted(set(commands) - set(EVENTS))
         if unknown:
             raise ValueError(f"unknown hook event(s): {', '.join(unknown)} (known: {', '.join(EVENTS)})")
@@ -137,6 +138,7 @@ class HookRunner:
         self._base_env = base_env
         self._shell = shell
         self._clock = clock
+        self.on_done = on_done  # told of each finished run (the daemon logs it)
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
 
@@ -188,6 +190,9 @@ class HookRunner:
             with self._lock:
                 self.completed.append(run)
                 self._threads.discard(threading.current_thread())
+            if self.on_done is not None:
+                with contextlib.suppress(Exception):
+                    self.on_done(run)
 
     def _execute(self, event: str, command: str, env: dict[str, str], started: float) -> HookRun:
         with tempfile.TemporaryFile() as output:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomguard.model.errors import BadInput
 from oomguard.sense.fdwait import wait_readable
 from oomguard.terminal.attach import (
     CLIENT_SIGNALS,
@@ -66,11 +68,33 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
+class NoNamespace(BadInput):
+    """This process may not make a PID namespace (it lacks CAP_SYS_ADMIN): nothing started."""
+
+
+CAP_SYS_ADMIN = 21
+
+
+def may_make_pid_namespace(status: str | None = None) -> bool:
+    """Whether unshare(CLONE_NEWPID) is allowed here: CAP_SYS_ADMIN in the effective set
+    (/proc/self/status CapEff), asked before anything is started (a terminal's holder)."""
+    try:
+        text = status if status is not None else Path("/proc/self/status").read_text()
+        caps = next(int(line.split()[1], 16) for line in text.splitlines()
+                    if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True  # cannot tell: unshare itself says so
+    return bool(caps >> CAP_SYS_ADMIN & 1)
+
+
 def unshare_pid_namespace() -> None:
     """Our next child becomes PID 1 of a new PID namespace (we stay where we are)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.unshare(CLONE_NEWPID) != 0:
         err = ctypes.get_errno()
+        if err == errno.EPERM:
+            raise NoNamespace("a PID namespace of its own for the job needs root "
+                              "(CAP_SYS_ADMIN); nothing was started")
         raise OSError(err, f"unshare(CLONE_NEWPID): {os.strerror(err)}")
 
 
@@ -105,6 +129,9 @@ class ExecJob:
         if shutil.which(self.command[0]) is None:
             self.say(f"exec: {self.command[0]}: command not found")
             return EXIT_NOT_FOUND
+        if not may_make_pid_namespace():
+            raise NoNamespace("a PID namespace of its own for the job needs root "
+                              "(CAP_SYS_ADMIN); nothing was started")
         tty_fds = [fd for fd in (0, 1, 2) if os.isatty(fd)]
         return self._run_tty(tty_fds) if tty_fds else self._run_plain()
 

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.helpers import REPO, CgroupFactory, kill_pid, read_counts, wait_until
 
@@ -142,3 +143,212 @@ def test_readme_first_ten_minutes_pasted_block_by_block_into_a_terminal(
     assert log.read_text().rstrip().endswith("done"), log.read_text()
     assert re.search(r"^oomguard_checkpoints_total\{[^}]*\} [1-9]", out, re.M), shown
     assert stopped, shown
+
+
+# -- every other example of README.md and config/oomguard.toml, as written ---------------------
+
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+# README's blocks that are not run here, and why (they are run elsewhere, as written).
+NOT_RUN = {"./scripts/setup": "installs system packages and builds CRIU (the machine's set-up)",
+           "./scripts/test": "the whole suite, of which this test is a part",
+           "# 1. A memory cgroup": "the walkthrough: the tests above"}
+CONFIG = REPO / "config" / "oomguard.toml"
+ASSIGNMENT = re.compile(r"^[a-z_0-9]+ = ")
+HEADER = re.compile(r"^\[\[?[a-z_]+\]\]?$")
+
+
+def readme_blocks_of(kind: str) -> list[str]:
+    return [body for lang, body in FENCE.findall((REPO / "README.md").read_text())
+            if lang == kind]
+
+
+def _uncommented(line: str) -> str | None:
+    """`# key = value` / `# [[guard]]` / `# # a note` as the line it stands for; else None."""
+    if not line.startswith("# "):
+        return None
+    rest = line[2:]
+    return rest if ASSIGNMENT.match(rest) or HEADER.match(rest) or rest.startswith("#") \
+        else None
+
+
+def config_examples(text: str) -> dict[str, str]:
+    """The shipped config, and each of its commented examples put in force, one at a time:
+    a commented key of a table in force (replacing the key's value there), or a commented
+    table (a `# [[guard]]` block) appended as written, its notes kept as comments."""
+    lines = text.splitlines()
+    examples = {"as shipped": text}
+    table, block, blocks = "", list[str](), list[list[str]]()
+    for line in lines:
+        example = _uncommented(line)
+        if block and example is None:
+            blocks.append(block)
+            block = []
+        if HEADER.match(line):
+            table = line
+        elif example is not None and HEADER.match(example):
+            block = [example]
+        elif block and example is not None:
+            block.append(example)
+        elif example is not None and ASSIGNMENT.match(example) and table:
+            key = example.split(" = ", 1)[0]
+            end = _table_end(lines, lines.index(table))
+            changed = [other for i, other in enumerate(lines)
+                       if not (lines.index(table) < i < end and other.startswith(f"{key} = "))]
+            changed[changed.index(line)] = example
+            examples[f"{table} {key}"] = "\n".join(changed) + "\n"
+    for number, found in enumerate([*blocks, *([block] if block else [])], 1):
+        examples[f"{found[0]} #{number}"] = text + "\n" + "\n".join(found) + "\n"
+    return examples
+
+
+def _table_end(lines: list[str], start: int) -> int:
+    return next((i for i in range(start + 1, len(lines)) if HEADER.match(lines[i])), len(lines))
+
+
+def config_moved(text: str, tmp_path: Path, cgroup: Path) -> str:
+    """A config example with its paths in `tmp_path` and its cgroups the test's."""
+    for old, new in {"/var/lib/oomguard": str(tmp_path / "store"),
+                     "/run/oomguard/control.sock": str(tmp_path / "control.sock"),
+                     "/sys/fs/cgroup/memory/jobs/build": str(cgroup),
+                     "/sys/fs/cgroup/user.slice": str(cgroup),
+                     "/run/systemd/oomd.prekill.hook": str(tmp_path / "prekill")}.items():
+        text = text.replace(old, new)
+    return text
+
+
+def test_every_example_of_the_shipped_config_loads(cgroups: CgroupFactory,
+                                                   tmp_path: Path) -> None:
+    """config/oomguard.toml (the embedded default) as shipped and with each commented example
+    put in force, one at a time: `oomguard check-config` accepts every one."""
+    build = cgroups.make("build", 256 * 1024 * 1024)
+    examples = config_examples(CONFIG.read_text())
+    assert {"[hooks] on_checkpoint", "[daemon] oomd_prekill_dir"} <= set(examples)
+    assert sum(name.startswith("[[guard]]") for name in examples) == 2
+    for number, (name, text) in enumerate(examples.items()):
+        path = tmp_path / f"example-{number}.toml"
+        path.write_text(config_moved(text, tmp_path, build.path))
+        result = subprocess.run([sys.executable, "-m", "oomguard", "check-config", str(path)],
+                                capture_output=True, text=True, timeout=60, cwd=REPO,
+                                stdin=subprocess.DEVNULL)
+        assert result.returncode == 0, (name, result.stdout, result.stderr)
+        assert f"{path}: OK" in result.stdout and "Traceback" not in result.stderr, name
+
+
+def synopsis_forms(block: str) -> dict[str, tuple[list[str], list[str]]]:
+    """README's synopsis: per subcommand its shortest form (every [option] left out) and its
+    longest (every one given; `A|B`: A), as argv after `oomguard`, placeholders kept."""
+    forms = {}
+    for line in block.splitlines():
+        command = line.split("  #", 1)[0].strip()
+        assert command.startswith("oomguard "), line
+        shortest = command
+        while re.search(r"\[[^\[\]]*\]", shortest):
+            shortest = re.sub(r"\[[^\[\]]*\]", "", shortest)
+        longest = command.replace("[", " ").replace("]", " ")
+        words = [[w.split("|")[0] for w in form.split()[1:] if w != "..."]
+                 for form in (shortest, longest)]
+        forms[words[0][0]] = (words[0], words[1])
+    return forms
+
+
+def test_readme_examples_as_written(cgroups: CgroupFactory, tmp_path: Path) -> None:
+    """Every fenced block of README.md is run (but the machine's set-up, the whole suite and
+    the walkthrough above): `.venv/bin/oomguard run` on the default config, and each line of
+    the synopsis in its shortest and its longest form against a daemon started by its `run`
+    line, with the shipped config's example hook in force (it runs, and succeeds)."""
+    blocks = readme_blocks_of("sh")
+    synopsis = [b for b in blocks if b.startswith("oomguard run --cgroup")]
+    assert len(synopsis) == 1
+    others = [b for b in blocks if b not in synopsis]
+    assert others and all(any(b.startswith(k) for k in NOT_RUN) or b.strip() ==
+                          ".venv/bin/oomguard run" for b in others), others
+    build = cgroups.make("build", 256 * 1024 * 1024)
+    bigger = cgroups.make("bigger", 768 * 1024 * 1024)
+    config = tmp_path / "oomguard.toml"
+    config.write_text(config_moved(config_examples(CONFIG.read_text())["[hooks] on_checkpoint"],
+                                   tmp_path, build.path))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "OOMGUARD_CONFIG": str(config)}
+    env.pop("OOMGUARD_SOCKET", None)
+
+    # `.venv/bin/oomguard run` (as README's "Set up, test, run" has it): idles, stops cleanly.
+    idle_log = tmp_path / "idle.log"
+    with open(idle_log, "wb") as out:
+        idle = subprocess.Popen(["bash", "-c", "exec .venv/bin/oomguard run"], cwd=REPO,
+                                env={**env, "OOMGUARD_CONFIG": str(tmp_path / "idle.toml")},
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    (tmp_path / "idle.toml").write_text(config_moved(CONFIG.read_text(), tmp_path / "i",
+                                                     build.path))
+    try:
+        assert wait_until(lambda: "guard.ready" in idle_log.read_text(), 60), \
+            idle_log.read_text()
+    finally:
+        idle.terminate()
+        assert idle.wait(timeout=30) == 0, idle_log.read_text()[-2000:]
+
+    forms = synopsis_forms(synopsis[0])
+    values = {"/sys/fs/cgroup/memory/jobs/build": str(build.path), "PATH": str(build.path),
+              "/sys/fs/cgroup/memory/jobs/bigger": str(bigger.path), "CMD": "true",
+              "FILE": str(config)}
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def argv(form: list[str], **more: str) -> list[str]:
+        return ["oomguard", *[{**values, **more}.get(w, w) for w in form]]
+
+    def run(form: list[str], status: int = 0, **more: str) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(argv(form, **more), capture_output=True, text=True, env=env,
+                                timeout=180, cwd=work, stdin=subprocess.DEVNULL)
+        assert "Traceback" not in result.stderr, (form, result.stderr)
+        assert result.returncode == status, (form, result.returncode, result.stdout,
+                                             result.stderr)
+        return result
+
+    shortest, longest = {k: v[0] for k, v in forms.items()}, {k: v[1] for k, v in forms.items()}
+    assert shortest["run"] == longest["run"]
+    daemon_log = tmp_path / "daemon.log"
+    restored: list[int] = []
+    with open(daemon_log, "wb") as out:
+        guard = subprocess.Popen(argv(longest["run"]), cwd=work, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    hog_log = tmp_path / "hog.log"
+    hog = start_in_cgroup_log(build.path, hog_log)
+    try:
+        assert wait_until(lambda: "guard.ready" in daemon_log.read_text(), 60), \
+            daemon_log.read_text()
+        assert wait_until(lambda: read_counts(hog_log)[-1:] > [10], 30)
+        first = run(shortest["checkpoint"], PID=str(hog.pid)).stdout.strip()
+        assert wait_until(lambda: "hook.done" in daemon_log.read_text()
+                          or "hook.failed" in daemon_log.read_text(), 30)
+        assert "hook.failed" not in daemon_log.read_text(), daemon_log.read_text()[-3000:]
+        hog.wait(timeout=10)
+        for verb in ("list", "show"):
+            for form in (shortest[verb], longest[verb]):
+                assert first in run(form, ID=first).stdout
+        restored.append(int(run(shortest["restore"], ID=first).stdout.split()[0]))
+        second = run(shortest["checkpoint"], PID=str(restored[-1])).stdout.strip()
+        restored.append(int(run(longest["restore"], ID=second).stdout.split()[0]))
+        assert restored[-1] in [int(p) for p in (bigger.path / "cgroup.procs").read_text()
+                                .split()]
+        for form in (shortest["attach"], longest["attach"]):  # no terminal: said so
+            refused = run(form, status=1, ID=second)
+            assert refused.stderr.strip().count("\n") == 0 and "no terminal" in refused.stderr
+        run(shortest["forget"], ID=first)
+        for verb in ("exec", "status", "doctor", "check-config"):
+            for form in (shortest[verb], longest[verb]):
+                run(form)
+        assert set(forms) == {"run", "list", "show", "restore", "attach", "checkpoint",
+                              "forget", "exec", "status", "doctor", "check-config"}
+    finally:
+        for pid in [hog.pid, *restored]:
+            kill_pid(pid)
+        guard.terminate()
+        assert guard.wait(timeout=60) == 0, daemon_log.read_text()[-3000:]
+
+
+def start_in_cgroup_log(cgroup: Path, log: Path) -> subprocess.Popen[bytes]:
+    """A small counting hog (32 MiB) in `cgroup`, as tests.helpers starts one."""
+    from tests.helpers import hog_argv, start_in_cgroup
+
+    return start_in_cgroup(SimpleNamespace(path=cgroup),  # type: ignore[arg-type]
+                           hog_argv(log, target=32, rate=200, count=100_000))

@@ -326,6 +326,7 @@ def test_cli_check_config_shipped() -> None:
 @pytest.mark.parametrize("bad_id", ["../etc", "a/b", ".partial-x"])
 def test_cli_restore_invalid_id(tmp_path: Path, bad_id: str) -> None:
     store = tmp_path / "store"
+    store.mkdir()  # (a store that is not there is refused before the id is read)
     result = _oomguard("--store", str(store), "restore", bad_id)
     assert result.returncode != 0
     if os.geteuid() == 0:
@@ -333,7 +334,7 @@ def test_cli_restore_invalid_id(tmp_path: Path, bad_id: str) -> None:
         assert result.stderr.strip().endswith(f"oomguard: invalid checkpoint id {bad_id!r}")
     else:
         assert "needs root" in result.stderr
-    assert not store.exists()  # nothing created on the way
+    assert not list(store.iterdir())  # nothing created on the way
 
 
 # -- values that parse but would break the daemon at run time -------------------------------------
