@@ -220,8 +220,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         backend.close()
     if isinstance(backend, LocalBackend) and args.store is None:  # said: scripts read stdout
         config = _base_config(args)
-        print(f"oomguard: no daemon answers on {args.socket or config.socket}: the store "
-              f"{config.store} as read directly", file=sys.stderr)
+        print(f"oomguard: no daemon answers on {args.socket or config.socket}: listing the "
+              f"store {config.store} directly", file=sys.stderr)
     metas = listing["checkpoints"]
     for bad in listing.get("skipped") or []:
         print(f"oomguard: warning: store entry {bad['entry']} skipped: {bad['reason']}",

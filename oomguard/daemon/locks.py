@@ -162,8 +162,13 @@ def held_for(config: DaemonConfig, layout: CgroupLayout) -> Iterator[DaemonLocks
     """The daemon's locks, taken before anything else it does, let go when it ends."""
     locks = DaemonLocks()
     try:
-        locks.take_cgroups(cgroup_keys(config, layout))  # first: no store is made for a refusal
-        locks.take_store(config.store)
+        try:
+            locks.take_cgroups(cgroup_keys(config, layout))  # first: no store made for a refusal
+            locks.take_store(config.store)
+        except OSError as exc:  # a read-only /run, a store path through a file
+            raise OomguardError(f"cannot take the daemon's lock in "
+                                f"{exc.filename or locks.lock_dir}: {exc.strerror or exc}"
+                                ) from None
         yield locks
     finally:
         locks.release()

@@ -89,6 +89,19 @@ def test_no_restore_straight_back_into_the_pressure(cgroups: CgroupFactory, stor
         failed = guard.wait_event("restore.failed", count=2)
         assert all(e["id"] == checkpoint_id and "its guard acts" in e["error"] for e in failed)
 
+        # It could never fit there (352 + 64 MiB over 85% of 400 MiB): --wait does not wait
+        # (issue 26, item 11).
+        never = cli(guard.socket, "restore", checkpoint_id, "--wait", "--timeout", "60s")
+        assert never.returncode == 1, never.stderr
+        assert "even with nothing else in it" in never.stderr
+        assert "waiting until it fits" not in never.stderr
+
+        # Room it fits into, taken for now by another job: --wait waits (and gives up at its
+        # timeout), then restores it once that job has gone.
+        cg.set_limit(1024 * MiB)
+        filler_log = tmp_path / "filler.log"
+        filler = start_in_cgroup(cg, hog_argv(filler_log, target=600, rate=400, count=100_000))
+        assert wait_until(lambda: _held(filler_log) >= 600, 60), filler_log.read_text()[-200:]
         gave_up = cli(guard.socket, "restore", checkpoint_id, "--wait", "--timeout", "2s")
         assert gave_up.returncode == 1
         assert "waiting until it fits (Ctrl-C to give up, at most 2s)" in gave_up.stderr
@@ -105,7 +118,8 @@ def test_no_restore_straight_back_into_the_pressure(cgroups: CgroupFactory, stor
         try:
             time.sleep(3)  # still refused: nothing changed
             assert waiting.poll() is None and not guard.events("restore.done")
-            cg.set_limit(1024 * MiB)
+            kill_pid(filler.pid)
+            filler.wait(timeout=30)
             out, err = waiting.communicate(timeout=150)
             assert waiting.returncode == 0, err
             assert "waiting until it fits" in err
@@ -118,8 +132,16 @@ def test_no_restore_straight_back_into_the_pressure(cgroups: CgroupFactory, stor
         finally:
             if waiting.poll() is None:
                 waiting.kill()
+            kill_pid(filler.pid)
             if pid is not None:
                 kill_pid(pid)
+
+
+def _held(log: Path) -> int:
+    """MiB a hog holds, from its last full line ("COUNT MiB")."""
+    lines = log.read_text().splitlines()[:-1] if log.exists() else []
+    fields = lines[-1].split() if lines else []
+    return int(fields[1]) if len(fields) == 2 and fields[1].isdigit() else 0
 
 
 def test_a_script_cannot_checkpoint_its_own_parent_tree(cgroups: CgroupFactory, store: Path,
@@ -286,8 +308,9 @@ def test_a_daemon_restarted_meanwhile_still_records_the_exit(cgroups: CgroupFact
 
 def test_direct_restore_waits_for_room_under_the_limit(cgroups: CgroupFactory, store: Path,
                                                        tmp_path: Path) -> None:
-    """Without a daemon (--store) the check is the limit's: a restore that does not fit is
-    refused with the ways out, and --wait restores once the limit is raised."""
+    """Without a daemon (--store) the check is the limit's: a checkpoint larger than the
+    limit is refused at once, --wait or not (issue 26, item 11); one that does not fit now is
+    refused with the ways out, and --wait restores it once the room is there."""
     cg = cgroups.make("direct", 512 * MiB)
     log = tmp_path / "hog.log"
     hog = start_in_cgroup(cg, hog_argv(log, target=160, rate=400, count=100_000))
@@ -302,6 +325,16 @@ def test_direct_restore_waits_for_room_under_the_limit(cgroups: CgroupFactory, s
     cg.set_limit(128 * MiB)
     direct = [sys.executable, "-m", "oomguard", "--store", str(store), "--log-format", "json",
               "restore", checkpoint_id]
+    for never in (direct, [*direct, "--wait", "--timeout", "120s"]):
+        refused = subprocess.run(never, capture_output=True, text=True, timeout=60,
+                                 cwd=REPO, stdin=subprocess.DEVNULL)
+        assert refused.returncode == 1, refused.stderr
+        assert "limited to 128 MiB" in refused.stderr and "never fit" in refused.stderr
+        assert "waiting until it fits" not in refused.stderr
+    cg.set_limit(512 * MiB)
+    filler_log = tmp_path / "filler.log"
+    filler = start_in_cgroup(cg, hog_argv(filler_log, target=400, rate=400, count=100_000))
+    assert wait_until(lambda: _held(filler_log) >= 400, 60), filler_log.read_text()[-200:]
     refused = subprocess.run(direct, capture_output=True, text=True, timeout=120, cwd=REPO,
                              stdin=subprocess.DEVNULL)
     assert refused.returncode == 1
@@ -312,7 +345,8 @@ def test_direct_restore_waits_for_room_under_the_limit(cgroups: CgroupFactory, s
     pid = None
     try:
         assert wait_until(lambda: waiting.poll() is not None, 3) is False  # still waiting
-        cg.set_limit(512 * MiB)
+        kill_pid(filler.pid)
+        filler.wait(timeout=30)
         out, err = waiting.communicate(timeout=150)
         assert waiting.returncode == 0, err
         assert "waiting until it fits" in err
@@ -324,6 +358,7 @@ def test_direct_restore_waits_for_room_under_the_limit(cgroups: CgroupFactory, s
     finally:
         if waiting.poll() is None:
             waiting.kill()
+        kill_pid(filler.pid)
         if pid is not None:
             kill_pid(pid)
 
