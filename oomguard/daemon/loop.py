@@ -259,7 +259,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             self.log.error("config.rejected", source=source, issues=issues,
                            explanation="the running rules stay in force")
             return
-        except OomguardError as exc:  # LockHeld: another daemon guards one of its cgroups
+        except (OomguardError, OSError) as exc:  # LockHeld: another daemon guards one of them
             self.log.error("config.rejected", source=source, issues=[str(exc)],
                            explanation="the running rules stay in force")
             return

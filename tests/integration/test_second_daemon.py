@@ -139,3 +139,32 @@ def test_the_locks_go_with_the_daemon(cgroups: CgroupFactory, store: Path,
         assert len(held) == 1 and str(cg.path) in held[0].read_text()
         assert (store / ".daemon.lock").read_text().split()[0] == str(second.handle.pid)
     assert not held[0].exists() and not (store / ".daemon.lock").exists()
+
+
+def test_a_reload_that_would_take_another_daemons_cgroup_is_rejected(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Two daemons, two stores, two cgroups; the second's config gains the first's cgroup and
+    it is told to reload: rejected (config.rejected names the first's PID), its own rule
+    stays, and the first's cgroup keeps its settings."""
+    mine, theirs = cgroups.make("mine", 256 * MiB), cgroups.make("theirs", 256 * MiB)
+    config = tmp_path / "second.toml"
+    config.write_text(f'[[guard]]\ncgroups = ["{mine.path}"]\n')
+    with daemon(store, tmp_path / "first.log", "--cgroup", str(theirs.path)) as first, \
+            daemon(tmp_path / "second-store", tmp_path / "second.log", "--config",
+                   str(config)) as second:
+        first.wait_event("guard.ready", timeout=60)
+        second.wait_event("guard.ready", timeout=60)
+        settings = _settings(theirs)
+        config.write_text(f'[[guard]]\ncgroups = ["{mine.path}", "{theirs.path}"]\n')
+        second.handle.send_signal(signal.SIGHUP)
+        rejected = second.wait_event("config.rejected", timeout=20)[0]
+        assert any(f"pid {first.handle.pid}" in issue and str(theirs.path) in issue
+                   for issue in rejected["issues"]), rejected
+        assert not second.events("config.reloaded")
+        assert _settings(theirs) == settings
+        assert [e["cgroup"] for e in second.events("guard.armed")] == [str(mine.path)]
+        # Without the other's cgroup the same reload goes through.
+        config.write_text(f'[[guard]]\ncgroups = ["{mine.path}"]\nthreshold = "80%"\n')
+        second.handle.send_signal(signal.SIGHUP)
+        second.wait_event("config.reloaded", timeout=20)
+        assert first.handle.poll() is None and second.handle.poll() is None
