@@ -43,11 +43,10 @@ from oomguard.control.protocol import (
     reply,
 )
 from oomguard.control.quietserve import QuietServing
-from oomguard.control.service import PermissionDenied, Service
+from oomguard.control.service import ROOT, PermissionDenied, Service
 from oomguard.control.verbs import VERBS, Caller
 from oomguard.model.errors import AmbiguousId, CheckpointFailed, NoRoom, OomguardError, StoreError
 
-ROOT = 0
 # Calls that change something are always logged; the others (Status, List, GetInfo...) at
 # most ROUTINE_LINES a minute per uid, the next line saying how many went unlogged.
 ACTING = frozenset({"Checkpoint", "Restore", "Forget", "GpuResume"})
@@ -250,7 +249,7 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         allowed, suppressed = self.quiet.allow(("rate", uid))
         if allowed:
             self.note("control.rate_limited", uid=uid, pid=pid, rate=self.rate.rate,
-                      held_before=suppressed or None,
+                      suppressed=suppressed or None,
                       explanation=f"uid {uid} calls more than {self.rate.rate:g} times a "
                       "second: its calls are answered at that rate")
         time.sleep(wait)
