@@ -65,6 +65,7 @@ class CheckpointTimings:
     dump_s: float
     commit_s: float
     total_s: float
+    holders_s: float = 0.0  # of dump_s: waiting for terminal holders to answer `dumping`
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,8 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 self.ledger.clear(pids + list(tree.pids) + left)
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
-                                    commit_s=done - dumped_at, total_s=done - start)
+                                    commit_s=done - dumped_at, total_s=done - start,
+                                    holders_s=terminals.told_in)
         return CheckpointResult(meta=meta, path=path, timings=timings)
 
     def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:

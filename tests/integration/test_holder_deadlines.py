@@ -179,7 +179,8 @@ def test_a_trickling_holder_socket_holds_a_checkpoint_no_longer_than_its_deadlin
             # deadline: not held for the trickle.
             held = [json.loads(line)["held"] for line in _lines(trickler, 2, 30)]
             assert all(h <= NOTIFY_DEADLINE + 1.0 * EMULATION_FACTOR for h in held), held
-            assert done["dump_s"] < 20, done
+            # And the dump waited for it (the room lifted) no longer than its deadline.
+            assert done["holders_s"] <= NOTIFY_DEADLINE + 0.2 + 0.3 * EMULATION_FACTOR, done
     finally:
         if job is not None and job.poll() is None:
             kill_pid(job.pid)
