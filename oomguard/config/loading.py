@@ -34,6 +34,7 @@ from oomguard.config.values import (
     SIZE_OR_SHARE,
     ConfigReader,
     boolean,
+    call_rate_value,
     cgroup_list,
     choice,
     factor,
@@ -86,6 +87,10 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     dry_run = read.take(daemon, "daemon.", "dry_run", boolean, base.dry_run)
     nice = read.take(daemon, "daemon.", "nice", niceness, base.nice)
     socket = read.take(daemon, "daemon.", "socket", lambda v: Path(nonempty_str(v)), base.socket)
+    idle = read.take(daemon, "daemon.", "control_idle_timeout", POSITIVE_DURATION,
+                     base.control_idle_timeout)
+    call_rate = read.take(daemon, "daemon.", "control_call_rate", call_rate_value,
+                          base.control_call_rate)
     max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_OR_NONE, base.store_max_size)
     max_age = read.take(daemon, "daemon.", "store_max_age", DURATION_OR_NONE, base.store_max_age)
     textfile = read.take(daemon, "daemon.", "metrics_textfile_dir",
@@ -173,7 +178,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     if issues:
         raise ConfigError(issues)
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
-                        dry_run=dry_run, nice=nice, socket=socket, store_max_size=max_size,
+                        dry_run=dry_run, nice=nice, socket=socket, control_idle_timeout=idle,
+                        control_call_rate=call_rate, store_max_size=max_size,
                         store_max_age=max_age, metrics_textfile_dir=textfile, metrics_port=metrics_port,
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),

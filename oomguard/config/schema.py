@@ -113,6 +113,8 @@ class DaemonConfig:
     dry_run: bool = False
     nice: int = -10  # the threads from a crossing to SIGSTOP (priority.py); 0: untouched
     socket: Path = Path("/run/oomguard/control.sock")
+    control_idle_timeout: float = 30.0  # a connection that starts no request for this long: closed
+    control_call_rate: float = 20.0  # calls a second per non-root uid; beyond it they wait
     store_max_size: int | None = None  # size budget of the store; None: no budget
     store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go
     metrics_textfile_dir: Path | None = None  # node_exporter textfile collector directory

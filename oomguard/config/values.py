@@ -214,6 +214,13 @@ def factor(value: Any) -> float:
     return float(value)
 
 
+def call_rate_value(value: Any) -> float:
+    """Control calls a second per user: 1 to 10000."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 1 <= value <= 10000:
+        raise ValueError(f"expected calls a second from 1 to 10000, got {value!r}")
+    return float(value)
+
+
 def zstd_level(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 19:
         raise ValueError(f"expected a zstd level from 1 to 19, got {value!r}")

@@ -1,5 +1,6 @@
 """What keeps the control socket from being turned against the daemon: a bound on concurrent
-connections (per uid and in all), and a throttle on logging rejected requests."""
+connections (per uid, in all, and a reserve only root may take), a rate of calls per uid (a
+token bucket), and a throttle on logging."""
 
 from __future__ import annotations
 
@@ -11,27 +12,39 @@ from dataclasses import dataclass, field
 
 MAX_CONNECTIONS = 64  # in all: each is a thread in the daemon
 MAX_PER_UID = 8  # one user cannot take every slot
+ROOT_RESERVE = 8  # of MAX_CONNECTIONS, only uid 0 may take these: users never lock root out
 REQUEST_DEADLINE = 10.0  # a request's bytes must all arrive within this, from its first one
-IDLE_TIMEOUT = 120.0  # a client that starts no request for this long is dropped
+IDLE_TIMEOUT = 30.0  # a client that starts no request for this long is dropped (configurable)
+CALL_RATE = 20.0  # calls a second, sustained, per non-root uid (configurable); beyond: delayed
+CALL_BURST = 40  # calls a uid may make at once before the rate applies
 MAX_BAD_REQUESTS = 8  # malformed requests on one connection before it is closed
 
 
 class ConnectionLimiter:
     """Counts open connections; `admit(uid)` says why one is refused, or None (then counted
-    until `release(uid)`)."""
+    until `release(uid)`). Root (uid 0) has no share of its own but `reserve` of the `total`
+    slots that no other uid may take."""
 
-    def __init__(self, total: int = MAX_CONNECTIONS, per_uid: int = MAX_PER_UID) -> None:
+    def __init__(self, total: int = MAX_CONNECTIONS, per_uid: int = MAX_PER_UID,
+                 reserve: int = ROOT_RESERVE) -> None:
         self.total = total
         self.per_uid = per_uid
+        self.reserve = min(reserve, total)
         self._open: Counter[int] = Counter()
         self._lock = threading.Lock()
 
     def admit(self, uid: int) -> str | None:
         with self._lock:
-            if self._open[uid] >= self.per_uid:
-                return (f"too many connections from uid {uid} ({self.per_uid} open at most): "
-                        "close one and try again")
-            if sum(self._open.values()) >= self.total:
+            everyone = sum(self._open.values())
+            if uid != 0:
+                if self._open[uid] >= self.per_uid:
+                    return (f"too many connections from uid {uid} ({self.per_uid} open at "
+                            "most): close one and try again")
+                users = everyone - self._open[0]
+                if users >= self.total - self.reserve:
+                    return (f"the daemon is serving {users} connections of users, their most "
+                            f"({self.reserve} more are kept for root): try again later")
+            if everyone >= self.total:
                 return f"the daemon is serving {self.total} connections, its most: try again"
             self._open[uid] += 1
             return None
@@ -69,3 +82,31 @@ class LogThrottle:
                 return True, suppressed
             self._state[key] = (start, logged, suppressed + 1)
             return False, 0
+
+
+@dataclass
+class CallRate:
+    """A token bucket per uid: `burst` calls at once, then `rate` a second. `delay(uid)` takes
+    a call's token and says how long that call must wait for it (0.0: at once); the waits of
+    calls made meanwhile queue up behind it."""
+
+    rate: float = CALL_RATE
+    burst: float = CALL_BURST
+    clock: Callable[[], float] = time.monotonic
+    _buckets: dict[int, tuple[float, float]] = field(default_factory=dict)  # (tokens, at)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def delay(self, uid: int) -> float:
+        now = self.clock()
+        with self._lock:
+            tokens, at = self._buckets.get(uid, (float(self.burst), now))
+            tokens = min(float(self.burst), tokens + (now - at) * self.rate) - 1.0
+            self._buckets[uid] = (tokens, now)
+            if len(self._buckets) > 4096:  # uids long since full again: forgotten
+                self._forget_full(now)
+        return 0.0 if tokens >= 0 else -tokens / self.rate
+
+    def _forget_full(self, now: float) -> None:
+        for uid, (tokens, at) in list(self._buckets.items()):
+            if tokens + (now - at) * self.rate >= self.burst:
+                del self._buckets[uid]

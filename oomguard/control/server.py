@@ -16,9 +16,11 @@ from typing import Any
 
 from oomguard import __version__
 from oomguard.control.limits import (
+    CALL_RATE,
     IDLE_TIMEOUT,
     MAX_BAD_REQUESTS,
     REQUEST_DEADLINE,
+    CallRate,
     ConnectionLimiter,
     LogThrottle,
 )
@@ -41,7 +43,7 @@ from oomguard.control.protocol import (
     reply,
 )
 from oomguard.control.quietserve import QuietServing
-from oomguard.control.service import PermissionDenied, Service
+from oomguard.control.service import ROOT, PermissionDenied, Service
 from oomguard.control.verbs import VERBS, Caller
 from oomguard.model.errors import (
     AmbiguousId,
@@ -51,6 +53,11 @@ from oomguard.model.errors import (
     OomguardError,
     StoreError,
 )
+
+# Calls that change something are always logged; the others (Status, List, GetInfo...) at
+# most ROUTINE_LINES a minute per uid, the next line saying how many went unlogged.
+ACTING = frozenset({"Checkpoint", "Restore", "Forget", "GpuResume"})
+ROUTINE_LINES = 10
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -107,20 +114,22 @@ class _Handler(socketserver.BaseRequestHandler):
         frames = FrameBuffer()
         pending_since: float | None = None  # when the first byte of an unfinished request came
         bad = 0
+        idle = self.server.idle_timeout
+        deadline = min(REQUEST_DEADLINE, idle)
         while True:
             now = time.monotonic()
-            wait = IDLE_TIMEOUT if pending_since is None else \
-                pending_since + REQUEST_DEADLINE - now
+            wait = idle if pending_since is None else pending_since + deadline - now
             if wait <= 0:
                 self._refuse(sock, pid, uid, f"request not completed within "
-                             f"{REQUEST_DEADLINE:.0f}s: connection closed")
+                             f"{deadline:g}s: connection closed")
                 return
             sock.settimeout(wait)
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:
-                if pending_since is None:
-                    return  # idle for IDLE_TIMEOUT: dropped
+                if pending_since is None:  # idle for the idle timeout: dropped
+                    self.server.note_idle(uid=uid, pid=pid)
+                    return
                 continue  # a request past its deadline: refused at the top of the loop
             except OSError:
                 return
@@ -136,6 +145,7 @@ class _Handler(socketserver.BaseRequestHandler):
             elif calls or pending_since is None:
                 pending_since = time.monotonic()
             for raw in calls:
+                self.server.pace(uid, pid)
                 method, message = self.server.dispatcher(self.server.service, raw, uid, pid)
                 failed = message.get("error")
                 if failed == ERROR_INVALID:
@@ -169,8 +179,10 @@ def _answers(path: Path) -> bool:
 
 
 class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """One thread per connection, at most MAX_CONNECTIONS (MAX_PER_UID per user); a request
-    must arrive whole within REQUEST_DEADLINE; rejected requests are logged at a bounded rate."""
+    """One thread per connection, at most MAX_CONNECTIONS (MAX_PER_UID per user, ROOT_RESERVE
+    for root alone); a request must arrive whole within REQUEST_DEADLINE, a connection that
+    starts none for `idle_timeout` is closed; a user's calls beyond `call_rate` a second wait
+    their turn; what is logged of calls and rejections is bounded per uid."""
 
     daemon_threads = True
     request_queue_size = 64
@@ -179,13 +191,18 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                  note: Callable[..., None] | None = None,
                  dispatcher: Callable[[Service, bytes, int, int],
                                       tuple[str, dict[str, Any]]] = dispatch,
-                 mode: int = 0o666) -> None:
+                 mode: int = 0o666, idle_timeout: float = IDLE_TIMEOUT,
+                 call_rate: float = CALL_RATE) -> None:
         self.service = service
+        self.idle_timeout = idle_timeout
         self.dispatcher = dispatcher
         self.path = path
         self.note = note or (lambda *args, **kwargs: None)
         self.limiter = ConnectionLimiter()
         self.throttle = LogThrottle()
+        self.rate = CallRate(rate=call_rate, burst=max(call_rate * 2, 1.0))
+        self.quiet = LogThrottle(burst=1, window=60.0)  # once a minute per uid and kind
+        self.routine = LogThrottle(burst=ROUTINE_LINES, window=60.0)
         self._peers: dict[int, tuple[int, int]] = {}  # id(socket) -> (pid, uid), admitted ones
         self._peers_lock = threading.Lock()
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -230,10 +247,33 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         with self._peers_lock:
             return self._peers[id(sock)]
 
+    def pace(self, uid: int, pid: int) -> None:
+        """Before a call of a user's is served: its turn under the user's rate (root's calls
+        are never held). Being held is logged once a minute per uid, not per call."""
+        if uid == ROOT:
+            return
+        wait = self.rate.delay(uid)
+        if wait <= 0:
+            return
+        allowed, suppressed = self.quiet.allow(("rate", uid))
+        if allowed:
+            self.note("control.rate_limited", uid=uid, pid=pid, rate=self.rate.rate,
+                      suppressed=suppressed or None,
+                      explanation=f"uid {uid} calls more than {self.rate.rate:g} times a "
+                      "second: its calls are answered at that rate")
+        time.sleep(wait)
+
     def note_call(self, *, uid: int, pid: int, method: str, error: object) -> None:
-        """Every successful call is logged; failed ones at a bounded rate per uid."""
+        """Calls that act are all logged; routine ones and failed ones at a bounded rate per
+        uid (`suppressed`: how many went unlogged since the last line)."""
         if error is None:
-            self.note("control.call", uid=uid, pid=pid, method=method, error=None)
+            if method in ACTING:
+                self.note("control.call", uid=uid, pid=pid, method=method, error=None)
+                return
+            allowed, suppressed = self.routine.allow(("ok", uid))
+            if allowed:
+                self.note("control.call", uid=uid, pid=pid, method=method, error=None,
+                          suppressed=suppressed or None)
             return
         allowed, suppressed = self.throttle.allow(("call", uid))
         if allowed:
@@ -245,6 +285,14 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         if allowed:
             self.note("control.rejected", uid=uid, pid=pid, error=error,
                       suppressed=suppressed or None)
+
+    def note_idle(self, *, uid: int, pid: int) -> None:
+        allowed, suppressed = self.quiet.allow(("idle", uid))
+        if allowed:
+            self.note("control.idle_closed", uid=uid, pid=pid, idle_s=self.idle_timeout,
+                      suppressed=suppressed or None,
+                      explanation="a connection that starts no request for this long is "
+                      "closed (daemon.control_idle_timeout)")
 
     def start(self) -> None:
         self._serving = QuietServing(self, "oomguard-control")

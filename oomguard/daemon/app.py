@@ -239,7 +239,9 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         service.on_event = log.warning
         service.guard_of = daemon_lookup(lambda: daemon.guards)
         service.prefs_of = daemon.preferences_for
-        server = ControlServer(config.socket, service, note=log.info)
+        server = ControlServer(config.socket, service, note=log.info,
+                               idle_timeout=config.control_idle_timeout,
+                               call_rate=config.control_call_rate)
         server.start()
     except OSError as exc:
         log.warning("control.unavailable", socket=str(config.socket), error=str(exc),

@@ -65,6 +65,7 @@ class CheckpointTimings:
     dump_s: float
     commit_s: float
     total_s: float
+    holders_s: float = 0.0  # of dump_s: waiting for terminal holders to answer `dumping`
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ class Checkpointer:
             meta.pids = list(pids)
             terminals = DumpTerminals.of(self.proc.root, pids, tree.root.uid)
             terminals.record(meta.extra)
+            terminals.start_dumping(checkpoint_id)  # answered (or not) while the dump is prepared
             meta.stopped_nspids = self._ns_pids(frozen.user_stopped)
             if hold is not None:
                 meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
@@ -260,7 +262,7 @@ class Checkpointer:
                 packer = self._packer(images)
                 digester = ImageDigester.following(images, self.store.algorithm,
                                                    drop_behind=packer is None)
-                terminals.dumping(checkpoint_id)
+                terminals.dumping_told()
                 try:
                     self.criu.dump(tree.root.pid, images, hook, lock_fd,
                                    terminals.dump_args(), env=digester.env())
@@ -285,14 +287,16 @@ class Checkpointer:
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
             if dumped:
                 # Never deleted: the partial stays, listed as incomplete, completed at the next
-                # start (or restore) once the store can take the commit.
+                # start (or restore) once the store can take the commit. The tree is gone: the
+                # room lifted for it is put back before its holders are told.
+                self._put_back_room(undo_limit, others)
+                undo_limit, others = None, Held()
                 terminals.committed(checkpoint_id, tree.root.command, tree.root.pid)
                 raise CheckpointFailed(
                     f"checkpoint of {tree.root.pid}: the process was dumped and is gone, but "
                     f"the commit failed ({exc}); its images are intact and it is listed as "
                     f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
                     "or when restored", OUTCOME_INCOMPLETE) from exc
-            terminals.failed()
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)
@@ -300,6 +304,7 @@ class Checkpointer:
                 with contextlib.suppress(OSError, CgroupGone):
                     undo_limit()
                 undo_limit = None
+            terminals.failed()  # the limit is back: a holder slow to answer holds nothing
             outcome = self._thaw_after_failure(frozen)
             gpu_note = ""
             if hold is not None and hold.suspended and outcome == FailedCheckpoint.THAWED and self.gpu:
@@ -319,7 +324,8 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 self.ledger.clear(pids + list(tree.pids) + left)
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
-                                    commit_s=done - dumped_at, total_s=done - start)
+                                    commit_s=done - dumped_at, total_s=done - start,
+                                    holders_s=terminals.told_in)
         return CheckpointResult(meta=meta, path=path, timings=timings)
 
     def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:

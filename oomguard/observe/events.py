@@ -142,11 +142,13 @@ class CheckpointDone:
                     "command": meta.command, **job_of(meta), "requested_by": self.requested_by,
                     "restore": restore_command(meta.id), "seconds": round(t.total_s, 3),
                     "freeze_s": round(t.freeze_s, 4), "dump_s": round(t.dump_s, 4),
-                    "commit_s": round(t.commit_s, 4)}
+                    "commit_s": round(t.commit_s, 4),
+                    **({"holders_s": round(t.holders_s, 4)} if t.holders_s else {})}
         return {"id": meta.id, "image_bytes": meta.image_bytes,
                 "image": format_size(meta.image_bytes), "seconds": round(t.total_s, 3),
                 "freeze_s": round(t.freeze_s, 3), "dump_s": round(t.dump_s, 3),
                 "commit_s": round(t.commit_s, 3),
+                **({"holders_s": round(t.holders_s, 3)} if t.holders_s else {}),
                 "mb_per_s": round(meta.image_bytes / 1e6 / t.dump_s, 1) if t.dump_s else None,
                 "usage_after": self.usage_after, "path": self.path, "uid": meta.uid,
                 "command": meta.command, **job_of(meta), "restore": restore_command(meta.id),

@@ -2,17 +2,22 @@
 told about (external ones: a pty whose master is held outside the tree, as `oomguard exec`'s
 holder; the shell's terminal of a job typed at a prompt), what meta.json records of them, and
 who is told what: the holders (a dump is under way, it is done: keep the terminal; it failed),
-and a person at the shell prompt the job was typed at (a line saying how to bring it back)."""
+and a person at the shell prompt the job was typed at (a line saying how to bring it back).
+A holder's socket is the job's user's to choose: each is given NOTIFY_DEADLINE to answer, all
+at once, and the checkpointer tells them nothing while the cgroup's limit is lifted but that a
+dump is under way (from a thread, while the dump is prepared, before CRIU starts)."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.terminal.client import SYSTEM_DIR, notify, trusted_socket
+from oomguard.terminal.client import NOTIFY_DEADLINE, SYSTEM_DIR, notify_all, trusted_socket
 from oomguard.terminal.external import TTYS, ExternalTty, dump_args, external_ttys
 from oomguard.terminal.shelljob import (
     SHELL_TTY,
@@ -36,6 +41,8 @@ class DumpTerminals:
     external: list[ExternalTty] = field(default_factory=list)
     shell: ShellTty | None = None
     told: list[str] = field(default_factory=list)  # holders told a dump is under way
+    telling: threading.Thread | None = field(default=None, repr=False, compare=False)
+    told_in: float = 0.0  # seconds the dump waited for the holders to answer `dumping`
 
     @staticmethod
     def of(proc_root: Path | str, pids: list[int], uid: int,
@@ -62,24 +69,43 @@ class DumpTerminals:
             sockets.add(self.shell.socket)
         return sorted(s for s in sockets if trusted_socket(s, self.uid))
 
+    def start_dumping(self, checkpoint_id: str) -> None:
+        """A dump is under way: a holder whose job vanishes now keeps the terminal for the
+        pin (its grace) instead of ending as after an exit. Told from a thread, while the
+        dump is prepared; `dumping_told` waits for it (NOTIFY_DEADLINE at most)."""
+        holders = self.holders()
+        if not holders:
+            return
+
+        def tell() -> None:
+            self.told = notify_all(holders, "dumping", id=checkpoint_id)
+
+        self.telling = threading.Thread(target=tell, name="oomguard-tell-holders", daemon=True)
+        self.telling.start()
+
+    def dumping_told(self) -> None:
+        """Before CRIU starts: the holders have answered `dumping`, or their time is up."""
+        if self.telling is not None:
+            start = time.monotonic()
+            self.telling.join(NOTIFY_DEADLINE + 0.2)
+            self.told_in = time.monotonic() - start
+            self.telling = None
+
     def dumping(self, checkpoint_id: str) -> None:
-        """Before CRIU starts: a holder whose job vanishes now keeps the terminal for the
-        pin (its grace) instead of ending as after an exit."""
-        for socket in self.holders():
-            if notify(socket, "dumping", id=checkpoint_id):
-                self.told.append(socket)
+        self.start_dumping(checkpoint_id)
+        self.dumping_told()
 
     def failed(self) -> None:
         """The dump failed: the job runs on (thawed) on its terminal."""
-        for socket in self.told:
-            notify(socket, "unpin", restored=False)
+        self.dumping_told()
+        notify_all(list(self.told), "unpin", restored=False)
         self.told = []
 
     def committed(self, checkpoint_id: str, command: str, pid: int) -> None:
         """The checkpoint is on disk: the holders keep the terminal for the restore; a
         person at the shell prompt the job was typed at reads how to bring it back."""
-        for socket in self.holders():
-            notify(socket, "pin", id=checkpoint_id)
+        self.dumping_told()
+        notify_all(self.holders(), "pin", id=checkpoint_id)
         self.told = []
         if self.shell is not None and not self.shell.socket:
             with contextlib.suppress(OSError):

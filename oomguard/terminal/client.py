@@ -12,6 +12,8 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,10 @@ LEADER_MODULE = "oomguard.terminal.leader"
 SYSTEM_DIR = Path("/run/oomguard/tty")
 SOCKET_NAME = re.compile(r"tty-[0-9a-f]{8}\.sock")
 DEFAULT_GRACE = 30.0  # seconds a vacated terminal waits for a checkpoint to claim it
+# What the daemon gives one holder (a socket the job's user chose) to take a notification and
+# answer, all told: connect, send, the answer. A holder answers in milliseconds.
+NOTIFY_DEADLINE = 0.5
+MAX_LINE = 1 << 16  # a holder's one-line answer (its info) is far smaller
 
 
 class HolderError(OomguardError):
@@ -129,9 +135,16 @@ def _connect(path: Path | str, timeout: float) -> socket.socket:
     return sock
 
 
-def _read_line(sock: socket.socket) -> dict[str, Any]:
+def _read_line(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
+    """One JSON line, read a byte at a time (what follows it is not ours to take); all of it
+    by `deadline` (time.monotonic()) when given, else each byte within the socket's timeout."""
     line = b""
-    while not line.endswith(b"\n"):
+    while not line.endswith(b"\n") and len(line) < MAX_LINE:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HolderError("the terminal holder did not answer in time")
+            sock.settimeout(left)
         chunk = sock.recv(1)
         if not chunk:
             break
@@ -146,10 +159,14 @@ def _read_line(sock: socket.socket) -> dict[str, Any]:
 
 
 def request(path: Path | str, op: str, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
+    """One request and its answer, all within `timeout` seconds (a socket that accepts and
+    then trickles its answer is given up on at the deadline, as one that never answers)."""
+    deadline = time.monotonic() + timeout
     with _connect(path, timeout) as sock:
         try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
-            return _read_line(sock)
+            return _read_line(sock, deadline)
         except OSError as exc:
             raise HolderError(f"terminal holder on {path}: {exc}") from exc
 
@@ -177,7 +194,7 @@ def connect_attach(path: Path | str) -> tuple[socket.socket, dict[str, Any]]:
     sock = _connect(path, 5.0)
     try:
         sock.sendall(b'{"op": "attach", "frames": true}\n')
-        info = _read_line(sock)
+        info = _read_line(sock, time.monotonic() + 5.0)
     except (OSError, HolderError) as exc:
         sock.close()
         raise HolderError(f"terminal holder on {path}: {exc}") from exc
@@ -185,11 +202,33 @@ def connect_attach(path: Path | str) -> tuple[socket.socket, dict[str, Any]]:
     return sock, info
 
 
-def notify(path: str | None, op: str, **fields: Any) -> bool:
-    """Best effort (pin/unpin/done): whether the holder answered."""
+def notify(path: str | None, op: str, deadline: float = NOTIFY_DEADLINE, **fields: Any) -> bool:
+    """Best effort (dumping/pin/unpin/done), within `deadline` seconds in all: whether the
+    holder answered."""
     if not path:
         return False
     with contextlib.suppress(HolderError):
-        request(path, op, **fields)
+        request(path, op, timeout=deadline, **fields)
         return True
     return False
+
+
+def notify_all(paths: Sequence[str], op: str, deadline: float = NOTIFY_DEADLINE,
+               **fields: Any) -> list[str]:
+    """notify() each holder at once (one thread each): the ones that answered, within about
+    `deadline` seconds however many there are and however slowly they answer."""
+    answered: list[str] = []
+    if len(paths) == 1:
+        return list(paths) if notify(paths[0], op, deadline, **fields) else []
+
+    def one(path: str) -> None:
+        if notify(path, op, deadline, **fields):
+            answered.append(path)
+
+    threads = [threading.Thread(target=one, args=(path,), daemon=True) for path in paths]
+    end = time.monotonic() + deadline
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(end - time.monotonic(), 0.0) + 0.1)
+    return [path for path in paths if path in answered]

@@ -56,36 +56,55 @@ def holder_of_checkpoint(meta: dict[str, Any]) -> str | None:
     return next((t["socket"] for t in ttys if t.get("socket")), None)
 
 
-def _tty_key(pid: int) -> str | None:
-    for fd in (0, 1, 2):
-        with contextlib.suppress(OSError):
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
-            if os.major(st.st_rdev) == 136:  # a /dev/pts slave
-                return f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
-    return None
+PTS_MAJORS = range(136, 144)  # Unix98 pty slaves (/dev/pts/N)
+
+
+def _tty_keys(pid: int) -> tuple[str | None, set[str]]:
+    """(the key of the pty on the process's stdin/stdout/stderr, or None; the keys of every
+    pty slave it has open) as a holder names its pty: tty[RDEV:DEV]."""
+    first: str | None = None
+    keys: set[str] = set()
+    with contextlib.suppress(OSError):
+        fds = sorted(os.listdir(f"/proc/{pid}/fd"), key=lambda name: int(name))
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if os.major(st.st_rdev) in PTS_MAJORS:
+                    key = f"tty[{st.st_rdev:x}:{st.st_dev:x}]"
+                    keys.add(key)
+                    if first is None and int(fd) <= 2:
+                        first = key
+    return first, keys
 
 
 def holder_of_pid(pid: int) -> str | None:
-    """The holder named in the process's environment when it answers for the process's
-    terminal, else any holder of ours that does (one restored onto a new pty). A process with
-    no terminal: only the holder its environment names (any other would be another job's)."""
-    key = _tty_key(pid)
+    """The holder of the process's own terminal: the one whose pty the process has open (on
+    its stdin/stdout/stderr first), the holder its environment names first among those that
+    answer, then any holder of ours (one restored onto a new pty). Never a holder of a pty
+    the process does not have open: its environment may name any holder (inherited from
+    another job), and another holder of the same user is another job's."""
+    primary, keys = _tty_keys(pid)
+    if not keys:
+        return None
     candidates: list[str] = []
     with contextlib.suppress(OSError):
         named = environ_value(Path(f"/proc/{pid}/environ").read_bytes(), SOCKET_ENV)
         if named:
             candidates.append(named)
-    for directory in {runtime_dir(os.getuid()), SYSTEM_DIR / str(os.getuid())} if key else ():
+    for directory in {runtime_dir(os.getuid()), SYSTEM_DIR / str(os.getuid())}:
         with contextlib.suppress(OSError):
             candidates += sorted(str(p) for p in directory.glob("tty-*.sock"))
+    fallback = None
     for path in dict.fromkeys(candidates):
         try:
             info = request(path, "info", timeout=1.0)
         except HolderError:
             continue
-        if key is None or key == info.get("key"):
+        if info.get("key") == primary:
             return path
-    return None
+        if fallback is None and info.get("key") in keys:
+            fallback = path
+    return fallback
 
 
 def job_process(pid: int) -> int:

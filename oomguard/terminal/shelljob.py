@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,15 +152,21 @@ def read_tasks(proc_root: Path | str, pids: Iterable[int]) -> list[TaskTerminal]
     return [task for pid in pids if (task := read_task(root, pid)) is not None]
 
 
-def holder_serving(key: str, directory: Path) -> str | None:
+def holder_serving(key: str, directory: Path, deadline: float = 1.0) -> str | None:
     """The socket of an oomguard holder in `directory` whose pty is `key` (a job restored
-    from a shell prompt before: its terminal is a holder's)."""
-    from oomguard.terminal.client import HolderError, request
+    from a shell prompt before: its terminal is a holder's). The directory is the user's:
+    all of it is asked within `deadline` seconds (NOTIFY_DEADLINE at most per socket),
+    however many sockets are there and however slowly they answer."""
+    from oomguard.terminal.client import NOTIFY_DEADLINE, HolderError, request
 
+    end = time.monotonic() + deadline
     with contextlib.suppress(OSError):
         for path in sorted(directory.glob("tty-*.sock")):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
             with contextlib.suppress(HolderError):
-                if request(path, "info", timeout=1.0).get("key") == key:
+                if request(path, "info", timeout=min(left, NOTIFY_DEADLINE)).get("key") == key:
                     return str(path)
     return None
 

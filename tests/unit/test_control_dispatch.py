@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -24,6 +25,7 @@ import pytest
 from oomguard import __version__
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.control.client import ControlClient, ControlError, DaemonUnavailable
+from oomguard.control.limits import ConnectionLimiter
 from oomguard.control.protocol import (
     INTERFACE,
     INTERFACE_DESCRIPTION,
@@ -636,3 +638,22 @@ def test_gpu_resume_without_cuda_checkpoint_says_why(service: Service) -> None:
         drives_cuda=False, why="NVML: NVML Shared Library Not Found"))
     kind, text = err(call(service, 0, "io.oomguard.GpuResume", pid=ALICE_PID))
     assert kind == FAILED and "no cuda-checkpoint here: NVML" in text
+
+
+def test_a_refused_connection_is_a_control_error_with_the_daemons_reason(
+        server: ControlServer, socket_path: Path) -> None:
+    """Refused at once (the reason sent, the connection closed before the call is read): the
+    client raises the daemon's error, never a BrokenPipeError or ConnectionResetError."""
+    server.limiter = ConnectionLimiter(total=1, per_uid=1, reserve=0)
+    with ControlClient(socket_path) as held:
+        assert "status" in held.call("Status")
+        for closed_first in (True, False):
+            with ControlClient(socket_path) as refused:
+                if closed_first:  # the daemon has hung up before the call is sent: EPIPE
+                    poller = select.poll()
+                    poller.register(refused.sock, select.POLLRDHUP)
+                    assert poller.poll(10_000)
+                with pytest.raises(ControlError) as caught:
+                    refused.call("Status")
+                assert caught.value.name == "io.oomguard.TooManyConnections"
+                assert "1 connections" in str(caught.value)

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 
-from oomguard.control.limits import ConnectionLimiter, LogThrottle
+from oomguard.control.limits import CallRate, ConnectionLimiter, LogThrottle
 from oomguard.control.protocol import ProtocolError, decode_call
 from oomguard.sense.procfs import ProcReader
 
 
 def test_limiter_bounds_each_uid_and_the_total() -> None:
-    limiter = ConnectionLimiter(total=5, per_uid=2)
+    limiter = ConnectionLimiter(total=5, per_uid=2, reserve=0)
     assert limiter.admit(1000) is None and limiter.admit(1000) is None
     assert "uid 1000" in str(limiter.admit(1000))
     assert limiter.admit(1001) is None and limiter.admit(1001) is None
@@ -26,6 +26,31 @@ def test_limiter_bounds_each_uid_and_the_total() -> None:
     limiter.release(1000)
     assert limiter.admit(1002) is None
     assert limiter.open_count() == 5
+
+
+def test_users_filling_their_slots_leave_the_reserve_to_root() -> None:
+    limiter = ConnectionLimiter(total=6, per_uid=2, reserve=2)
+    assert [limiter.admit(uid) for uid in (1000, 1000, 1001, 1001)] == [None] * 4
+    refused = limiter.admit(1002)
+    assert refused is not None and "kept for root" in refused
+    assert limiter.admit(0) is None and limiter.admit(0) is None
+    assert "6 connections" in str(limiter.admit(0))
+    limiter.release(0)
+    assert "kept for root" in str(limiter.admit(1002))  # root's slot freed is still root's
+    limiter.release(1000)
+    assert limiter.admit(1002) is None
+
+
+def test_call_rate_lets_a_burst_through_then_paces_each_uid() -> None:
+    now = [0.0]
+    rate = CallRate(rate=10.0, burst=3, clock=lambda: now[0])
+    assert [rate.delay(1000) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert rate.delay(1000) == pytest.approx(0.1)
+    assert rate.delay(1000) == pytest.approx(0.2)  # queued behind the one before
+    assert rate.delay(1001) == 0.0  # another uid has its own bucket
+    now[0] = 1.0  # refilled (to the burst at most)
+    assert [rate.delay(1000) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert rate.delay(1000) > 0
 
 
 def test_throttle_allows_a_burst_then_counts_what_it_suppressed() -> None:
