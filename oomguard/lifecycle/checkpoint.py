@@ -39,9 +39,11 @@ from oomguard.model.errors import (
     FailedCheckpoint,
     ProcessGone,
     StoreError,
+    TreeNotYours,
 )
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.rights import foreign_of
 from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
@@ -122,14 +124,18 @@ class Checkpointer:
                    headroom: int | None = None,
                    after_signal: Callable[[], None] | None = None,
                    requester: int | None = None, held: Collection[int] = (),
-                   ) -> CheckpointResult:
+                   rights_of: int | None = None) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(frozen, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
         the victim before it runs another instruction). `held`: tasks a chain's freeze step has
         stopped already (any other task found stopped is the user's). Raises ProcessGone if the
         tree vanished before it could be stopped, CheckpointFailed (untouched) if it holds
-        oomguard or the `requester` (the process that asked for it)."""
+        oomguard or the `requester` (the process that asked for it). `rights_of`: the uid of
+        the user who asked (on demand, not root): every task of the tree as it stopped must be
+        theirs (real, effective and saved uid), else TreeNotYours once the tasks oomguard
+        stopped are continued (a child may exec a setuid program after the request's check,
+        before its SIGSTOP; once stopped it cannot)."""
         start = self.clock()
         refuse_own_tree(tree.root.pid, self.proc, requester)
         refuse_partial_job(tree, cgroup, self.proc)  # never a tree rooted inside a PID namespace
@@ -165,12 +171,13 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
         with self.bystanders.victim(tree.pids):
             return self._checkpoint(tree, cgroup, reason, on_frozen, headroom, after_signal,
-                                    requester, held, start)
+                                    requester, held, start, rights_of)
 
     def _checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                     on_frozen: Callable[[Frozen, float], None] | None, headroom: int | None,
                     after_signal: Callable[[], None] | None, requester: int | None,
-                    held: Collection[int], start: float) -> CheckpointResult:
+                    held: Collection[int], start: float,
+                    rights_of: int | None = None) -> CheckpointResult:
         # Held by another dump as a bystander: stopped by oomguard, not by its user.
         held = [*held, *self.bystanders.held_now(tree.pids)]
         # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
@@ -229,6 +236,18 @@ class Checkpointer:
             # Stopped by the user too while (or just before) oomguard stopped them.
             frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
             self._unrecord(frozen.user_stopped)
+            foreign = None if rights_of is None else self._foreign(tree, frozen, rights_of)
+            if foreign is not None:  # the limit back first (nothing runs meanwhile), then
+                # only the tasks oomguard stopped continued (never one the user had stopped)
+                if undo_limit is not None:
+                    with contextlib.suppress(OSError, CgroupGone):
+                        undo_limit()
+                    undo_limit = None
+                self.freezer.thaw(frozen.ours)
+                raise TreeNotYours(f"{foreign} (found once the tree had stopped; not so when "
+                                   "the request was checked, as after a setuid program's "
+                                   "exec): refused, nothing dumped, the processes oomguard "
+                                   "stopped continued", FailedCheckpoint.THAWED)
             if shielding:  # stopped: back to the originals, which CRIU saves with the images
                 self.shield.unshield(pids + list(tree.pids) + left)
             if cgroup is not None and room > 0:
@@ -321,6 +340,13 @@ class Checkpointer:
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _foreign(self, tree: ProcessTree, frozen: Frozen, uid: int) -> str | None:
+        """Why the tree as it stopped is not all `uid`'s (a task of another user, or holding
+        their rights: a setuid exec after the request was checked), or None."""
+        tasks = [(p.pid, p.comm, p.uids[:3] or (p.uid,))
+                 for p in self.proc.processes(frozen.pids)]
+        return foreign_of(tasks, tree.root.pid, uid)
 
     def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:
         """The limit as it was, then the rest of the cgroup continued (in that order: what

@@ -66,6 +66,12 @@ class CheckpointFailed(OomguardError):
         super().__init__(message)
 
 
+class TreeNotYours(CheckpointFailed):
+    """An on-demand checkpoint refused once its tree had stopped: a task of it belongs to (or
+    holds the rights of) another user, which it did not when the request was checked (a
+    setuid exec in between). The tasks oomguard stopped were continued (outcome THAWED)."""
+
+
 class RestoreFailed(OomguardError):
     """A restore did not happen; the checkpoint is left intact."""
 
