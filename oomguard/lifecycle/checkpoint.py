@@ -210,7 +210,7 @@ class Checkpointer:
             others = self.bystanders.hold(cgroup, pids, requester)
         if after_signal is not None:
             after_signal()
-        undo_limit: Callable[[], None] | None = None
+        undo_limit: Callable[[], str | None] | None = None
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         began = dumped = False
         lock_fd: int | None = None
@@ -315,9 +315,12 @@ class Checkpointer:
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)
-            if undo_limit is not None:  # while the tree is stopped: it cannot grow meanwhile
-                with contextlib.suppress(OSError, CgroupGone):
-                    undo_limit()
+            busy = ""  # the limit back before anything else (the tree cannot grow meanwhile)
+            if undo_limit is not None:
+                try:
+                    busy = undo_limit() or ""
+                except (OSError, CgroupGone) as undo_exc:
+                    busy = str(undo_exc)
                 undo_limit = None
             outcome = self._thaw_after_failure(frozen)
             gpu_note = ""
@@ -325,8 +328,12 @@ class Checkpointer:
                 trouble = back_to_gpu(self.gpu, hold.pids)
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
-                                   outcome, lasting=lasting_failure(str(exc)) or "") from exc
+            busy_note = (f"; the limit lifted for its dump could not be put back: {busy}"
+                         if busy else "")
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}"
+                                   f"{busy_note}", outcome,
+                                   lasting=lasting_failure(str(exc)) or "",
+                                   limit_busy=busy) from exc
         finally:
             if shielding:
                 self.shield.unshield(pids + list(tree.pids) + left)
@@ -348,7 +355,7 @@ class Checkpointer:
                  for p in self.proc.processes(frozen.pids)]
         return foreign_of(tasks, tree.root.pid, uid)
 
-    def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:
+    def _put_back_room(self, undo_limit: Callable[[], str | None] | None, others: Held) -> None:
         """The limit as it was, then the rest of the cgroup continued (in that order: what
         was lifted for the dump is never theirs)."""
         if undo_limit is not None:
@@ -373,10 +380,16 @@ class Checkpointer:
 
         def thaw_ours(pids: list[int]) -> None:  # a task the user had stopped stays stopped
             self.freezer.thaw([pid for pid in pids if pid in held or not self._stopped(pid)])
+
+        def lift(cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
+            release = self._lift(cgroup, new_limit)
+
+            def put_back() -> None:
+                release()  # one that cannot be put back yet stays pending: the settling's
+            return put_back
         try:
             return move_off_gpu(self.gpu, tree, cgroup, margin=self.gpu_margin,
-                                mem_available=self.mem_available, lift=self._lift,
-                                thaw=thaw_ours)
+                                mem_available=self.mem_available, lift=lift, thaw=thaw_ours)
         except GpuRefused as exc:
             with contextlib.suppress(OSError):
                 self.ledger.clear(list(tree.pids))
@@ -402,14 +415,11 @@ class Checkpointer:
         return replace(snap, limit_bytes=own) if lifted else snap
 
     def _lift(self, cgroup: MemoryCgroup, new_limit: int,
-              cap: int | None = None) -> Callable[[], None]:
-        release = self.lifts.lift(cgroup, new_limit, cap)
-
-        def put_back() -> None:
-            # A limit that cannot be put back yet stays pending in the ledger: the daemon
-            # retries it on every rescan and acts on what grew into the lifted room.
-            release()
-        return put_back
+              cap: int | None = None) -> Callable[[], str | None]:
+        """The release returns why the limit could not be put back ("" or None: it was): it
+        then stays pending in the ledger, and the one who released acts on the cgroup (a
+        chain's next step, down to its kill: oomguard/act/chainsteps.py)."""
+        return self.lifts.lift(cgroup, new_limit, cap)
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout
@@ -477,13 +487,15 @@ def _limited(cgroup: MemoryCgroup) -> bool:
         return False
 
 
-def _both(last: Callable[[], None], first: Callable[[], None] | None) -> Callable[[], None]:
-    """One undo for two limit lifts: the later one first."""
+def _both(last: Callable[[], str | None],
+          first: Callable[[], str | None] | None) -> Callable[[], str | None]:
+    """One undo for two limit lifts: the later one first (the first's answer is the one:
+    the own limit is put back when the last holder lets go)."""
     if first is None:
         return last
 
-    def undo() -> None:
+    def undo() -> str | None:
         with contextlib.suppress(OSError, CgroupGone):
             last()
-        first()
+        return first()
     return undo
