@@ -164,6 +164,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         # Arm every guard before thawing what a dead run left stopped, and only then look at
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
+        self._drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
         self._examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:

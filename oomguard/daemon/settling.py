@@ -72,6 +72,13 @@ class SettlingMixin:
                     self.auto_restore.consider(guard, snap)
         self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
 
+    def _drop_changed_lifts(self) -> None:
+        """At the start, before the guards take their own limits from the ledger: an entry a
+        dead run left whose limit someone else (an administrator) set since is theirs now."""
+        for settled in self.checkpointer.lifts.drop_changed(self._cgroup_at):
+            self.log.warning("limit.left_as_set", cgroup=settled.path,
+                             explanation=settled.detail)
+
     def _settle_lifts(self) -> None:
         """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
         that cannot be put back (something grew into the lifted room) is retried, and its guard
@@ -86,6 +93,10 @@ class SettlingMixin:
                 self.log.info("limit.restored", cgroup=settled.path,
                               explanation="the limit lifted for a dump's headroom is back")
                 self._limit_busy.discard(settled.path)
+            elif settled.outcome == "changed":  # an administrator's: theirs, not put back
+                self._limit_busy.discard(settled.path)
+                self.log.warning("limit.left_as_set", cgroup=settled.path,
+                                 explanation=settled.detail)
             elif settled.outcome == "busy":
                 if settled.path not in self._limit_busy:
                     self._limit_busy.add(settled.path)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -27,11 +29,15 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.model.errors import CgroupGone
 from tests.helpers import (
     CgroupFactory,
+    DaemonProcess,
     MiB,
     daemon,
+    hog_argv,
     kill_pid,
+    last_count,
     short_socket_path,
     start_in_cgroup,
+    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -137,3 +143,49 @@ def test_a_job_whose_growth_cannot_be_dumped_gets_its_limit_back_and_one_next_ac
         server.close()
         for conn in accepted:
             conn.close()
+
+
+def test_a_crashed_daemons_lift_never_overrides_the_limit_an_administrator_set_meanwhile(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """The daemon is SIGKILLed during a dump with the limit lifted; an administrator sets 512
+    MiB; the next daemon finds the ledger's entry and leaves the 512 MiB as it is (before, it
+    put back the 200 MiB the ledger had recorded)."""
+    cg = cgroups.make("adminset", 200 * MiB)
+    hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=150, rate=1000,
+                                       count=100_000))
+    sock = short_socket_path()
+    try:
+        assert wait_until(lambda: last_count(tmp_path / "hog.log") > 40, 20)
+        first = DaemonProcess(store, tmp_path / "first.log", socket=sock)
+        try:
+            first.wait_event("guard.started")
+            assert wait_until(sock.exists, 10)
+            client = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from oomguard.control.client import "
+                 "ControlClient as C; C(__import__('pathlib').Path(sys.argv[1]))"
+                 ".call('Checkpoint', pid=int(sys.argv[2]))", str(sock), str(hog.pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            assert wait_until(lambda: cg.limit() != 200 * MiB, 30), "no headroom was lifted"
+            lifted = cg.limit()
+            entry = json.loads((store / LIFTS_LEDGER).read_text())[str(cg.path)]
+            assert entry["state"]["max"] == 200 * MiB and lifted in entry["lifted"], entry
+            first.handle.send_signal(signal.SIGKILL)
+            first.handle.wait()
+            client.wait(timeout=30)
+        finally:
+            first.stop()
+        cg.set_limit(512 * MiB)  # the administrator, while no daemon runs
+        with daemon(store, tmp_path / "second.log", "--cgroup", str(cg.path),
+                    socket=sock) as second:
+            left = second.wait_event("limit.left_as_set", timeout=60)[0]
+            assert left["cgroup"] == str(cg.path)
+            assert f"the limit is {512 * MiB}" in left["explanation"], left
+            armed = second.wait_event("guard.armed", timeout=30)
+            assert all(e.get("limit") == 512 * MiB for e in armed), armed
+            time.sleep(2)  # a rescan or two: nothing puts the 200 MiB back
+            assert cg.limit() == 512 * MiB
+            assert not second.events("limit.restored")
+        assert cg.limit() == 512 * MiB
+        assert json.loads((store / LIFTS_LEDGER).read_text()) == {}
+    finally:
+        kill_pid(hog.pid)
