@@ -73,9 +73,12 @@ class ChainRunner:
             reason: str, settings: ChainSettings, still_pressing: Callable[[], bool],
             fields: dict[str, Any],
             on_frozen: Callable[[Frozen, float], None] | None = None,
-            after_signal: Callable[[], None] | None = None) -> ChainOutcome:
+            after_signal: Callable[[], None] | None = None,
+            limit_busy: str = "") -> ChainOutcome:
+        """`limit_busy`: why the cgroup's limit, lifted for an earlier dump, could not be put
+        back: the chain goes down to a kill if it must (chainsteps.CheckpointAction)."""
         run = ChainRun(tree, cgroup, reason, settings, still_pressing, fields, on_frozen,
-                       after_signal, recorded=list(tree.pids))
+                       after_signal, recorded=list(tree.pids), limit_busy=limit_busy)
         try:
             for index, step in enumerate(chain):
                 # (A limit that could not be put back is pressure whatever the usage says.)

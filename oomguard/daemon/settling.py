@@ -45,7 +45,8 @@ class SettlingMixin:
 
         def _guard_at(self, path: Path) -> CgroupGuard | None: ...
 
-        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None: ...
+        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                            limit_busy: str = "") -> None: ...
 
     def _settle(self) -> None:
         """Limits to put back, a dead run's leftovers, auto-restores that wait for room: done
@@ -105,7 +106,9 @@ class SettlingMixin:
                                    "room lifted for a dump; acting on it until the limit is back")
                 guard = self._guard_at(Path(settled.path))
                 if guard is not None:
-                    self._examine_cgroup(guard, self.clock(), "limit-restore")
+                    # Whatever grew there, refused checkpoints too: down to the kill if it must.
+                    self._examine_cgroup(guard, self.clock(), "limit-restore",
+                                         limit_busy=settled.detail)
 
     def _leftover_waits(self, pid: int) -> bool:
         """Whether a task a dead run (or its standby) left stopped stays stopped for now: while

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime
@@ -37,10 +40,13 @@ from tests.helpers import (
     last_count,
     short_socket_path,
     start_in_cgroup,
+    unprivileged_user,
     wait_until,
 )
+from tests.integration.test_limit_lifts import RECORD_DEAD_LIFT
 
 pytestmark = pytest.mark.integration
+MALLORY = 40063
 
 # The hog, holding a connection to a Unix server outside its tree: CRIU cannot dump it.
 LINKED_GROWER = r"""
@@ -143,6 +149,177 @@ def test_a_job_whose_growth_cannot_be_dumped_gets_its_limit_back_and_one_next_ac
         server.close()
         for conn in accepted:
             conn.close()
+
+
+# A user's debugger that keeps its program running: the program (its child) is traced, and
+# every stop is passed over with its signal dropped (SIGSTOP included: a stop oomguard sends
+# never holds it), other signals delivered. The program waits for "go" on stdin (the test
+# moves it into the cgroup first), then grows 4 MiB a system call (MAP_POPULATE) to MOST MiB.
+TRACED_GROWER = r"""
+import ctypes, mmap, os, signal, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+PTRACE_SEIZE, PTRACE_CONT, WALL = 0x4206, 7, 0x40000000
+log, most = sys.argv[1], int(sys.argv[2])
+flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
+kid = os.fork()
+if kid == 0:
+    sys.stdin.readline()
+    held = []
+    with open(log, "a", buffering=1) as out:
+        while True:
+            if len(held) * 4 < most:  # 4 MiB a system call: fast
+                held.append(mmap.mmap(-1, 4 << 20, flags=flags))
+            out.write(f"{len(held) * 4}\n")
+            time.sleep(0.005)
+if libc.ptrace(PTRACE_SEIZE, kid, None, None) != 0:
+    sys.exit(f"ptrace: errno {ctypes.get_errno()}")
+print(kid, flush=True)
+stops = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+while True:
+    try:
+        _, status = os.waitpid(kid, WALL)
+    except ChildProcessError:
+        break
+    if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+        break
+    if os.WIFSTOPPED(status):
+        sig = os.WSTOPSIG(status)
+        libc.ptrace(PTRACE_CONT, kid, None, 0 if sig in stops else sig)
+"""
+
+
+def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_comes_back(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """A real user's program, traced by their debugger (never a checkpoint's victim: refused),
+    grows fast in a 200 MiB cgroup beside a job that holds a Unix connection to a server
+    outside it. That job is the victim; while it is dumped, SIGSTOP does not hold the traced
+    program, which takes the room lifted for the dump; the dump fails (the connection) with
+    usage above 200 MiB. Before, the limit stayed lifted and nothing more was done (the
+    victim, refused for good, thawed; the grower never a victim). Now the chain acts at once:
+    the kill the limit needs (the rule has no kill step), once, and the limit is back."""
+    workdir = Path(tempfile.mkdtemp(prefix="og-traced-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    mallory = unprivileged_user("oomguard-t-mallory3", MALLORY)
+    workdir.chmod(0o755)
+    os.chown(workdir, mallory, mallory)
+    as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
+    cg = cgroups.make("traced", 200 * MiB)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    peer = short_socket_path().with_name("peer.sock")
+    server.bind(str(peer))
+    server.listen(2)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=_serve, args=(server, accepted), daemon=True).start()
+    linked = start_in_cgroup(cg, [sys.executable, "-c", LINKED_GROWER, str(peer),
+                                  str(tmp_path / "linked.log"), "60", "60"])
+    log = workdir / "grower.log"
+    debugger = subprocess.Popen([*as_mallory, sys.executable, "-c", TRACED_GROWER, str(log),
+                                 "400"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                cwd="/", start_new_session=True)
+    assert debugger.stdin is not None and debugger.stdout is not None
+    grower = 0
+    stop = threading.Event()
+    limits: list[tuple[float, int | None]] = []
+    watcher = threading.Thread(target=_watch_limit, args=(cg, stop, limits), daemon=True)
+    try:
+        grower = int(debugger.stdout.readline())
+        cg.add_proc(grower)
+        assert wait_until(lambda: accepted and (tmp_path / "linked.log").exists(), 20)
+        watcher.start()
+        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+            guard.wait_event("guard.ready")
+            debugger.stdin.write("go\n")
+            debugger.stdin.flush()
+            killed = guard.wait_event("victim.killed", timeout=60)[0]
+            restored = guard.wait_event("limit.restored", timeout=30)[-1]
+            time.sleep(3)  # nothing more comes: no further freeze, no further lift
+            events = guard.events()
+        stop.set()
+        watcher.join()
+        names = [e.get("event") for e in events]
+        refused = [e for e in events if e.get("event") == "checkpoint.refused"
+                   and e.get("pid") == grower]
+        assert refused and all("traced by" in e["reason"] for e in refused), names
+        failed = [e for e in events if e.get("event") == "checkpoint.failed"]
+        assert len(failed) == 1 and failed[0]["pid"] == linked.pid, names
+        assert "is above the limit" in failed[0]["limit_busy"], failed[0]
+        assert killed["pid"] == linked.pid and "limit_busy" in killed, killed
+        assert names.count("victim.killed") == 1
+        assert names.count("victim.frozen") == 1, names  # one dump's freeze, never a loop
+        lifted = [at for at, limit in limits if limit != 200 * MiB]
+        assert lifted, "no headroom was ever lifted (nothing was tested)"
+        assert max(lifted) <= _when(restored) + 0.1
+        assert max(lifted) - min(lifted) < 10, "the lifted limit outlived the dump"
+        assert cg.limit() == 200 * MiB
+        assert all(limit == 200 * MiB for at, limit in limits if at > _when(restored) + 0.1)
+        print(f"\nlifted {max(lifted) - min(lifted):.2f} s, top "
+              f"{max(limit or 0 for _, limit in limits) >> 20} MiB; the traced grower took "
+              f"{last_count(log)} MiB")
+    finally:
+        stop.set()
+        if grower:
+            kill_pid(grower)
+        kill_pid(linked.pid)
+        kill_pid(debugger.pid)
+        debugger.wait(10)
+        server.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_a_dead_runs_lift_taken_by_a_traced_grower_is_acted_on_down_to_the_kill(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """A lift a dead run left (320 MiB over the own 256), taken by a real user's traced
+    program (290 MiB): the next daemon cannot put the limit back, and the grower can never be
+    checkpointed. Before, it said so (victim.none) and left the limit lifted for good; now
+    the chain runs on it at once, the checkpoint refused, the kill the limit needs, once."""
+    workdir = Path(tempfile.mkdtemp(prefix="og-traced-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    mallory = unprivileged_user("oomguard-t-mallory3", MALLORY)
+    workdir.chmod(0o755)
+    os.chown(workdir, mallory, mallory)
+    as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
+    cg = cgroups.make("deadtraced", 256 * MiB)
+    store.mkdir(mode=0o700)
+    subprocess.run([sys.executable, "-c", RECORD_DEAD_LIFT, str(store / LIFTS_LEDGER),
+                    str(cg.path), str(320 * MiB), str(64 * MiB)], check=True, timeout=30)
+    assert cg.limit() == 320 * MiB
+    log = workdir / "grower.log"
+    debugger = subprocess.Popen([*as_mallory, sys.executable, "-c", TRACED_GROWER, str(log),
+                                 "290"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, cwd="/", start_new_session=True)
+    assert debugger.stdin is not None and debugger.stdout is not None
+    grower = 0
+    try:
+        grower = int(debugger.stdout.readline())
+        cg.add_proc(grower)
+        debugger.stdin.write("go\n")
+        debugger.stdin.flush()
+        assert wait_until(lambda: last_count(log) >= 290, 30)
+        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+            busy = guard.wait_event("limit.restore_failed", timeout=30)[0]
+            killed = guard.wait_event("victim.killed", timeout=60)[0]
+            guard.wait_event("limit.restored", timeout=30)
+            assert cg.limit() == 256 * MiB
+            time.sleep(3)  # nothing more comes
+            events = guard.events()
+        names = [e.get("event") for e in events]
+        assert busy["cgroup"] == str(cg.path)
+        refused = [e for e in events if e.get("event") == "checkpoint.refused"]
+        assert len(refused) == 1 and "traced by" in refused[0]["reason"], names
+        assert refused[0]["then"].startswith("kill"), refused[0]
+        assert killed["pid"] == grower and "limit_busy" in killed, killed
+        assert names.count("victim.killed") == 1 and "victim.frozen" not in names, names
+        assert cg.limit() == 256 * MiB
+        assert json.loads((store / LIFTS_LEDGER).read_text()) == {}
+    finally:
+        if grower:
+            kill_pid(grower)
+        kill_pid(debugger.pid)
+        debugger.wait(10)
 
 
 def test_a_crashed_daemons_lift_never_overrides_the_limit_an_administrator_set_meanwhile(
