@@ -168,8 +168,14 @@ if kid == 0:
     with open(log, "a", buffering=1) as out:
         while True:
             if len(held) * 4 < most:  # 4 MiB a system call: fast
-                held.append(mmap.mmap(-1, 4 << 20, flags=flags))
-            out.write(f"{len(held) * 4}\n")
+                try:
+                    held.append(mmap.mmap(-1, 4 << 20, flags=flags))
+                except OSError:  # ENOMEM at the limit: tries again
+                    pass
+            try:
+                out.write(f"{len(held) * 4}\n")
+            except OSError:  # ENOMEM: a write's page cache at the limit
+                pass
             time.sleep(0.005)
 if libc.ptrace(PTRACE_SEIZE, kid, None, None) != 0:
     sys.exit(f"ptrace: errno {ctypes.get_errno()}")
@@ -197,7 +203,8 @@ def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_c
     program, which takes the room lifted for the dump; the dump fails (the connection) with
     usage above 200 MiB. Before, the limit stayed lifted and nothing more was done (the
     victim, refused for good, thawed; the grower never a victim). Now the chain acts at once:
-    the kill the limit needs (the rule has no kill step), once, and the limit is back."""
+    the kill the limit needs (the rule has no kill step), once, then the grower's if what it
+    took alone still keeps the limit from coming back, and the limit is back."""
     workdir = Path(tempfile.mkdtemp(prefix="og-traced-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
     mallory = unprivileged_user("oomguard-t-mallory3", MALLORY)
@@ -228,7 +235,10 @@ def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_c
         cg.add_proc(grower)
         assert wait_until(lambda: accepted and (tmp_path / "linked.log").exists(), 20)
         watcher.start()
-        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+        # (At 95%: the grower needs little of the room lifted for the dump to end above the
+        # limit, however slowly a loaded host lets it grow.)
+        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path),
+                    "--threshold", "0.95") as guard:
             guard.wait_event("guard.ready")
             debugger.stdin.write("go\n")
             debugger.stdin.flush()
@@ -246,8 +256,12 @@ def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_c
         assert len(failed) == 1 and failed[0]["pid"] == linked.pid, names
         assert "is above the limit" in failed[0]["limit_busy"], failed[0]
         assert killed["pid"] == linked.pid and "limit_busy" in killed, killed
-        assert names.count("victim.killed") == 1
-        assert names.count("victim.frozen") == 1, names  # one dump's freeze, never a loop
+        # Then the grower too where what it took alone keeps the limit from coming back (the
+        # settling's look: refused, killed). Each once; one freeze: never a loop.
+        kills = [e for e in events if e.get("event") == "victim.killed"]
+        assert all("limit_busy" in e for e in kills), kills
+        assert [e["pid"] for e in kills] in ([linked.pid], [linked.pid, grower]), kills
+        assert names.count("victim.frozen") == 1, names
         lifted = [at for at, limit in limits if limit != 200 * MiB]
         assert lifted, "no headroom was ever lifted (nothing was tested)"
         assert max(lifted) <= _when(restored) + 0.1
