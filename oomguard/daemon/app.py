@@ -209,6 +209,7 @@ def run_daemon(config: DaemonConfig, base_log: Any) -> int:
         service.on_event = log.warning
         service.guard_of = daemon_lookup(lambda: daemon.guards)
         service.prefs_of = daemon.preferences_for
+        service.after_checkpoint = daemon.settle_soon
         server = ControlServer(config.socket, service, note=log.info)
         server.start()
     except OSError as exc:

@@ -382,6 +382,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._acted.set()
         self._wake(b"a")
 
+    def settle_soon(self) -> None:
+        """From the control service's thread: a checkpoint asked for ended; settled at once
+        as an action's end is (a limit it lifted and could not put back is acted on)."""
+        self._action_done("control")
+
     # -- asked by others (the control service, the park watchdog, the GPU watch) --------------
 
     def summary(self, stored: list[CheckpointMeta] | None = None) -> str:
