@@ -114,6 +114,9 @@ class Request:
     # A tree ranked from cached readings is read afresh before anything is done to it (None:
     # the candidates are fresh already); returns None if its root is gone.
     refresh: Callable[[ProcessTree], ProcessTree | None] | None = None
+    # Why a limit lifted for a dump could not be put back: trees refused for good are not
+    # left out, and the chain goes down to a kill if it must (chainsteps.CheckpointAction).
+    limit_busy: str = ""
 
 
 class Actor:
@@ -197,7 +200,7 @@ class Actor:
         ranked = apply_preferences(request.candidates(), request.parts.prefs)
         unfit: list[str] = []
         marks = None if self.dry_run else self.runner.marks  # a dry run refuses nothing
-        if marks is not None:
+        if marks is not None and not request.limit_busy:
             # Trees no checkpoint can take while they live were refused once: never again.
             marks.forget_gone()
             ranked, unfit = marks.split(ranked, fresh=request.refresh is None)
@@ -218,7 +221,8 @@ class Actor:
             tree = request.refresh(candidate) if request.refresh is not None else candidate
             if tree is None:
                 continue  # gone since it was ranked
-            if request.refresh is not None and marks is not None and marks.reason(tree):
+            if request.refresh is not None and marks is not None and marks.reason(tree) \
+                    and not request.limit_busy:
                 continue  # refused for good before (it was a ranking's stand-ins until now)
             fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
                                       "comm": tree.root.comm, "rss": tree.rss_bytes,
@@ -227,6 +231,8 @@ class Actor:
                 fields["reread_ms"] = round((self.clock() - read_at) * 1000, 2)
             if tree.unfit:
                 fields["unfit"] = tree.unfit
+            if request.limit_busy:
+                fields["limit_busy"] = request.limit_busy
             if self.dry_run:
                 self._say_chosen(request, tree, {**fields, "choose_ms": choose_ms})
                 return
@@ -240,7 +246,8 @@ class Actor:
             cgroup = request.cgroup_for(tree)
             outcome = self.runner.run(request.parts.chain, tree, cgroup, request.reason,
                                       request.parts.settings, request.still_pressing, fields,
-                                      on_frozen=frozen, after_signal=after_signal)
+                                      on_frozen=frozen, after_signal=after_signal,
+                                      limit_busy=request.limit_busy)
             after_signal = None
             thaw()
             if outcome.checkpoint is not None:

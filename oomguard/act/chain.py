@@ -73,17 +73,22 @@ class ChainRunner:
             reason: str, settings: ChainSettings, still_pressing: Callable[[], bool],
             fields: dict[str, Any],
             on_frozen: Callable[[Frozen, float], None] | None = None,
-            after_signal: Callable[[], None] | None = None) -> ChainOutcome:
+            after_signal: Callable[[], None] | None = None,
+            limit_busy: str = "") -> ChainOutcome:
+        """`limit_busy`: why the cgroup's limit, lifted for an earlier dump, could not be put
+        back: the chain goes down to a kill if it must (chainsteps.CheckpointAction)."""
         run = ChainRun(tree, cgroup, reason, settings, still_pressing, fields, on_frozen,
-                       after_signal, recorded=list(tree.pids))
+                       after_signal, recorded=list(tree.pids), limit_busy=limit_busy)
         try:
             for index, step in enumerate(chain):
-                if index and not still_pressing():
+                # (A limit that could not be put back is pressure whatever the usage says.)
+                if index and not run.limit_busy and not still_pressing():
                     return ChainOutcome(ChainResult.STOOD_DOWN, str(step), "the pressure passed")
                 if run.frozen and self.clock() - run.frozen_at > settings.freeze_deadline:
                     return ChainOutcome(ChainResult.THAWED, str(step),
                                         f"freeze deadline ({settings.freeze_deadline:g}s) passed")
                 run.next_step = str(chain[index + 1]) if index + 1 < len(chain) else ""
+                run.rest = tuple(later.kind for later in chain[index + 1:])
                 result = self.actions[step.kind].run(step, run)
                 if isinstance(result, Settled):
                     return result.outcome

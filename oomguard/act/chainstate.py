@@ -91,3 +91,7 @@ class ChainRun:
     frozen_at: float = 0.0
     next_step: str = ""  # the step after the one running ("": none), for what events say next
     why_not: str = ""  # why a checkpoint of this tree cannot succeed, once a step found out
+    rest: tuple[str, ...] = ()  # the kinds of the steps after the one running
+    # Why the limit lifted for a failed dump could not be put back (the tree grew into the
+    # room above its own limit): the chain then acts at once, down to a kill (chainsteps.py).
+    limit_busy: str = ""

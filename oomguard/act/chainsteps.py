@@ -158,6 +158,10 @@ class CheckpointAction:
             return Settled(outcome)
         if outcome.result is ChainResult.THAWED:  # the checkpoint failed and thawed it
             run.frozen = []
+        if run.limit_busy and KILL not in run.rest:
+            # The room lifted for the dump was never the tree's, and it took it: the limit
+            # must come back, and only the end of the tree brings it back. Once, at once.
+            return KillAction(self.tools).run(Step(KILL), run)
         return CONTINUE
 
     def _checkpoint(self, step: Step, run: ChainRun) -> ChainOutcome:
@@ -178,6 +182,10 @@ class CheckpointAction:
                 tree, run.cgroup, run.reason, on_frozen=run.on_frozen,
                 headroom=run.settings.headroom, after_signal=run.after_signal, held=run.frozen)
         except CheckpointFailed as exc:
+            if exc.limit_busy:
+                run.limit_busy = exc.limit_busy
+                fields = {**fields, "limit_busy": exc.limit_busy,
+                          "then": "kill (the limit lifted for the dump must come back)"}
             if exc.lasting:
                 return self._unfit(step, run, exc)
             tools.events.publish(events.CheckpointFailed(exc.outcome, str(exc), fields))
@@ -197,7 +205,11 @@ class CheckpointAction:
         run.why_not = exc.lasting
         then = run.next_step or ("the next victim, if one is worth it; this tree runs on and "
                                  "is never chosen again while it lives")
+        if run.limit_busy:
+            then = "kill (the limit lifted for the dump must come back)"
         said = {**run.fields, "lasting": True, "then": then}
+        if run.limit_busy:
+            said["limit_busy"] = run.limit_busy
         if untouched:
             tools.events.publish(events.CheckpointRefused(exc.lasting, said))
         else:
@@ -251,6 +263,10 @@ class KillAction:
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
         fields = {**run.fields, "not_checkpointed": run.why_not} if run.why_not else run.fields
+        if run.limit_busy:
+            fields = {**fields, "limit_busy": run.limit_busy,
+                      "explanation": "it grew into the room lifted for its dump, above its "
+                      "own limit, and the dump failed: only its end brings the limit back"}
         self.tools.kill_tree(sorted(set(run.tree.pids) | set(run.frozen)), run.settings,
                              run.reason, fields)
         run.frozen = []

@@ -5,6 +5,11 @@ by whoever can once no live holder needs them — after a crash by the next daem
 A lifted limit is never taken for the cgroup's own: its own limit is the recorded one. When the
 old limit cannot be put back because the cgroup now uses more (something grew into the room
 lifted for the dump), the entry stays "pending": the daemon retries, and acts on the grower.
+
+Every value oomguard writes is recorded too ("lifted"), before it is written: a limit found to
+be none of them (nor the own one) when it is to be put back was set by someone else meanwhile
+(an administrator, while a crashed daemon's entry waited): it is left as it is, and the entry
+dropped ("changed").
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import mmap
 import os
 import secrets
 import threading
@@ -26,12 +32,13 @@ from oomguard.sense.procfs import ProcReader
 
 LIFTS_LEDGER = ".lifted.json"
 LIFT_CEILING = 2  # a lift never exceeds the own limit + this many times the headroom
+PAGE = mmap.PAGESIZE  # limits are kept in whole pages (read back rounded down)
 
 
 @dataclass(frozen=True)
 class Settled:
     path: str  # the cgroup directory
-    outcome: str  # "restored" | "busy" | "gone"
+    outcome: str  # "restored" | "busy" | "gone" | "changed" (set by someone else: left)
     detail: str = ""
 
 
@@ -115,10 +122,12 @@ class LimitLifts:
                 entries[key] = entry
             entry["holders"].append([self.owner, self._owner_start, token])
             own = entry["state"].get("max")
+            if own is not None and cap is not None:
+                new_limit = min(new_limit, own + LIFT_CEILING * cap)
+            current = cgroup.limit()
+            if current is not None and current < new_limit:  # what is about to be written
+                entry["lifted"] = [*entry.get("lifted", []), _page(new_limit)]
         # Written (fsync'd) before the limit changes; the raise itself outside the file lock.
-        if own is not None and cap is not None:
-            new_limit = min(new_limit, own + LIFT_CEILING * cap)
-        current = cgroup.limit()
         if current is not None and current < new_limit:
             try:
                 cgroup.raise_limit(new_limit)  # its own undo is not used: the ledger's is
@@ -137,11 +146,16 @@ class LimitLifts:
                                 if not (len(h) > 2 and h[2] == token) and self._alive(h)]
             if entry["holders"]:
                 return None  # another dump still needs the room
-            return self._put_back(entries, key, cgroup).detail or None
+            settled = self._put_back(entries, key, cgroup)
+            return settled.detail if settled.outcome == "busy" else None
 
     def _put_back(self, entries: dict[str, dict[str, Any]], key: str,
                   cgroup: MemoryCgroup) -> Settled:
         entry = entries[key]
+        changed = self._changed(entry, cgroup)
+        if changed is not None:
+            del entries[key]
+            return Settled(key, "changed", changed)
         try:
             cgroup.put_back_limits(entry["state"])
         except LimitBusy as exc:
@@ -155,6 +169,29 @@ class LimitLifts:
             return Settled(key, "busy", str(exc))
         del entries[key]
         return Settled(key, "restored")
+
+    @staticmethod
+    def _changed(entry: dict[str, Any], cgroup: MemoryCgroup) -> str | None:
+        """Why the limit in force is not oomguard's to put back (someone else set it since it
+        was lifted), or None. An entry without the values written (an older oomguard's) is
+        put back as before."""
+        lifted = entry.get("lifted")
+        if not isinstance(lifted, list) or not lifted:
+            return None
+        try:
+            current = cgroup.limit()
+        except (OSError, CgroupGone):
+            return None  # put_back_limits says what became of it
+        own = entry["state"].get("max")
+        if current == own:
+            return None
+        ours = {_page(v) for v in [*lifted, own] if isinstance(v, int)}
+        if current is None or _page(current) not in ours:
+            shown = "no limit" if current is None else f"{current}"
+            return (f"the limit is {shown}, none of those oomguard set "
+                    f"({', '.join(map(str, sorted(set(lifted))))}) over the own {own}: someone "
+                    "else set it meanwhile, and it is left as it is")
+        return None
 
     # -- what the daemon asks ---------------------------------------------------------------------
 
@@ -186,6 +223,23 @@ class LimitLifts:
         own = entry["state"].get("max")
         return True, own if isinstance(own, int) and not isinstance(own, bool) else None
 
+    def drop_changed(self, cgroup_at: Callable[[str], MemoryCgroup | None]) -> list[Settled]:
+        """Drop the entries no live holder needs whose limit someone else set meanwhile
+        (outcome "changed"; nothing is written to a cgroup): at a daemon's start, before
+        its guards read their own limits from the ledger."""
+        results = []
+        with self._locked() as entries:
+            for key in list(entries):
+                entry = entries[key]
+                if any(self._alive(h) for h in entry["holders"]):
+                    continue
+                cgroup = cgroup_at(key)
+                changed = None if cgroup is None else self._changed(entry, cgroup)
+                if changed is not None:
+                    del entries[key]
+                    results.append(Settled(key, "changed", changed))
+        return results
+
     def settle(self, cgroup_at: Callable[[str], MemoryCgroup | None]) -> list[Settled]:
         """Put back every limit no live holder needs any more: pending ones, and those of dead
         oomguard processes. `cgroup_at(path)` opens a cgroup directory (None: not ours)."""
@@ -203,3 +257,8 @@ class LimitLifts:
                     continue
                 results.append(self._put_back(entries, key, cgroup))
         return results
+
+
+def _page(value: int) -> int:
+    """A limit as the kernel keeps it (rounded down to whole pages)."""
+    return value // PAGE * PAGE

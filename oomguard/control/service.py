@@ -30,6 +30,7 @@ from oomguard.model.errors import (
     ProcessGone,
     RestoreFailed,
     StoreError,
+    TreeNotYours,
     UnknownCheckpoint,
 )
 from oomguard.observe.events import CheckpointDone, EventSink, RestoreDone
@@ -72,6 +73,9 @@ class Service:
         self.guard_of: GuardLookup | None = None
         # The preferences of the rule guarding a cgroup (the daemon's; None: no rule's)
         self.prefs_of: Callable[[MemoryCgroup], Preferences | None] | None = None
+        # After every checkpoint asked for here, done or not: the daemon settles at once what
+        # it may have left (a limit lifted for its dump that could not be put back).
+        self.after_checkpoint: Callable[[], None] | None = None
 
     # -- authorization ---------------------------------------------------------------------------
 
@@ -243,8 +247,18 @@ class Service:
             rel = None
         cgroup = open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None
         headroom = None if uid == ROOT or cgroup is None else self.user_headroom(cgroup)
-        result = self.checkpointer.checkpoint(tree, cgroup, reason, headroom=headroom,
-                                              requester=requester)
+        try:  # the rights again, on the tree as it stopped (a setuid exec meanwhile)
+            result = self.checkpointer.checkpoint(tree, cgroup, reason, headroom=headroom,
+                                                  requester=requester,
+                                                  rights_of=None if uid == ROOT else uid)
+        except TreeNotYours as exc:
+            if self.on_event is not None:
+                self.on_event("checkpoint.refused_not_yours", pid=tree.root.pid, uid=uid,
+                              explanation=str(exc))
+            raise PermissionDenied(str(exc)) from None
+        finally:
+            if self.after_checkpoint is not None:
+                self.after_checkpoint()
         t = result.timings
         timings = {"seconds": round(t.total_s, 3), "freeze_s": round(t.freeze_s, 4),
                    "dump_s": round(t.dump_s, 4), "commit_s": round(t.commit_s, 4)}

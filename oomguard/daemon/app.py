@@ -239,6 +239,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         service.on_event = log.warning
         service.guard_of = daemon_lookup(lambda: daemon.guards)
         service.prefs_of = daemon.preferences_for
+        service.after_checkpoint = daemon.settle_soon
         server = ControlServer(config.socket, service, note=log.info,
                                idle_timeout=config.control_idle_timeout,
                                call_rate=config.control_call_rate)

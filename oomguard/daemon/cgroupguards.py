@@ -75,7 +75,8 @@ class CgroupGuardsMixin:
     clock: Callable[[], float]
 
     if TYPE_CHECKING:
-        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None: ...
+        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                            limit_busy: str = "") -> None: ...
 
     # -- building and arming ---------------------------------------------------------------------
 

@@ -85,7 +85,11 @@ class ExaminingMixin:
 
     # -- cgroup rules ----------------------------------------------------------------------------
 
-    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None:
+    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                        limit_busy: str = "") -> None:
+        """`limit_busy`: why a limit lifted for a dump could not be put back (the cgroup grew
+        into the room): its trees are acted on even where a checkpoint was refused for good,
+        through the chain down to a kill (oomguard/act/chainsteps.py)."""
         try:
             snap = self.checkpointer.own_snapshot(guard.cgroup)  # never a limit we lifted
         except CgroupGone:
@@ -120,7 +124,8 @@ class ExaminingMixin:
         self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
                           anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,
                           limit=snap.limit_bytes, reason=reason)
-        self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT)
+        self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT,
+                            limit_busy)
 
     def _reclaim_due(self, guard: CgroupGuard, events: int) -> bool:
         """The kernel's reclaim in the cgroup woke the loop (`events` windows): whether to look
@@ -150,7 +155,7 @@ class ExaminingMixin:
         self._set_due(guard, due)
 
     def _act_on_cgroup(self, guard: CgroupGuard, snap: MemorySnapshot, woke: float, reason: str,
-                       acting: bool) -> None:
+                       acting: bool, limit_busy: str = "") -> None:
         cgroup = guard.cgroup
         threshold = guard.spec.threshold
         floor = 0 if acting else int((snap.limit_bytes or 0)
@@ -176,7 +181,8 @@ class ExaminingMixin:
         assert guard.parts is not None
         freeze = freezable(cgroup) if guard.spec.freeze_cgroup and acting else None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
-                                 lambda tree: cgroup, still_pressing, freeze))
+                                 lambda tree: cgroup, still_pressing, freeze,
+                                 limit_busy=limit_busy))
 
     def _say_crossed(self, name: str, **fields: Any) -> None:
         """threshold.crossed; in a dry run, where nothing ends the condition, once (then

@@ -168,6 +168,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         # Arm every guard before thawing what a dead run left stopped, and only then look at
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
+        self._drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
         self._examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:
@@ -391,6 +392,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         limit to put back, a store to prune) at once."""
         self._acted.set()
         self._wake(b"a")
+
+    def settle_soon(self) -> None:
+        """From the control service's thread: a checkpoint asked for ended; settled at once
+        as an action's end is (a limit it lifted and could not put back is acted on)."""
+        self._action_done("control")
 
     # -- asked by others (the control service, the park watchdog, the GPU watch) --------------
 

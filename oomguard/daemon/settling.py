@@ -45,7 +45,8 @@ class SettlingMixin:
 
         def _guard_at(self, path: Path) -> CgroupGuard | None: ...
 
-        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str) -> None: ...
+        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                            limit_busy: str = "") -> None: ...
 
     def _settle(self) -> None:
         """Limits to put back, a dead run's leftovers, auto-restores that wait for room: done
@@ -72,6 +73,13 @@ class SettlingMixin:
                     self.auto_restore.consider(guard, snap)
         self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
 
+    def _drop_changed_lifts(self) -> None:
+        """At the start, before the guards take their own limits from the ledger: an entry a
+        dead run left whose limit someone else (an administrator) set since is theirs now."""
+        for settled in self.checkpointer.lifts.drop_changed(self._cgroup_at):
+            self.log.warning("limit.left_as_set", cgroup=settled.path,
+                             explanation=settled.detail)
+
     def _settle_lifts(self) -> None:
         """Put back the limits lifted for dumps that no live oomguard needs lifted any more. One
         that cannot be put back (something grew into the lifted room) is retried, and its guard
@@ -86,6 +94,10 @@ class SettlingMixin:
                 self.log.info("limit.restored", cgroup=settled.path,
                               explanation="the limit lifted for a dump's headroom is back")
                 self._limit_busy.discard(settled.path)
+            elif settled.outcome == "changed":  # an administrator's: theirs, not put back
+                self._limit_busy.discard(settled.path)
+                self.log.warning("limit.left_as_set", cgroup=settled.path,
+                                 explanation=settled.detail)
             elif settled.outcome == "busy":
                 if settled.path not in self._limit_busy:
                     self._limit_busy.add(settled.path)
@@ -94,7 +106,9 @@ class SettlingMixin:
                                    "room lifted for a dump; acting on it until the limit is back")
                 guard = self._guard_at(Path(settled.path))
                 if guard is not None:
-                    self._examine_cgroup(guard, self.clock(), "limit-restore")
+                    # Whatever grew there, refused checkpoints too: down to the kill if it must.
+                    self._examine_cgroup(guard, self.clock(), "limit-restore",
+                                         limit_busy=settled.detail)
 
     def _leftover_waits(self, pid: int) -> bool:
         """Whether a task a dead run (or its standby) left stopped stays stopped for now: while

@@ -39,9 +39,11 @@ from oomguard.model.errors import (
     FailedCheckpoint,
     ProcessGone,
     StoreError,
+    TreeNotYours,
 )
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.rights import foreign_of
 from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
@@ -123,14 +125,18 @@ class Checkpointer:
                    headroom: int | None = None,
                    after_signal: Callable[[], None] | None = None,
                    requester: int | None = None, held: Collection[int] = (),
-                   ) -> CheckpointResult:
+                   rights_of: int | None = None) -> CheckpointResult:
         """Checkpoint `tree`. `on_frozen(frozen, monotonic_time)` is called once it is stopped.
         `after_signal()` runs once SIGSTOP is sent to every task, before waiting for them to
         stop (the daemon thaws a cgroup-v2-frozen cgroup there: the pending SIGSTOP then takes
         the victim before it runs another instruction). `held`: tasks a chain's freeze step has
         stopped already (any other task found stopped is the user's). Raises ProcessGone if the
         tree vanished before it could be stopped, CheckpointFailed (untouched) if it holds
-        oomguard or the `requester` (the process that asked for it)."""
+        oomguard or the `requester` (the process that asked for it). `rights_of`: the uid of
+        the user who asked (on demand, not root): every task of the tree as it stopped must be
+        theirs (real, effective and saved uid), else TreeNotYours once the tasks oomguard
+        stopped are continued (a child may exec a setuid program after the request's check,
+        before its SIGSTOP; once stopped it cannot)."""
         start = self.clock()
         refuse_own_tree(tree.root.pid, self.proc, requester)
         refuse_partial_job(tree, cgroup, self.proc)  # never a tree rooted inside a PID namespace
@@ -166,12 +172,13 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
         with self.bystanders.victim(tree.pids):
             return self._checkpoint(tree, cgroup, reason, on_frozen, headroom, after_signal,
-                                    requester, held, start)
+                                    requester, held, start, rights_of)
 
     def _checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                     on_frozen: Callable[[Frozen, float], None] | None, headroom: int | None,
                     after_signal: Callable[[], None] | None, requester: int | None,
-                    held: Collection[int], start: float) -> CheckpointResult:
+                    held: Collection[int], start: float,
+                    rights_of: int | None = None) -> CheckpointResult:
         # Held by another dump as a bystander: stopped by oomguard, not by its user.
         held = [*held, *self.bystanders.held_now(tree.pids)]
         # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
@@ -204,7 +211,7 @@ class Checkpointer:
             others = self.bystanders.hold(cgroup, pids, requester)
         if after_signal is not None:
             after_signal()
-        undo_limit: Callable[[], None] | None = None
+        undo_limit: Callable[[], str | None] | None = None
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         began = dumped = False
         lock_fd: int | None = None
@@ -230,6 +237,18 @@ class Checkpointer:
             # Stopped by the user too while (or just before) oomguard stopped them.
             frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
             self._unrecord(frozen.user_stopped)
+            foreign = None if rights_of is None else self._foreign(tree, frozen, rights_of)
+            if foreign is not None:  # the limit back first (nothing runs meanwhile), then
+                # only the tasks oomguard stopped continued (never one the user had stopped)
+                if undo_limit is not None:
+                    with contextlib.suppress(OSError, CgroupGone):
+                        undo_limit()
+                    undo_limit = None
+                self.freezer.thaw(frozen.ours)
+                raise TreeNotYours(f"{foreign} (found once the tree had stopped; not so when "
+                                   "the request was checked, as after a setuid program's "
+                                   "exec): refused, nothing dumped, the processes oomguard "
+                                   "stopped continued", FailedCheckpoint.THAWED)
             if shielding:  # stopped: back to the originals, which CRIU saves with the images
                 self.shield.unshield(pids + list(tree.pids) + left)
             if cgroup is not None and room > 0:
@@ -300,9 +319,12 @@ class Checkpointer:
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)
-            if undo_limit is not None:  # while the tree is stopped: it cannot grow meanwhile
-                with contextlib.suppress(OSError, CgroupGone):
-                    undo_limit()
+            busy = ""  # the limit back before anything else (the tree cannot grow meanwhile)
+            if undo_limit is not None:
+                try:
+                    busy = undo_limit() or ""
+                except (OSError, CgroupGone) as undo_exc:
+                    busy = str(undo_exc)
                 undo_limit = None
             terminals.failed()  # the limit is back: a holder slow to answer holds nothing
             outcome = self._thaw_after_failure(frozen)
@@ -311,8 +333,12 @@ class Checkpointer:
                 trouble = back_to_gpu(self.gpu, hold.pids)
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
-                                   outcome, lasting=lasting_failure(str(exc)) or "") from exc
+            busy_note = (f"; the limit lifted for its dump could not be put back: {busy}"
+                         if busy else "")
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}"
+                                   f"{busy_note}", outcome,
+                                   lasting=lasting_failure(str(exc)) or "",
+                                   limit_busy=busy) from exc
         finally:
             if shielding:
                 self.shield.unshield(pids + list(tree.pids) + left)
@@ -328,7 +354,14 @@ class Checkpointer:
                                     holders_s=terminals.told_in)
         return CheckpointResult(meta=meta, path=path, timings=timings)
 
-    def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:
+    def _foreign(self, tree: ProcessTree, frozen: Frozen, uid: int) -> str | None:
+        """Why the tree as it stopped is not all `uid`'s (a task of another user, or holding
+        their rights: a setuid exec after the request was checked), or None."""
+        tasks = [(p.pid, p.comm, p.uids[:3] or (p.uid,))
+                 for p in self.proc.processes(frozen.pids)]
+        return foreign_of(tasks, tree.root.pid, uid)
+
+    def _put_back_room(self, undo_limit: Callable[[], str | None] | None, others: Held) -> None:
         """The limit as it was, then the rest of the cgroup continued (in that order: what
         was lifted for the dump is never theirs)."""
         if undo_limit is not None:
@@ -353,10 +386,16 @@ class Checkpointer:
 
         def thaw_ours(pids: list[int]) -> None:  # a task the user had stopped stays stopped
             self.freezer.thaw([pid for pid in pids if pid in held or not self._stopped(pid)])
+
+        def lift(cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
+            release = self._lift(cgroup, new_limit)
+
+            def put_back() -> None:
+                release()  # one that cannot be put back yet stays pending: the settling's
+            return put_back
         try:
             return move_off_gpu(self.gpu, tree, cgroup, margin=self.gpu_margin,
-                                mem_available=self.mem_available, lift=self._lift,
-                                thaw=thaw_ours)
+                                mem_available=self.mem_available, lift=lift, thaw=thaw_ours)
         except GpuRefused as exc:
             with contextlib.suppress(OSError):
                 self.ledger.clear(list(tree.pids))
@@ -382,14 +421,11 @@ class Checkpointer:
         return replace(snap, limit_bytes=own) if lifted else snap
 
     def _lift(self, cgroup: MemoryCgroup, new_limit: int,
-              cap: int | None = None) -> Callable[[], None]:
-        release = self.lifts.lift(cgroup, new_limit, cap)
-
-        def put_back() -> None:
-            # A limit that cannot be put back yet stays pending in the ledger: the daemon
-            # retries it on every rescan and acts on what grew into the lifted room.
-            release()
-        return put_back
+              cap: int | None = None) -> Callable[[], str | None]:
+        """The release returns why the limit could not be put back ("" or None: it was): it
+        then stays pending in the ledger, and the one who released acts on the cgroup (a
+        chain's next step, down to its kill: oomguard/act/chainsteps.py)."""
+        return self.lifts.lift(cgroup, new_limit, cap)
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout
@@ -457,13 +493,15 @@ def _limited(cgroup: MemoryCgroup) -> bool:
         return False
 
 
-def _both(last: Callable[[], None], first: Callable[[], None] | None) -> Callable[[], None]:
-    """One undo for two limit lifts: the later one first."""
+def _both(last: Callable[[], str | None],
+          first: Callable[[], str | None] | None) -> Callable[[], str | None]:
+    """One undo for two limit lifts: the later one first (the first's answer is the one:
+    the own limit is put back when the last holder lets go)."""
     if first is None:
         return last
 
-    def undo() -> None:
+    def undo() -> str | None:
         with contextlib.suppress(OSError, CgroupGone):
             last()
-        first()
+        return first()
     return undo

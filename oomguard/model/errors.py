@@ -58,12 +58,21 @@ class FailedCheckpoint(enum.StrEnum):
 class CheckpointFailed(OomguardError):
     """A checkpoint did not complete. `outcome` says what happened to the process; `lasting`,
     in one line, why no checkpoint of this tree can succeed while it lives ("" if another try
-    might: oomguard.policy.unfit)."""
+    might: oomguard.policy.unfit). `limit_busy`: why the limit lifted for the dump could not be
+    put back after it failed (the tree grew into the room above its own limit; "" if it was)."""
 
-    def __init__(self, message: str, outcome: FailedCheckpoint, lasting: str = "") -> None:
+    def __init__(self, message: str, outcome: FailedCheckpoint, lasting: str = "",
+                 limit_busy: str = "") -> None:
         self.outcome = outcome
         self.lasting = lasting
+        self.limit_busy = limit_busy
         super().__init__(message)
+
+
+class TreeNotYours(CheckpointFailed):
+    """An on-demand checkpoint refused once its tree had stopped: a task of it belongs to (or
+    holds the rights of) another user, which it did not when the request was checked (a
+    setuid exec in between). The tasks oomguard stopped were continued (outcome THAWED)."""
 
 
 class RestoreFailed(OomguardError):

@@ -5,6 +5,8 @@ oomguard and CRIU). Pure: decided from the tree as read, before anything is stop
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from oomguard.policy.victims import OOM_SCORE_ADJ_MIN, ProcessTree
 
 ROOT = 0
@@ -14,12 +16,19 @@ def foreign_task(tree: ProcessTree, caller_uid: int) -> str | None:
     """Why `caller_uid` may not checkpoint `tree` (a task of another user), or None."""
     if caller_uid == ROOT:
         return None
-    for task in tree.members:
-        ids = task.uids[:3] or (task.uid,)
+    return foreign_of(((t.pid, t.comm, t.uids[:3] or (t.uid,)) for t in tree.members),
+                      tree.root.pid, caller_uid)
+
+
+def foreign_of(tasks: Iterable[tuple[int, str, tuple[int, ...]]], root: int,
+               caller_uid: int) -> str | None:
+    """As foreign_task, from (pid, comm, (real, effective, saved uid)) of each task: what the
+    checkpointer reads again once the tree has stopped (a stopped task cannot exec)."""
+    for pid, comm, ids in tasks:
         others = sorted({uid for uid in ids if uid != caller_uid})
         if others:
-            which = "runs as" if task.uid != caller_uid else "holds the rights of"
-            return (f"process {task.pid} ({task.comm}) in the tree of {tree.root.pid} {which} "
+            which = "runs as" if ids[0] != caller_uid else "holds the rights of"
+            return (f"process {pid} ({comm}) in the tree of {root} {which} "
                     f"uid {', '.join(map(str, others))}: every process of the tree must be "
                     "yours")
     return None

@@ -935,3 +935,58 @@ def test_a_freeze_continues_holding_the_tree_and_a_refused_checkpoint_continues(
     ended = rig.runner.actions["kill"].run(parse_step("kill"), state)
     assert isinstance(ended, Settled) and ended.outcome.result == "killed"
     assert killed == [[ROOT, CHILD]] and state.frozen == []
+
+
+# -- a limit lifted for a dump that could not be put back ----------------------------------------
+
+BUSY = "usage 304619520 is above the limit 268435456 to put back"
+
+
+def test_a_failed_dump_whose_limit_stays_lifted_is_killed_once_without_a_kill_step(
+        tmp_path: Path, spawn: Spawn) -> None:
+    child = spawn()
+    rig = real_rig(tmp_path, error=CheckpointFailed("criu said no", "thawed", limit_busy=BUSY))
+    outcome = run(rig, chain("checkpoint"), make_tree(child.pid))
+    assert outcome.result == "killed" and outcome.settled
+    assert child.wait(timeout=5) == -signal.SIGTERM
+    assert rig.log.events == ["checkpoint.failed", "victim.killed"]
+    failed = rig.log.find("checkpoint.failed")[1]
+    assert failed["limit_busy"] == BUSY and failed["then"].startswith("kill")
+    killed = rig.log.find("victim.killed")[1]
+    assert killed["limit_busy"] == BUSY and "room lifted for its dump" in killed["explanation"]
+    assert len(rig.checkpointer.calls) == 1 and rig.ledger.balanced()
+
+
+def test_a_failed_dump_whose_limit_stays_lifted_goes_on_to_the_kill_step_pressure_or_not(
+        tmp_path: Path, spawn: Spawn) -> None:
+    child = spawn()
+    rig = real_rig(tmp_path, error=CheckpointFailed("criu said no", "thawed", limit_busy=BUSY))
+    outcome = run(rig, chain("checkpoint", "kill"), make_tree(child.pid),
+                  pressing=Pressure((False,)))  # the limit is pressure whatever usage says
+    assert (outcome.result, outcome.step) == ("killed", KILL)
+    assert child.wait(timeout=5) == -signal.SIGTERM
+    assert rig.log.events == ["checkpoint.failed", "victim.killed"]
+
+
+def test_a_lift_left_busy_has_a_refused_tree_killed_down_the_chain(
+        tmp_path: Path, spawn: Spawn) -> None:
+    """The settling's look (limit_busy given): a tree no checkpoint can take is refused, then
+    killed, where before it was left running with the limit lifted."""
+    child = spawn()
+    rig = real_rig(tmp_path, error=CheckpointFailed(
+        "refused before stopping it: traced", "untouched", lasting="traced by pid 7"))
+    outcome = rig.runner.run(chain("checkpoint"), make_tree(child.pid), None, REASON, SETTINGS,
+                             Pressure(), dict(FIELDS), limit_busy=BUSY)
+    assert outcome.result == "killed"
+    assert child.wait(timeout=5) == -signal.SIGTERM
+    assert rig.log.events == ["checkpoint.refused", "victim.killed"]
+    assert rig.log.find("checkpoint.refused")[1]["then"].startswith("kill")
+
+
+def test_without_a_busy_limit_a_failed_dump_is_thawed_not_killed(
+        tmp_path: Path, spawn: Spawn) -> None:
+    child = spawn()
+    rig = real_rig(tmp_path, error=CheckpointFailed("criu said no", "thawed"))
+    outcome = run(rig, chain("checkpoint"), make_tree(child.pid))
+    assert outcome.result == "thawed"
+    assert child.poll() is None and rig.log.events == ["checkpoint.failed"]

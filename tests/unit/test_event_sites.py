@@ -81,7 +81,7 @@ def test_the_actor_publishes_the_freeze_and_the_checkpoint() -> None:
 
         def run(self, steps: Any, tree: Any, cgroup: Any, reason: str, settings: Any,
                 still: Any, fields: dict[str, Any], on_frozen: Any = None,
-                after_signal: Any = None) -> ChainOutcome:
+                after_signal: Any = None, limit_busy: str = "") -> ChainOutcome:
             on_frozen(Frozen([4242], [], method=BY_EVENTS, caught=2), 10.25)
             return ChainOutcome(ChainResult.CHECKPOINTED, "checkpoint", reason, result)
 

@@ -120,3 +120,45 @@ def test_no_lift_when_there_is_room_already(lifts: LimitLifts, tmp_path: Path) -
     assert cg.writes == []
     assert release() is None
     assert cg.limit() is None
+
+
+def test_a_limit_someone_else_set_meanwhile_is_left_and_its_entry_dropped(
+        tmp_path: Path) -> None:
+    """A dead run's entry, and an administrator who set 512 MiB since: not put back to 200."""
+    ledger = tmp_path / ".lifted.json"
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 150 * MiB)
+    LimitLifts(ledger, owner=_dead_pid()).lift(cg, 214 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    assert json.loads(ledger.read_text())[str(cg.path)]["lifted"] == [214 * MiB]
+    cg._limit = 512 * MiB  # the administrator
+    live = LimitLifts(ledger)
+    [left] = live.drop_changed(lambda path: cg)  # type: ignore[arg-type,return-value]
+    assert left.outcome == "changed" and f"the limit is {512 * MiB}" in left.detail
+    assert cg.limit() == 512 * MiB and cg.writes == [214 * MiB]
+    assert not live.lifted(cg.path) and live.settle(lambda path: cg) == []  # type: ignore[arg-type,return-value]
+
+
+def test_a_limit_still_as_lifted_is_put_back_and_not_taken_for_a_change(
+        tmp_path: Path) -> None:
+    ledger = tmp_path / ".lifted.json"
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 150 * MiB)
+    LimitLifts(ledger, owner=_dead_pid()).lift(cg, 214 * MiB + 100, cap=64 * MiB)  # type: ignore[arg-type]
+    live = LimitLifts(ledger)
+    cg._limit = (214 * MiB + 100) // 4096 * 4096  # as the kernel keeps it: whole pages
+    assert live.drop_changed(lambda path: cg) == []  # type: ignore[arg-type,return-value]
+    [done] = live.settle(lambda path: cg)  # type: ignore[arg-type,return-value]
+    assert done.outcome == "restored" and cg.limit() == 200 * MiB
+
+
+def test_a_live_holders_release_leaves_a_changed_limit_and_reports_no_trouble(
+        lifts: LimitLifts, tmp_path: Path) -> None:
+    cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 250 * MiB)
+    release = lifts.lift(cg, 264 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    cg._limit = 300 * MiB  # set by someone else while the dump ran
+    assert release() is None
+    assert cg.limit() == 300 * MiB and not lifts.lifted(cg.path)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
