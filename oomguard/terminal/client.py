@@ -167,6 +167,8 @@ def request(path: Path | str, op: str, timeout: float = 5.0, **fields: Any) -> d
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
             return _read_line(sock, deadline)
+        except TimeoutError as exc:  # the deadline ran out inside a recv or send
+            raise HolderError(f"the terminal holder on {path} did not answer in time") from exc
         except OSError as exc:
             raise HolderError(f"terminal holder on {path}: {exc}") from exc
 

@@ -313,7 +313,7 @@ def test_checkpoint_allowed_reaches_checkpointer(service: Service, uid: int, pid
     meta = make_meta("new-one", uid, 1_700_000_300.0)
 
     def checkpoint(tree: Any, cgroup: Any, why: str, requester: int | None = None,
-                   headroom: int | None = None) -> Any:
+                   headroom: int | None = None, rights_of: int | None = None) -> Any:
         seen.append((tree.pids, cgroup, why, requester, headroom))
         return SimpleNamespace(meta=meta, timings=SimpleNamespace(
             total_s=2.71828, freeze_s=0.00312, dump_s=2.5, commit_s=0.21828))
@@ -342,7 +342,7 @@ def test_root_without_a_daemon_calls_the_same_verbs(service: Service,
     meta = make_meta("direct-one", 0, 1_700_000_400.0)
 
     def checkpoint(tree: Any, cgroup: Any, why: str, requester: int | None = None,
-                   headroom: int | None = None) -> Any:
+                   headroom: int | None = None, rights_of: int | None = None) -> Any:
         seen.append((tree.pids, why, requester))
         return SimpleNamespace(meta=meta, timings=SimpleNamespace(
             total_s=1.0, freeze_s=0.001, dump_s=0.9, commit_s=0.099))

@@ -202,7 +202,7 @@ def service_over(tmp_path: Path, proc: ProcReader) -> tuple[Service, list[Proces
     taken: list[ProcessTree] = []
 
     def checkpoint(tree: ProcessTree, cgroup: Any, why: str, requester: int | None = None,
-                   headroom: int | None = None) -> Any:
+                   headroom: int | None = None, rights_of: int | None = None) -> Any:
         taken.append(tree)
         meta = make_meta("taken", tree.root.uid, 1.0, list(tree.pids), **job_fields(tree))
         return SimpleNamespace(meta=meta, timings=SimpleNamespace(
