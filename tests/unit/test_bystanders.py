@@ -193,3 +193,11 @@ def test_only_a_cgroup_with_a_limit_to_share_has_bystanders_held(tmp_path: Path)
         cg.path.mkdir(parents=True)
         (cg.path / "memory.limit_in_bytes").write_text(text + "\n")
     assert _limited(limited) and not _limited(unlimited) and not _limited(gone)
+
+
+def test_a_task_under_ptrace_is_left_alone_whatever_its_state() -> None:
+    """A CRIU of a dead daemon still dumping it: its parasite runs in the task (R or S, not
+    t), and a SIGSTOP from the standby there made CRIU fail ('stopped by 19 unexpectedly')."""
+    found = [Bystander(5, 1, "R", traced=True), Bystander(6, 1, "S", traced=True),
+             Bystander(7, 1, "S")]
+    assert to_hold(found, victim=set(), spared=set()) == [7]
