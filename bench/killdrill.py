@@ -41,7 +41,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.control.client import ControlClient
 from oomguard.model.errors import OomguardError
 from oomguard.sense.procfs import ProcReader
-from oomguard.store.checkpoints import Store
+from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
 from oomguard.store.ledger import FrozenLedger
 from tests.helpers import (
     CgroupFactory,
@@ -158,6 +158,7 @@ class Drill:
         self.workdir = workdir
         self.seed = seed
         self.proc = ProcReader()
+        self.dumping: list[str] = []  # partials a CRIU was writing when the daemon was killed
 
     # -- one point -------------------------------------------------------------------------
 
@@ -166,6 +167,7 @@ class Drill:
         Returns the point and the times measured (for calibration)."""
         began = time.monotonic()
         result = Point(index, phase or "calibration", round((offset or 0.0) * 1000, 1))
+        self.dumping = []
         here = self.workdir / f"p{index:03d}"
         here.mkdir(parents=True)
         store = here / "store"
@@ -188,7 +190,7 @@ class Drill:
             if phase is not None and phase != "restore":
                 assert offset is not None
                 self._sleep_until(anchor + offset)
-                result.seen = self._kill(first, tail)
+                result.seen = self._kill(first, tail, store)
             else:
                 done = tail.wait("checkpoint.done", 60)
                 frozen = tail.first("victim.frozen")
@@ -211,7 +213,7 @@ class Drill:
                 if phase == "restore":
                     assert offset is not None
                     self._sleep_until(asked + offset)
-                    result.seen = "restore called; " + self._kill(first, tail)
+                    result.seen = "restore called; " + self._kill(first, tail, store)
                     call.join(timeout=30)
                 else:
                     call.join(timeout=120)
@@ -255,9 +257,13 @@ class Drill:
         while (left := when - time.monotonic()) > 0:
             time.sleep(min(left, 0.001) if left < 0.005 else left - 0.004)
 
-    def _kill(self, daemon: DaemonProcess, tail: LogTail) -> str:
+    def _kill(self, daemon: DaemonProcess, tail: LogTail, store: Path) -> str:
         daemon.handle.send_signal(signal.SIGKILL)
         daemon.handle.wait()
+        # A dump CRIU had begun (its log is there) goes on without the daemon, and must end
+        # whole: nothing may stop the task under it (the standby did: the dump failed).
+        self.dumping = [p.name[len(PARTIAL_PREFIX):] for p in Store(store).partials()
+                        if (p / "images" / "dump.log").exists()]
         return tail.last(MILESTONES)
 
     # -- after the restart -----------------------------------------------------------------
@@ -354,6 +360,11 @@ class Drill:
                                    f"{_text(log)[-200:]!r}")
         if self._settled(store, cg, big):
             result.failures.append("after the job: " + "; ".join(self._settled(store, cg, big)))
+        removed = {str(e.get("id")) for e in daemon.events("checkpoint.partial_removed")}
+        ruined = [one for one in self.dumping if one in removed]
+        if ruined:
+            result.failures.append(f"a dump under way when the daemon was killed failed: "
+                                   f"{ruined}")
 
     def _clean(self, *cgroups: MemoryCgroup) -> None:
         for one in cgroups:
