@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.lifecycle.selfguard import ancestry, own_family
 from oomguard.model.errors import CgroupGone, ProcessGone
-from oomguard.policy.bystanders import Bystander, to_hold
+from oomguard.policy.bystanders import LEFT_ALONE_STATES, Bystander, to_hold
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.ledger import FrozenLedger
 
@@ -90,9 +90,12 @@ class Bystanders:
                 continue
             try:
                 stat = self.proc.stat(pid)
+                # Traced: a CRIU at work on it (its parasite runs in it: not state t).
+                traced = stat.state not in LEFT_ALONE_STATES \
+                    and self.proc.status(pid).tracer_pid != 0
             except (ProcessGone, ValueError, IndexError):
                 continue
-            found.append(Bystander(pid, stat.ppid, stat.state))
+            found.append(Bystander(pid, stat.ppid, stat.state, traced))
         if not found:
             return held
         spared = set(own_family(self.proc, self.self_pid))

@@ -116,6 +116,18 @@ class Freezer(Protocol):
 
 
 Kill = Callable[[int, int], None]  # os.kill, or a test's
+BeforeStop = Callable[[list[int]], None]  # the frozen ledger's note(): recorded first
+
+
+def _note(before_stop: BeforeStop | None, pid: int) -> None:
+    """Record-before-act: a task found for the freeze (a child forked since its tree was
+    chosen and recorded) is in the frozen ledger before its SIGSTOP, so a daemon killed right
+    after the signal leaves it to the next start to continue, never stopped for good (found
+    stopped and not in the ledger, a task reads as its user's). A ledger that cannot be
+    written stops it anyway: the freeze must hold the whole tree for CRIU."""
+    if before_stop is not None:
+        with contextlib.suppress(OSError):
+            before_stop([pid])
 
 
 def _signal(pid: int, sig: signal.Signals, kill: Kill = os.kill) -> bool:
@@ -163,9 +175,11 @@ class ForkFollow:
     events, each stopped as it is found (or noted as the user's)."""
 
     def __init__(self, root: int, events: EventSource, proc: ProcReader,
-                 held: Collection[int] = (), kill: Kill = os.kill) -> None:
+                 held: Collection[int] = (), kill: Kill = os.kill,
+                 before_stop: BeforeStop | None = None) -> None:
         self.root = root
         self.kill = kill
+        self.before_stop = before_stop
         self.events = events
         self.proc = proc
         self.held = frozenset(held)
@@ -194,7 +208,9 @@ class ForkFollow:
             # the stopped task and read as the user's (stopped_again).
             if pid not in self.held:
                 self.user_stopped.append(pid)
-        elif not _signal(pid, signal.SIGSTOP, self.kill):
+            return
+        _note(self.before_stop, pid)
+        if not _signal(pid, signal.SIGSTOP, self.kill):
             self.settled.add(pid)
 
     def walk(self) -> tuple[int, list[int]]:
@@ -289,12 +305,15 @@ class SigstopFreezer:
     def __init__(self, proc: ProcReader | None = None,
                  sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic,
-                 events: Subscriber | None = None, kill: Kill = os.kill) -> None:
+                 events: Subscriber | None = None, kill: Kill = os.kill,
+                 before_stop: BeforeStop | None = None) -> None:
         self.proc = proc or ProcReader()
         self.sleep = sleep
         self.clock = clock
         self.events = events if events is not None else Subscriber(kinds=FORKS)
         self.kill = kill
+        # Called with each task before its SIGSTOP (the checkpointer's ledger notes it).
+        self.before_stop = before_stop
 
     def freeze(self, root_pid: int, held: Collection[int] = ()) -> Frozen:
         """Stop every task of the tree. A task found stopped (state T) is the user's and gets
@@ -303,7 +322,7 @@ class SigstopFreezer:
         events = self.events.open()
         if events is None:
             return self._relist(root_pid, held, self.events.why_not or self.events.last_error)
-        follow = ForkFollow(root_pid, events, self.proc, held, self.kill)
+        follow = ForkFollow(root_pid, events, self.proc, held, self.kill, self.before_stop)
         try:
             follow.walk()
             follow.drain()
@@ -331,6 +350,7 @@ class SigstopFreezer:
                     if pid not in held:  # held: stopped by oomguard already (see take)
                         user_stopped.append(pid)
                 else:
+                    _note(self.before_stop, pid)
                     _signal(pid, signal.SIGSTOP, self.kill)
         if not seen or not self.proc.exists(root_pid):
             raise ProcessGone(f"process {root_pid} is gone")

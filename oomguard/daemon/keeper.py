@@ -61,8 +61,8 @@ class StoreKeeper:
 
     def tick(self) -> bool:
         """What could not be settled at start, and retention when it is due. True while
-        something waits (a dead run's CRIU still writing, a leftover not yet thawed): the
-        daemon asks again soon."""
+        something waits (a dead run's CRIU still writing, a leftover not yet thawed, one
+        another oomguard process still holds): the daemon asks again soon."""
         if self._partials_busy or self.clock() >= self._next_partials:
             self._recover_store()
         pending = self.ledger.pending()
@@ -71,7 +71,9 @@ class StoreKeeper:
             pending = self.ledger.pending()
         if self.clock() >= self._next_prune:
             self.prune()
-        return self._partials_busy or pending
+        # Held by another oomguard process (the last run's standby, relieved but still on its
+        # way out): its tasks are this daemon's to continue the moment it is gone.
+        return self._partials_busy or pending or self.ledger.held_elsewhere()
 
     def listed(self) -> list[CheckpointMeta]:
         """The store's checkpoints, read again only when its directory changed (a checkpoint

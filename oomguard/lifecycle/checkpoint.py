@@ -21,7 +21,7 @@ import psutil
 
 from oomguard.act.bystanders import Bystanders, Held
 from oomguard.act.criu import Criu, format_version
-from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen
+from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, SigstopFreezer
 from oomguard.act.lifts import LIFTS_LEDGER, LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
@@ -107,6 +107,9 @@ class Checkpointer:
         self.freeze_timeout = freeze_timeout
         self.hook_dir = hook_dir
         self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
+        if isinstance(freezer, SigstopFreezer) and freezer.before_stop is None:
+            # Record-before-act for the tasks the freeze finds on its way (forks).
+            freezer.before_stop = self.ledger.note
         self.shield = shield or OomShield(store.root / OOM_SHIELD, self.proc)
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).

@@ -25,6 +25,9 @@ class Bystander:
     pid: int
     ppid: int
     state: str
+    # Under ptrace (/proc/PID/status TracerPid): a CRIU at work on it shows R or S while its
+    # parasite runs in it, and a stop signal then makes the dump fail.
+    traced: bool = False
 
 
 def to_hold(found: Iterable[Bystander], victim: Collection[int],
@@ -32,7 +35,8 @@ def to_hold(found: Iterable[Bystander], victim: Collection[int],
     """The pids to stop: every process found but the victim's tree and anything descended
     from it (a child forked while the tree was being stopped belongs to the tree, which the
     freeze catches), the `spared` (oomguard, its ancestors, what it runs, the one asking for
-    the checkpoint), and those stopped, traced or dead already."""
+    the checkpoint), and those stopped, traced (a CRIU of a dead daemon still dumping it: the
+    standby stopped it there, and the dump failed) or dead already."""
     found = list(found)
     parent = {b.pid: b.ppid for b in found}
     in_tree = set(victim)
@@ -48,4 +52,5 @@ def to_hold(found: Iterable[Bystander], victim: Collection[int],
 
     return [b.pid for b in found
             if b.pid not in in_tree and b.pid not in spared
-            and b.state not in LEFT_ALONE_STATES and not descends_from_tree(b.pid)]
+            and b.state not in LEFT_ALONE_STATES and not b.traced
+            and not descends_from_tree(b.pid)]

@@ -88,6 +88,7 @@ class FrozenLedger:
         self.owner = owner if owner is not None else os.getpid()
         self._owner_start = self.proc.starttime(self.owner)
         self._lock = threading.Lock()
+        self._noted: set[int] = set()  # pids this process recorded and has not cleared
 
     @contextlib.contextmanager
     def _file(self, write: bool = True) -> Iterator[int]:
@@ -147,11 +148,21 @@ class FrozenLedger:
         with self._lock:
             self._update(lambda entries: [e for e in entries if e.cgroup or e.pid not in fresh]
                          + list(fresh.values()))
+            self._noted.update(fresh)
+
+    def note(self, pids: list[int]) -> None:
+        """record() of those of `pids` this process has not recorded already: a task the
+        freeze finds (a fork caught on its way) just before its SIGSTOP. No write for a
+        task of the tree recorded before the freeze."""
+        new = [pid for pid in pids if pid not in self._noted]
+        if new:
+            self.record(new)
 
     def clear(self, pids: list[int]) -> None:
         gone = set(pids)
         with self._lock:
             self._update(lambda entries: [e for e in entries if e.pid not in gone or e.cgroup])
+            self._noted.difference_update(gone)
 
     def record_cgroup(self, directory: Path) -> None:
         entry = FrozenEntry(0, 0, str(directory), self.owner, self._owner_start)
@@ -234,6 +245,12 @@ class FrozenLedger:
     def pending(self) -> bool:
         """Entries left by dead owners that could not be settled yet."""
         return any(not self._owner_alive(e) for e in self._load())
+
+    def held_elsewhere(self) -> bool:
+        """Entries of another oomguard process that still lives: a standby told to end that
+        has not ended yet, a CLI's checkpoint. Once it is gone they are pending (settled by
+        whoever looks next), so a daemon looks again soon rather than at its next rescan."""
+        return any(not self._mine(e) and self._owner_alive(e) for e in self._load())
 
 
 class SavedLimits:

@@ -260,22 +260,36 @@ def test_daemon_killed_mid_dump_restarts_consistent(cgroups: CgroupFactory, stor
         first.stop()
     with daemon(store, tmp_path / "daemon2.log", "--cgroup", str(cg.path)) as second:
         second.wait_event("guard.armed")
-        # Whatever the race, the store ends consistent: no partial left once CRIU is done.
-        assert wait_until(lambda: not Store(store).partials(), 60), second.log.read_text()
+
+        def settled() -> str:
+            """'gone' (dumped), 'running' (not stopped while no action of the new run holds
+            it), or '' while the old CRIU, a partial or the new run's own action is under way.
+            Its state is read before the events: a freeze that begins after the read shows
+            as an action begun. (Read as 'not T' alone, the new run's dump under way passed
+            while CRIU's parasite ran in it, and the next look found it stopped.)"""
+            if hog.poll() is not None:
+                return "gone"
+            state = proc_state(hog.pid)
+            begun = len(second.events("victim.frozen"))
+            ended = len(second.events("checkpoint.done")) + len(second.events("checkpoint.failed"))
+            if state in ("T", "t", None) or begun > ended or Store(store).partials():
+                return ""
+            return "running"
         # Left stopped in a cgroup over its threshold, the victim is not continued first: the
         # new run checkpoints it as it is (or it runs again, its cgroup under its threshold).
-        assert wait_until(lambda: hog.poll() is not None
-                          or proc_state(hog.pid) not in ("T", "t"), 60), second.log.read_text()
-        checkpoints = Store(store).list()
-        alive = hog.poll() is None
-        assert alive or checkpoints, "the victim is neither running nor checkpointed"
-        assert all(c.state == "checkpointed" for c in checkpoints)
-        if alive:
-            assert proc_state(hog.pid) not in ("T", "t"), "victim left stopped"
+        # Whatever the race, the store ends consistent: no partial left once CRIU is done.
+        verdict = wait_until(settled, 60)
+        assert verdict, "victim left stopped, or a dump never ended:\n" + second.log.read_text()
+        if verdict == "running":
             kill_pid(hog.pid)
             hog.wait()
+            assert all(c.state == "checkpointed" for c in Store(store).list())
             return
         hog.wait()
+        assert wait_until(lambda: Store(store).list() and not Store(store).partials(), 30), \
+            "the victim is neither running nor checkpointed:\n" + second.log.read_text()
+        checkpoints = Store(store).list()
+        assert all(c.state == "checkpointed" for c in checkpoints)
         assert len(checkpoints) == 1
         if moment == "dumping":
             assert wait_until(lambda: second.events("checkpoint.recovered"), 10), \

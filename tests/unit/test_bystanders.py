@@ -6,6 +6,7 @@ that is read of it)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -194,3 +195,32 @@ def test_only_a_cgroup_with_a_limit_to_share_has_bystanders_held(tmp_path: Path)
         cg.path.mkdir(parents=True)
         (cg.path / "memory.limit_in_bytes").write_text(text + "\n")
     assert _limited(limited) and not _limited(unlimited) and not _limited(gone)
+
+
+def test_a_task_under_ptrace_is_left_alone_whatever_its_state() -> None:
+    """A CRIU of a dead daemon still dumping it: its parasite runs in the task (R or S, not
+    t), and a SIGSTOP from the standby there made CRIU fail ('stopped by 19 unexpectedly')."""
+    found = [Bystander(5, 1, "R", traced=True), Bystander(6, 1, "S", traced=True),
+             Bystander(7, 1, "S")]
+    assert to_hold(found, victim=set(), spared=set()) == [7]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (a real tracer)")
+def test_a_task_a_tracer_holds_is_not_stopped(tmp_path: Path, sleepers: list[int]) -> None:
+    """As a dead daemon's CRIU holds its victim (the standby held it there, and the dump
+    failed): a task under ptrace, sleeping (S, not t), is neither stopped nor recorded."""
+    _victim, traced, free, _c, me = sleepers
+    tracer = subprocess.Popen(["strace", "-qq", "-o", "/dev/null", "-p", str(traced)],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        proc = ProcReader()
+        assert wait_until(lambda: proc.status(traced).tracer_pid == tracer.pid, 5.0)
+        assert task_state(traced) != "t"  # what the state alone showed
+        hold = _bystanders(tmp_path, me)
+        held = hold.hold(_Cgroup(tmp_path / "cg", [traced, free]), ())  # type: ignore[arg-type]
+        assert held.pids == [free] and _recorded(tmp_path) == {free}
+        hold.release(held)
+    finally:
+        tracer.terminate()
+        tracer.wait(timeout=10)

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -248,3 +249,41 @@ def storm_pids(token: str) -> list[int]:
                 if token.encode() in (entry / "cmdline").read_bytes():
                     found.append(int(entry.name))
     return found
+
+
+@pytest.mark.parametrize("connector", [True, False])
+def test_a_task_the_freeze_finds_is_in_the_ledger_before_its_sigstop(
+        family: tuple[int, list[int]], tmp_path: Path, connector: bool) -> None:
+    """Record-before-act: the tree was recorded as chosen (its root alone here: the children
+    stand for forks since); each task the freeze finds is noted in the frozen ledger before
+    its SIGSTOP, so a daemon killed between the two leaves nothing stopped unrecorded. The
+    root, recorded already, costs no second write."""
+    from oomguard.sense.procevents import Subscriber
+    from oomguard.store.ledger import FrozenLedger
+
+    root, kids = family
+    ledger = FrozenLedger(tmp_path / "frozen.json")
+    ledger.record([root])
+    writes: list[list[int]] = []
+    stops: list[tuple[int, bool]] = []
+
+    def note(pids: list[int]) -> None:
+        writes.append([p for p in pids if p not in ledger._noted])
+        ledger.note(pids)
+
+    def kill(pid: int, sig: int) -> None:
+        if sig == signal.SIGSTOP:
+            stops.append((pid, pid in ledger.recorded([pid])))
+        os.kill(pid, sig)
+    def unavailable() -> Any:
+        raise PermissionError(1, "Operation not permitted")
+    events = Subscriber() if connector else Subscriber(unavailable)
+    freezer = SigstopFreezer(events=events, kill=kill, before_stop=note)
+    frozen = freezer.wait_frozen(freezer.freeze(root), 5.0)
+    assert frozen.stopped and sorted(frozen.pids) == sorted([root, *kids])
+    assert sorted(pid for pid, _ in stops) == sorted([root, *kids])
+    assert all(recorded for _, recorded in stops), stops
+    assert sorted(pid for batch in writes for pid in batch) == sorted(kids)  # not the root
+    freezer.thaw(frozen.ours)
+    ledger.clear(frozen.pids)
+    assert ledger.recorded([root, *kids]) == [] and not ledger._noted

@@ -121,3 +121,33 @@ def test_pruning_by_age_takes_restored_checkpoints_only_every_prune_interval(
                                             "20261202-010000-103-0003"]
     assert [f["id"] for f in log.named("store.pruned")] == ["20261202-010000-101-0001",
                                                             "20261202-010000-104-0004"]
+
+
+def test_a_task_another_oomguard_still_holds_is_continued_as_soon_as_it_is_gone(
+        tmp_path: Path) -> None:
+    """The last run's standby, told to end, not gone yet when the daemon started (its
+    RELIEVE_WAIT passed): the daemon asks again every settle, not at its next rescan (60 s),
+    and continues what the standby stopped the moment it is gone."""
+    import signal
+    import subprocess
+
+    from tests.unit._support import task_state
+
+    keep, store, log, _clock = keeper(tmp_path)
+    job = subprocess.Popen(["sleep", "60"])
+    standby = subprocess.Popen(["sleep", "60"])
+    try:
+        FrozenLedger(store.root / ".frozen.json", owner=standby.pid).record([job.pid])
+        os.kill(job.pid, signal.SIGSTOP)
+        keep.thaw_leftovers()
+        assert keep.tick() is True  # held elsewhere: asked again soon
+        assert task_state(job.pid) == "T"
+        standby.kill()
+        standby.wait()
+        assert keep.tick() is False
+        assert log.named("victim.thawed_after_crash")[0]["thawed"] == [str(job.pid)]
+        assert task_state(job.pid) != "T"
+    finally:
+        for one in (job, standby):
+            one.kill()
+            one.wait()

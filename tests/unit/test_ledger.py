@@ -357,3 +357,39 @@ def test_saved_limits_bad_values_are_ignored(tmp_path: Path, garbage: str) -> No
     path = tmp_path / "saved.json"
     path.write_text(garbage)
     assert SavedLimits(path).remember("k", 9) == 9
+
+
+def test_note_writes_only_what_this_process_has_not_recorded(tmp_path: Path) -> None:
+    """The freeze notes each task before its SIGSTOP: the tree recorded before it costs no
+    write; a task cleared is noted (written) again."""
+    mine = os.getpid()
+    ledger = FrozenLedger(tmp_path / "frozen.json")
+    ledger.record([mine])
+    before = (tmp_path / "frozen.json").stat().st_mtime_ns, (tmp_path / "frozen.json").read_text()
+    ledger.note([mine])
+    assert ((tmp_path / "frozen.json").stat().st_mtime_ns,
+            (tmp_path / "frozen.json").read_text()) == before
+    ledger.clear([mine])
+    assert ledger.recorded([mine]) == []
+    ledger.note([mine])
+    assert ledger.recorded([mine]) == [mine]
+
+
+def test_entries_of_another_live_oomguard_are_held_elsewhere(tmp_path: Path) -> None:
+    """A relieved standby still on its way out: not pending (it lives), but held elsewhere,
+    so the daemon looks again soon; once it is gone they are pending."""
+    path = tmp_path / "frozen.json"
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        FrozenLedger(path, owner=other.pid).record([os.getpid()])
+        daemon = FrozenLedger(path)
+        assert daemon.held_elsewhere() and not daemon.pending()
+        other.kill()
+        other.wait()
+        assert daemon.pending() and not daemon.held_elsewhere()
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    daemon.record([os.getpid()])  # the daemon's own: neither
+    assert not daemon.held_elsewhere() and not daemon.pending()
