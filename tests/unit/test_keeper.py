@@ -131,6 +131,7 @@ def test_a_task_another_oomguard_still_holds_is_continued_as_soon_as_it_is_gone(
     import signal
     import subprocess
 
+    from tests.helpers import wait_until
     from tests.unit._support import task_state
 
     keep, store, log, _clock = keeper(tmp_path)
@@ -139,6 +140,8 @@ def test_a_task_another_oomguard_still_holds_is_continued_as_soon_as_it_is_gone(
     try:
         FrozenLedger(store.root / ".frozen.json", owner=standby.pid).record([job.pid])
         os.kill(job.pid, signal.SIGSTOP)
+        # A task just started reads R until the stop takes (on a busy machine, a while).
+        assert wait_until(lambda: task_state(job.pid) == "T", 5.0)
         keep.thaw_leftovers()
         assert keep.tick() is True  # held elsewhere: asked again soon
         assert task_state(job.pid) == "T"
