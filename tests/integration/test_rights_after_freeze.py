@@ -86,6 +86,14 @@ for _ in range(count):
 """
 
 
+def _written(path: Path) -> bool:
+    """Whether the attacker has written its line there (the file is made before it is)."""
+    try:
+        return path.read_text().endswith("\n")
+    except OSError:
+        return False
+
+
 def _serve(server: socket.socket, accepted: list[socket.socket]) -> None:
     while True:
         try:
@@ -121,7 +129,7 @@ def test_a_setuid_exec_between_the_check_and_the_freeze_is_refused_and_only_ours
     reader = ProcReader()
     stopped_kid = 0
     try:
-        assert wait_until(lambda: (shared / "stopped-kid").exists() and accepted, 20), \
+        assert wait_until(lambda: _written(shared / "stopped-kid") and accepted, 20), \
             (tmp_path / "attacker.log").read_text()
         stopped_kid = int((shared / "stopped-kid").read_text())
         assert wait_until(lambda: proc_state(stopped_kid) == "T", 10)
