@@ -30,8 +30,8 @@ from oomguard.config.values import (
     DURATION_OR_NONE,
     GUARD_KEYS,
     POSITIVE_DURATION,
-    SIZE_OR_NONE,
     SIZE_OR_SHARE,
+    SIZE_SHARE_OR_NONE,
     ConfigReader,
     boolean,
     cgroup_list,
@@ -86,7 +86,10 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     dry_run = read.take(daemon, "daemon.", "dry_run", boolean, base.dry_run)
     nice = read.take(daemon, "daemon.", "nice", niceness, base.nice)
     socket = read.take(daemon, "daemon.", "socket", lambda v: Path(nonempty_str(v)), base.socket)
-    max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_OR_NONE, base.store_max_size)
+    max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_SHARE_OR_NONE,
+                         base.store_max_size)
+    keep_free = read.take(daemon, "daemon.", "store_keep_free", SIZE_SHARE_OR_NONE,
+                          base.store_keep_free)
     max_age = read.take(daemon, "daemon.", "store_max_age", DURATION_OR_NONE, base.store_max_age)
     textfile = read.take(daemon, "daemon.", "metrics_textfile_dir",
                          lambda v: Path(nonempty_str(v)) if v != "" else None, None)
@@ -174,7 +177,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         raise ConfigError(issues)
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, nice=nice, socket=socket, store_max_size=max_size,
-                        store_max_age=max_age, metrics_textfile_dir=textfile, metrics_port=metrics_port,
+                        store_keep_free=keep_free, store_max_age=max_age,
+                        metrics_textfile_dir=textfile, metrics_port=metrics_port,
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,

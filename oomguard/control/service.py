@@ -302,6 +302,14 @@ class Service:
             "checkpointed": sum(1 for m in mine if m.state == "checkpointed"),
             "bytes": sum(m.image_bytes for m in mine),
         }
+        budget = self.checkpointer.budget
+        if budget is not None:  # the store's use against its budget (oomguard.policy.budget)
+            try:
+                reading = budget.reading()
+                status["store"] = {**reading.fields(), "total": reading.total,
+                                   "over": reading.over()}
+            except StoreError as exc:
+                status["store"] = {"error": str(exc)}
         if uid != ROOT:
             status.pop("recent_events", None)
         return status

@@ -9,11 +9,12 @@ names it: restore leaves it stopped too).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pwd
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,13 +40,16 @@ from oomguard.model.errors import (
     FailedCheckpoint,
     ProcessGone,
     StoreError,
+    StoreOverBudget,
 )
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.retention import Prune
 from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.budget import BudgetExceeded, StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed
@@ -116,6 +120,10 @@ class Checkpointer:
         self.clock = clock
         self.wall_clock = wall_clock
         self.compress_level = compress_level  # zstd level of the pages; None: not compressed
+        # The store's budget (None: none): a checkpoint it has no room for is refused before
+        # the tree is stopped, once restored checkpoints are pruned (told to on_pruned).
+        self.budget: StoreBudget | None = None
+        self.on_pruned: Callable[[list[Prune]], None] = lambda pruned: None
 
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                    on_frozen: Callable[[Frozen, float], None] | None = None, *,
@@ -152,6 +160,32 @@ class Checkpointer:
             if problem is not None:  # lasting: the tree is not chosen again while it lives
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
                                        f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
+        with self._room_for(tree):
+            return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
+                                             after_signal, requester, held, start)
+
+    @contextlib.contextmanager
+    def _room_for(self, tree: ProcessTree) -> Iterator[None]:
+        """Room in the store's budget for the tree's image (its resident memory), held while
+        it is dumped; refused, untouched, where there is none (oomguard.store.budget)."""
+        if self.budget is None:
+            yield
+            return
+        try:
+            with self.budget.reserve(tree.rss_bytes, self.on_pruned):
+                yield
+        except BudgetExceeded as exc:
+            raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping it: "
+                                  f"{exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
+        except StoreError as exc:
+            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
+                                   f"{exc}", OUTCOME_UNTOUCHED) from exc
+
+    def _checkpoint_reserved(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
+                             on_frozen: Callable[[Frozen, float], None] | None,
+                             headroom: int | None, after_signal: Callable[[], None] | None,
+                             requester: int | None, held: Collection[int],
+                             start: float) -> CheckpointResult:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -306,6 +340,13 @@ class Checkpointer:
                 trouble = back_to_gpu(self.gpu, hold.pids)
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
+            if self.budget is not None and _out_of_space(exc):
+                with contextlib.suppress(StoreError):
+                    reading = self.budget.reading()
+                    raise StoreOverBudget(
+                        f"checkpoint of {tree.root.pid} failed: the store's disk filled during "
+                        f"the dump ({reading.describe()}): {exc}{gpu_note}", outcome,
+                        reading.fields()) from exc
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
                                    outcome, lasting=lasting_failure(str(exc)) or "") from exc
         finally:
@@ -442,6 +483,14 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """The dump or its files ran out of room on the store's disk (ENOSPC, EDQUOT)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "Disk quota exceeded" in text
 
 
 def _limited(cgroup: MemoryCgroup) -> bool:

@@ -66,6 +66,16 @@ class CheckpointFailed(OomguardError):
         super().__init__(message)
 
 
+class StoreOverBudget(CheckpointFailed):
+    """A checkpoint the store's budget has no room for (refused before the dump, or the disk
+    filled during it): `budget`, the figures (used, cap, free, keep_free, in bytes)."""
+
+    def __init__(self, message: str, outcome: FailedCheckpoint,
+                 budget: dict[str, int | None]) -> None:
+        self.budget = budget
+        super().__init__(message, outcome)
+
+
 class RestoreFailed(OomguardError):
     """A restore did not happen; the checkpoint is left intact."""
 
