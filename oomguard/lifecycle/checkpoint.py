@@ -42,6 +42,7 @@ from oomguard.model.errors import (
     StoreError,
     StoreOverBudget,
 )
+from oomguard.policy.budget import BudgetReading
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.retention import Prune
@@ -59,6 +60,7 @@ from oomguard.terminal.checkpointing import DumpTerminals, terminal_refusal
 FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
+FULL_DISK = 1 << 20  # a failed dump that left less room than this on the store's disk ran out
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
 
@@ -327,6 +329,7 @@ class Checkpointer:
                     f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
                     "or when restored", OUTCOME_INCOMPLETE) from exc
             terminals.failed()
+            full = self._disk_full(exc)  # before the partial goes: what the dump met
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)
@@ -340,13 +343,11 @@ class Checkpointer:
                 trouble = back_to_gpu(self.gpu, hold.pids)
                 gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-            if self.budget is not None and _out_of_space(exc):
-                with contextlib.suppress(StoreError):
-                    reading = self.budget.reading()
-                    raise StoreOverBudget(
-                        f"checkpoint of {tree.root.pid} failed: the store's disk filled during "
-                        f"the dump ({reading.describe()}): {exc}{gpu_note}", outcome,
-                        reading.fields()) from exc
+            if full is not None:
+                raise StoreOverBudget(
+                    f"checkpoint of {tree.root.pid} failed: the store's disk filled during "
+                    f"the dump ({full.describe()}): {exc}{gpu_note}", outcome,
+                    full.fields()) from exc
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}",
                                    outcome, lasting=lasting_failure(str(exc)) or "") from exc
         finally:
@@ -362,6 +363,18 @@ class Checkpointer:
         timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
                                     commit_s=done - dumped_at, total_s=done - start)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _disk_full(self, exc: BaseException) -> BudgetReading | None:
+        """The budget's figures where a failed dump ran out of room: ENOSPC said, or the
+        store's file system (nearly) full now (a full disk often keeps CRIU from logging
+        why)."""
+        if self.budget is None:
+            return None
+        try:
+            reading = self.budget.reading()
+        except StoreError:
+            return None
+        return reading if _out_of_space(exc) or reading.free < FULL_DISK else None
 
     def _put_back_room(self, undo_limit: Callable[[], None] | None, others: Held) -> None:
         """The limit as it was, then the rest of the cgroup continued (in that order: what
