@@ -232,9 +232,9 @@ def show_rows(meta: Mapping[str, Any], width: int = DEFAULT_WIDTH) -> list[tuple
     if exited:
         rows.append(("exited", exited))
     if shown_state(meta) == "stuck":
-        rows.append(("stuck", one_line(f"{meta['stuck']} (after {meta.get('restore_failures')} "
-                                       "failed auto-restores: no longer tried automatically)",
-                                       width - len("resident  "))))
+        rows.append(("stuck", one_line(f"no longer tried automatically after "
+                                       f"{meta.get('restore_failures')} failed auto-restores: "
+                                       f"{meta['stuck']}", width - len("resident  "))))
     rows.append(("restore", _how_to_restore(meta)))
     return rows
 

@@ -96,3 +96,25 @@ def test_a_reservation_counts_against_the_next_until_its_dump_ends(tmp_path: Pat
         assert refused.value.figures["pending"] == 2 * MiB
     with budget.reserve(2 * MiB):  # the first one's dump ended: room again
         pass
+
+
+def test_doctor_shows_the_store_against_its_budget(tmp_path: Path) -> None:
+    from oomguard.cli.doctorconfig import budget_check
+    from oomguard.config.loading import load_config_text
+
+    root = tmp_path / "store"
+    config = load_config_text(f'[daemon]\nstore = "{root}"\nstore_max_size = "1M"\n'
+                              'store_keep_free = "1%"\n', "x.toml")
+    check = budget_check(config)
+    assert check.ok and check.line().startswith("PASS  store budget: 0B used of 1.0MiB "
+                                                "(store_max_size)"), check.line()
+    assert "(store_keep_free)" in check.line()
+    root.mkdir()
+    (root / "old").write_bytes(os.urandom(2 * MiB))
+    over = budget_check(config)
+    assert not over.ok and over.line().startswith("WARN  store budget: "), over.line()
+    assert "OVER BUDGET" in over.line() and "restore or `oomguard forget`" in over.line()
+    none = budget_check(load_config_text(f'[daemon]\nstore = "{root}"\nstore_max_size = "0"\n'
+                                         'store_keep_free = "0"\n', "x.toml"))
+    assert none.line().startswith("WARN  store budget: none: ") and "can fill the disk" in \
+        none.line()
