@@ -38,6 +38,7 @@ from oomguard.policy.preferences import Preferences, select_victims
 from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
 from oomguard.store.ids import names_a_pid, newest_holding, resolve_id
 
@@ -72,6 +73,8 @@ class Service:
         self.guard_of: GuardLookup | None = None
         # The preferences of the rule guarding a cgroup (the daemon's; None: no rule's)
         self.prefs_of: Callable[[MemoryCgroup], Preferences | None] | None = None
+        # The store's budget, shown by `status` (None: not shown).
+        self.budget: StoreBudget | None = None
 
     # -- authorization ---------------------------------------------------------------------------
 
@@ -302,7 +305,7 @@ class Service:
             "checkpointed": sum(1 for m in mine if m.state == "checkpointed"),
             "bytes": sum(m.image_bytes for m in mine),
         }
-        budget = self.checkpointer.budget
+        budget = self.budget
         if budget is not None:  # the store's use against its budget (oomguard.policy.budget)
             try:
                 reading = budget.reading()

@@ -269,8 +269,10 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
                               criu=self.config.criu, nice=self.config.nice)
         self.keeper.config = self.config  # the store's budget as the new config says
-        if self.checkpointer.budget is not None:
-            self.checkpointer.budget = self.keeper.budget()
+        budget = self.checkpointer.budget  # shared with the control service: changed in place
+        if budget is not None:
+            budget.max_size, budget.keep_free = new.store_max_size, new.store_keep_free
+            budget.max_age = new.store_max_age
         self._gpu_watching = self._wants_gpu_watch()
         self.actor.dry_run = self.armer.dry_run = self.config.dry_run
         self.log.info("config.reloaded", source=source, guards=len(new.guards))

@@ -140,6 +140,7 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc)
     service = Service(Store(config.store), restorer, checkpointer, layout, proc, status)
+    service.budget = checkpointer.budget
     if user_headroom is not None:
         service.user_headroom = user_headroom
     return service
