@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +30,10 @@ from tests.helpers import (
     hog_argv,
     kill_pid,
     last_count,
+    proc_state,
+    short_socket_path,
     start_in_cgroup,
+    unprivileged_user,
     wait_until,
 )
 
@@ -167,3 +172,48 @@ def test_a_busy_store_never_fills_its_disk(cgroups: CgroupFactory, tmp_path: Pat
         print(f"figures: keep_free {keep_free >> 20} MiB, lowest free {lowest >> 20} MiB, "
               f"refused at used {refused['used'] >> 20} MiB free {refused['free'] >> 20} MiB")
         assert lowest >= keep_free, f"free fell to {lowest} below keep_free {keep_free}"
+
+
+def test_a_user_cannot_fill_the_store_by_asking(cgroups: CgroupFactory, tmp_path: Path) -> None:
+    """A real unprivileged user asks the daemon, over its socket, to checkpoint their own job
+    while the store's file system is at its keep_free: refused before the job is stopped (it
+    counts on), with the budget's figures, and nothing is written to the store. (Refused
+    before any dump: it runs here, where CRIU could not dump another user's process.)"""
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv(1) missing")
+    uid = unprivileged_user("oomguard-t-filler", 40091)
+    as_user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    logs = Path(tempfile.mkdtemp(prefix="ogb-", dir="/tmp"))  # pytest's tmp is root's alone
+    logs.chmod(0o777)
+    log = logs / "hog.log"
+    sock = short_socket_path()
+    sock.parent.chmod(0o755)
+    with loop_disk(tmp_path, 128 * MiB) as disk:
+        store = disk / "store"
+        keep_free = free_bytes(disk) - 8 * MiB  # room for 8 MiB: not for a ~28 MiB job
+        config = tmp_path / "full.toml"
+        config.write_text(f'[daemon]\nstore_keep_free = {keep_free}\n')
+        job = start_in_cgroup(cgroups.make("filler", None),
+                              [*as_user, *hog_argv(log, target=16, rate=500, count=10**7)])
+        try:
+            with daemon(store, tmp_path / "daemon.log", "--config", str(config),
+                        socket=sock) as guard:
+                guard.wait_event("guard.started")
+                assert wait_until(sock.exists, 10)
+                assert wait_until(lambda: last_count(log) > 5, 20)
+                asked = subprocess.run(
+                    [*as_user, sys.executable, "-m", "oomguard", "--socket", str(sock),
+                     "checkpoint", str(job.pid)], capture_output=True, text=True, cwd="/",
+                    timeout=60, stdin=subprocess.DEVNULL, env={"PATH": os.environ["PATH"]})
+                assert asked.returncode == 1, asked.stderr
+                assert "the store's budget has no room" in asked.stderr, asked.stderr
+                assert "keeps" in asked.stderr and "free on its file system" in asked.stderr
+                counted = last_count(log)
+                assert wait_until(lambda: last_count(log) > counted + 3, 10)  # never stopped
+                assert proc_state(job.pid) in ("S", "R")
+                assert not guard.events("victim.frozen") and not guard.events("checkpoint.done")
+            assert not [p for p in store.iterdir() if not p.name.startswith(".")]
+        finally:
+            kill_pid(job.pid)
+            job.wait(timeout=10)
+            shutil.rmtree(logs, ignore_errors=True)
