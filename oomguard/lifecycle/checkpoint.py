@@ -170,18 +170,17 @@ class Checkpointer:
     def _room_for(self, tree: ProcessTree) -> Iterator[None]:
         """Room in the store's budget for the tree's image (its resident memory), held while
         it is dumped; refused, untouched, where there is none (oomguard.store.budget)."""
-        if self.budget is None:
-            yield
-            return
-        try:
-            with self.budget.reserve(tree.rss_bytes, self.on_pruned):
-                yield
-        except BudgetExceeded as exc:
-            raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping it: "
-                                  f"{exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
-        except StoreError as exc:
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
-                                   f"{exc}", OUTCOME_UNTOUCHED) from exc
+        with contextlib.ExitStack() as reserved:
+            try:
+                if self.budget is not None:
+                    reserved.enter_context(self.budget.reserve(tree.rss_bytes, self.on_pruned))
+            except BudgetExceeded as exc:
+                raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping "
+                                      f"it: {exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
+            except StoreError as exc:
+                raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
+                                       f"it: {exc}", OUTCOME_UNTOUCHED) from exc
+            yield  # what the dump raises goes on as it is
 
     def _checkpoint_reserved(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                              on_frozen: Callable[[Frozen, float], None] | None,

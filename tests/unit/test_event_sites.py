@@ -23,7 +23,7 @@ from oomguard.daemon.loop import Daemon
 from oomguard.lifecycle.checkpoint import Checkpointer, CheckpointResult, CheckpointTimings
 from oomguard.lifecycle.restore import RestoreResult
 from oomguard.model.errors import CheckpointFailed as CheckpointError
-from oomguard.model.errors import FailedCheckpoint
+from oomguard.model.errors import FailedCheckpoint, StoreOverBudget
 from oomguard.model.errors import RestoreFailed as RestoreError
 from oomguard.observe.events import (
     CheckpointDone,
@@ -112,6 +112,21 @@ def test_the_chain_publishes_a_refusal_then_the_kill(tmp_path: Path) -> None:
     detail = (f"store {tmp_path / 'store'} has 0 MiB free, a checkpoint needs ~456 MiB")
     assert sink.events == [CheckpointRefused(detail, FIELDS), VictimKilled(REASON, 0, FIELDS)]
     assert rig.log.events == []  # no line but what the publisher writes
+
+
+def test_the_chain_names_the_store_budget_in_its_refusal_then_kills(tmp_path: Path) -> None:
+    """A checkpoint the store's budget has no room for: checkpoint.refused with the budget's
+    figures and what runs next, then that next step, once."""
+    figures = {"used": 90, "cap": 100, "free": 500, "keep_free": 450, "need": 30, "pending": 0}
+    refusal = StoreOverBudget("checkpoint of 4242 refused before stopping it: the store's "
+                              "budget has no room", FailedCheckpoint.UNTOUCHED, figures)
+    rig = make_rig(tmp_path, error=refusal)
+    sink = Published()
+    rig.runner.events = sink
+    run(rig, chain("checkpoint", "kill"), make_tree(ROOT, CHILD))
+    assert sink.events == [CheckpointRefused(str(refusal), {**FIELDS, **figures, "then": "kill"}),
+                           VictimKilled(REASON, 0, FIELDS)]
+    assert rig.log.events == []
 
 
 def test_the_chain_publishes_a_failure_then_the_kill(tmp_path: Path) -> None:
