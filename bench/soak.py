@@ -142,8 +142,9 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
         limits = {str(cg.path): cg.limit() for cg in [*groups, big]}
         config = workdir / "soak.toml"
         budget = budget_config() if watch is not None else ""
-        restoring = 'auto_restore = true\nrestore_quiet = "1s"\nrestore_retry = "5s"\n' \
-            if auto_restore else ""
+        restoring = f'auto_restore = true\nrestore_quiet = "{RACE_AFTER:g}s"\n' \
+            'restore_retry = "5s"\n' if auto_restore else ""
+        after = RACE_AFTER if auto_restore else 0.0  # the drill's restores race the daemon's
         config.write_text(f'[daemon]\nrescan_interval = "500ms"\n{budget}\n[[guard]]\n'
                           f'cgroups = ["{top.path}/c*", "{big.path}"]\n'
                           f'oom_kill_disable = true\n{restoring}')
@@ -186,7 +187,8 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
             # Restores keep up with checkpoints (else the images fill the disk): the two
             # oldest waiting ones each turn, at random moments after they were taken.
             if rng.random() < 0.5:
-                _restore_one(jobs, store, big.path, tally, rng, oldest=2, keep=keep)
+                _restore_one(jobs, store, big.path, tally, rng, oldest=2, keep=keep,
+                             after=after)
             if watch is not None:
                 watch.turn()
             if time.monotonic() >= next_kill:
@@ -235,11 +237,14 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
 
 
 RACE_LOST = ("being restored right now", "already restored", "no checkpoint")
+RACE_AFTER = 1.0  # --auto-restore: restore_quiet, and the age the drill's restores wait for
 
 
 def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: random.Random,
-                 every: bool = False, oldest: int = 1, keep: bool = False) -> None:
-    metas = [m for m in Store(store).list() if m.state == "checkpointed"]
+                 every: bool = False, oldest: int = 1, keep: bool = False,
+                 after: float = 0.0) -> None:
+    metas = [m for m in Store(store).list() if m.state == "checkpointed"
+             and time.time() - m.created >= after]
     if not metas:
         return
     for meta in (metas if every else metas[:oldest]):
