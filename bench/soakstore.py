@@ -25,7 +25,7 @@ def loop_store(workdir: Path, size_mib: int) -> Iterator[Path]:
     """An ext4 file system of `size_mib` MiB (no blocks reserved for root) on a loop device,
     mounted at workdir/small; its image file lives in workdir and goes with the mount."""
     image, mount_point = workdir / "small.img", workdir / "small"
-    mount_point.mkdir()
+    mount_point.mkdir(parents=True)
     with open(image, "wb") as handle:
         handle.truncate(size_mib << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
