@@ -15,7 +15,7 @@ from pathlib import Path
 from oomguard.model.errors import StoreError
 from oomguard.policy.budget import BudgetReading, Limit, resolve
 from oomguard.policy.retention import Prune, Stored, choose_prunes
-from oomguard.store.checkpoints import Store
+from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
 
 
 class BudgetExceeded(StoreError):
@@ -40,6 +40,41 @@ def disk_used(root: Path) -> int:
     return total
 
 
+class UsageCache:
+    """The store's use on disk, read fast enough to stand between a crossing and the victim's
+    SIGSTOP: a checkpoint directory's size is walked once and kept while its own mtime and
+    inode stay (its images do not change once committed); a partial (a dump under way) is
+    walked every time, and is covered by its reservation meanwhile."""
+
+    def __init__(self) -> None:
+        self._sizes: dict[tuple[str, int, int], int] = {}
+
+    def used(self, root: Path) -> int:
+        sizes: dict[tuple[str, int, int], int] = {}
+        total = 0
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            return 0
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            own = st.st_blocks * 512
+            if not entry.is_dir(follow_symlinks=False):
+                total += own
+                continue
+            key = (entry.name, st.st_ino, st.st_mtime_ns)
+            size = None if entry.name.startswith(PARTIAL_PREFIX) else self._sizes.get(key)
+            if size is None:
+                size = own + disk_used(Path(entry.path))
+            sizes[key] = size
+            total += size
+        self._sizes = sizes
+        return total
+
+
 def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -61,6 +96,8 @@ class StoreBudget:
         self._lock = threading.Lock()
         self._reserved: dict[int, int] = {}  # dumps under way: a token -> estimated bytes
         self._tokens = itertools.count()
+        self._usage = UsageCache()
+        self._lock_usage = threading.Lock()  # status and doctor read beside a dump's reserve
 
     @contextlib.contextmanager
     def reserve(self, need: int,
@@ -71,7 +108,7 @@ class StoreBudget:
         `on_pruned`). Raises BudgetExceeded where there is none even so."""
         with self._lock:
             pending = sum(self._reserved.values())
-            reading, pruned = self.make_room(need + pending)
+            reading, pruned = self.make_room(need + pending, aged=False)
             if pruned:
                 on_pruned(pruned)
             if not reading.fits(need + pending):
@@ -93,17 +130,23 @@ class StoreBudget:
             raise StoreError(f"cannot read the file system of {self.store.root}: "
                              f"{exc.strerror}") from exc
         total = fs.f_blocks * fs.f_frsize
-        used = disk_used(self.store.root) if self.store.root.is_dir() else 0
+        with self._lock_usage:
+            used = self._usage.used(self.store.root)
         return BudgetReading(used=used, cap=resolve(self.max_size, total),
                              free=fs.f_bavail * fs.f_frsize,
                              keep_free=resolve(self.keep_free, total) or 0, total=total)
 
-    def make_room(self, need: int = 0) -> tuple[BudgetReading, list[Prune]]:
+    def make_room(self, need: int = 0, *,
+                  aged: bool = True) -> tuple[BudgetReading, list[Prune]]:
         """Prune what the rules allow (restored past max_age; restored, oldest first, while
         `need` more bytes do not fit: read again after each round, as an image's size is not
-        quite what it takes on disk). Returns the reading after, and what was pruned."""
+        quite what it takes on disk). Returns the reading after, and what was pruned.
+        `aged` False (a dump's reservation, on its way to the victim's SIGSTOP): nothing is
+        listed or pruned where `need` fits (the keeper prunes by age every minute)."""
         reading = self.reading()
         pruned: list[Prune] = []
+        if not aged and reading.fits(need):
+            return reading, pruned  # nothing to prune for this need (age: the keeper's)
         while True:
             gone = {p.id for p in pruned}
             items = [Stored(m.id, m.created, m.state, m.image_bytes)

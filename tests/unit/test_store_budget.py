@@ -118,3 +118,31 @@ def test_doctor_shows_the_store_against_its_budget(tmp_path: Path) -> None:
                                          'store_keep_free = "0"\n', "x.toml"))
     assert none.line().startswith("WARN  store budget: none: ") and "can fill the disk" in \
         none.line()
+
+
+def test_the_usage_cache_walks_a_committed_checkpoint_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between a crossing and the SIGSTOP the store is not walked again: a checkpoint's size is
+    kept while its directory stays as it was; a new, removed or changed one is seen."""
+    from oomguard.store import budget as budget_module
+
+    store = Store(tmp_path / "store")
+    checkpoint(store, "a", 100.0, restored=False)
+    checkpoint(store, "b", 200.0, restored=False)
+    cache = budget_module.UsageCache()
+    first = cache.used(store.root)
+    assert first == disk_used(store.root)
+    walked: list[Path] = []
+    real = budget_module.disk_used
+
+    def counting(path: Path) -> int:
+        walked.append(path)
+        return real(path)
+
+    monkeypatch.setattr(budget_module, "disk_used", counting)
+    assert cache.used(store.root) == first and walked == []
+    checkpoint(store, "c", 300.0, restored=True)  # restored: its meta.json written anew
+    grown = cache.used(store.root)
+    assert grown > first + MiB and [p.name for p in walked] == ["c"]
+    store.forget("a")
+    assert cache.used(store.root) < grown - MiB
