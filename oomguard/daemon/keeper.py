@@ -33,6 +33,7 @@ class StoreKeeper:
         self.wall_clock = wall_clock
         self._next_prune = 0.0
         self._over_said = False  # store.over_budget said, not yet back under
+        self._budget: StoreBudget | None = None
         self._partials_busy = False
         self._next_partials = 0.0  # incomplete checkpoints (a failed commit) are retried then
         self._skipped_warned: set[str] = set()  # store entries already warned about
@@ -153,9 +154,14 @@ class StoreKeeper:
         self._over_said = reading.over()
 
     def budget(self) -> StoreBudget:
-        """The budget as the configuration (reloaded or not) says now."""
-        return StoreBudget(self.store, self.config.store_max_size, self.config.store_keep_free,
-                           self.config.store_max_age, wall_clock=self.wall_clock)
+        """The budget as the configuration (reloaded or not) says now (one object: its
+        cache of the store's use is kept)."""
+        if self._budget is None:
+            self._budget = StoreBudget(self.store, None, None, wall_clock=self.wall_clock)
+        budget, config = self._budget, self.config
+        budget.max_size, budget.keep_free = config.store_max_size, config.store_keep_free
+        budget.max_age = config.store_max_age
+        return budget
 
     def log_pruned(self, pruned: list[Prune]) -> None:
         for prune in pruned:
