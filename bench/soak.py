@@ -306,10 +306,19 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
                 problems.append(f"{job.name}: checkpoint {meta.id} does not verify: {exc}")
                 continue
         code = job.proc.returncode if job.proc is not None else None
+        # Restored, then ended: its exit is the restored process's (the daemon watched it),
+        # not the SIGKILL CRIU gave the original.
+        exits = [e for e in events if e.get("event") == "restore.exited"
+                 and e.get("pid") == job.pid and e.get("exit_status") is not None]
+        restored_note = ""
+        if exits:
+            code, restored_note = int(exits[-1]["exit_status"]), "after its restore"
         err = workdir / f"{job.name}.err"
         why = ending(code, err.read_text(errors="replace") if err.exists() else "",
                      last_sign_of_life(job.log, err), job.cgroup, job.pid, tally.restarts,
                      handled, events)
+        if restored_note:
+            why.context.insert(0, restored_note)
         tally.losses[why.cause] = tally.losses.get(why.cause, 0) + 1
         writes = ", writing a file" if job.writes else ""
         problems.append(f"{job.name} (pid {job.pid}, {job.target_mib} MiB at {job.rate} MB/s"
