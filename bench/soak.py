@@ -6,11 +6,18 @@ every job has finished, is running, or is restorable from a verified checkpoint 
 with ENOMEM or was OOM-killed: each loss is named with its path, bench/soakcheck.py); nothing
 is left stopped; no limit has changed; no OOM kill happened.
 
+`--small-store MIB` puts the store on a real small file system (ext4 on a loop device) with a
+budget (bench/soakstore.py): restored checkpoints are left for the budget to prune, and the
+store must never go over store_max_size nor its file system below store_keep_free.
+`--auto-restore` has the daemon restore checkpoints itself while the drill's own restores race
+it for the same ones (a restore lost to the race is counted, never a job run twice).
+
 Exit status 0 when every invariant holds, 1 (with what broke) otherwise."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,6 +32,7 @@ from typing import Any
 
 from bench.harness import machine
 from bench.soakcheck import ending, handlings, last_sign_of_life, restart_gaps
+from bench.soakstore import BudgetWatch, budget_config, loop_store
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
@@ -73,6 +81,9 @@ class Tally:
     checkpoints: int = 0
     restores: int = 0
     restore_refusals: int = 0
+    restore_races: int = 0  # a manual restore that found the daemon restoring it, or done
+    auto_restores: int = 0  # the daemon's own (restore.done, auto)
+    asked_checkpoints: int = 0  # --auto-restore: small jobs checkpointed on request
     daemon_kills: int = 0
     writers: int = 0
     events: dict[str, int] = field(default_factory=dict)
@@ -92,7 +103,24 @@ def alive(pid: int | None, reader: ProcReader) -> bool:
 
 
 def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
-        restart_every: tuple[float, float] = RESTART_EVERY) -> tuple[bool, dict[str, Any]]:
+        restart_every: tuple[float, float] = RESTART_EVERY, small_store: int = 0,
+        auto_restore: bool = False) -> tuple[bool, dict[str, Any]]:
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(loop_store(workdir, small_store)) / "store" \
+            if small_store else workdir / "store"
+        watch = BudgetWatch(store.parent, store) if small_store else None
+        try:
+            return _run(minutes, workdir, seed, per_cgroup, restart_every, store, watch,
+                        auto_restore)
+        finally:
+            if watch is not None:
+                watch.stop()
+    raise AssertionError("unreachable")
+
+
+def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
+         restart_every: tuple[float, float], store: Path, watch: BudgetWatch | None,
+         auto_restore: bool) -> tuple[bool, dict[str, Any]]:
     rng = random.Random(seed)
     parent = own_memory_cgroup()
     if parent is None:
@@ -101,7 +129,7 @@ def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
     reader = ProcReader()
     tally = Tally()
     jobs: list[Job] = []
-    store = workdir / "store"
+    keep = watch is not None  # restored checkpoints are left for the budget to prune
     try:
         top = factory.make("top", None)
         groups = []
@@ -114,9 +142,13 @@ def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
         big = factory.make("big", 2048 * MiB)  # where restored jobs finish (guarded too)
         limits = {str(cg.path): cg.limit() for cg in [*groups, big]}
         config = workdir / "soak.toml"
-        config.write_text(f'[daemon]\nrescan_interval = "500ms"\n\n[[guard]]\n'
+        budget = budget_config() if watch is not None else ""
+        restoring = f'auto_restore = true\nrestore_quiet = "{RACE_AFTER:g}s"\n' \
+            'restore_retry = "5s"\n' if auto_restore else ""
+        after = RACE_AFTER if auto_restore else 0.0  # the drill's restores race the daemon's
+        config.write_text(f'[daemon]\nrescan_interval = "500ms"\n{budget}\n[[guard]]\n'
                           f'cgroups = ["{top.path}/c*", "{big.path}"]\n'
-                          'oom_kill_disable = true\n')
+                          f'oom_kill_disable = true\n{restoring}')
         daemon_log = workdir / "daemon.log"
         daemon = DaemonProcess(store, daemon_log, "--config", str(config))
         # Jobs start once every guard is armed (the invariant is about armed guards).
@@ -156,7 +188,12 @@ def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
             # Restores keep up with checkpoints (else the images fill the disk): the two
             # oldest waiting ones each turn, at random moments after they were taken.
             if rng.random() < 0.5:
-                _restore_one(jobs, store, big.path, tally, rng, oldest=2)
+                _restore_one(jobs, store, big.path, tally, rng, oldest=2, keep=keep,
+                             after=after)
+            if auto_restore and rng.random() < 0.3:
+                _checkpoint_small(running, tally, rng, daemon.socket)
+            if watch is not None:
+                watch.turn()
             if time.monotonic() >= next_kill:
                 tally.restarts.append(time.time())
                 daemon.handle.send_signal(signal.SIGKILL)
@@ -172,17 +209,21 @@ def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
                 j.proc is not None and j.proc.poll() is None for j in jobs):
             time.sleep(0.5)
         for _ in range(3):
-            _restore_one(jobs, store, big.path, tally, rng, every=True)
+            _restore_one(jobs, store, big.path, tally, rng, every=True, keep=keep)
         end = time.monotonic() + 90
-        while time.monotonic() < end and any(alive(j.restored_pid, reader) and not j.done_ok()
-                                             for j in jobs):
+        while time.monotonic() < end and any(
+                (alive(j.restored_pid, reader) or _restored_by_daemon(j)) and not j.done_ok()
+                for j in jobs):
             time.sleep(0.5)
         events = daemon.events()
         for event in events:
             name = str(event.get("event"))
             tally.events[name] = tally.events.get(name, 0) + 1
+            tally.auto_restores += name == "restore.done" and event.get("auto") is True
         problems = _check(jobs, store, groups, big, limits, reader, daemon.handle.poll(),
                           tally, events, workdir)
+        if watch is not None:
+            problems += watch.stop().problems()
         tally.restart_gaps = restart_gaps(tally.restarts, events)
         daemon.stop()
     finally:
@@ -194,13 +235,35 @@ def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
     tally.checkpoints = tally.events.get("checkpoint.done", 0)
     report = {"minutes": minutes, "seed": seed, "per_cgroup": per_cgroup, "tally": tally.__dict__,
               "problems": problems, "jobs": len(jobs),
-              "finished": sum(j.done_ok() for j in jobs)}
+              "finished": sum(j.done_ok() for j in jobs), "auto_restore": auto_restore,
+              "budget": watch.figures.__dict__ if watch is not None else None}
     return not problems, report
 
 
+RACE_LOST = ("being restored right now", "already restored", "no checkpoint")
+RACE_AFTER = 1.0  # --auto-restore: restore_quiet, and the age the drill's restores wait for
+
+
+def _checkpoint_small(running: list[Job], tally: Tally, rng: random.Random,
+                      socket: Path) -> None:
+    """--auto-restore: a job well under its cgroup's threshold checkpointed on request, so
+    that its checkpoint fits back and the daemon's auto-restore and the drill's race for it
+    (one taken at the threshold never fits back under it)."""
+    small = [j for j in running if j.target_mib <= 48 and j.rate <= 100 and not j.writes]
+    if not small:
+        return
+    job = rng.choice(small)
+    asked = subprocess.run([sys.executable, "-m", "oomguard", "--socket", str(socket),
+                            "checkpoint", str(job.pid)], capture_output=True, text=True,
+                           timeout=180, stdin=subprocess.DEVNULL)
+    tally.asked_checkpoints += asked.returncode == 0  # through the daemon: its budget
+
+
 def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: random.Random,
-                 every: bool = False, oldest: int = 1) -> None:
-    metas = [m for m in Store(store).list() if m.state == "checkpointed"]
+                 every: bool = False, oldest: int = 1, keep: bool = False,
+                 after: float = 0.0) -> None:
+    metas = [m for m in Store(store).list() if m.state == "checkpointed"
+             and time.time() - m.created >= after]
     if not metas:
         return
     for meta in (metas if every else metas[:oldest]):
@@ -208,10 +271,13 @@ def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: ran
         job = next((j for j in jobs if j.pid == meta.pid), None)
         if result.returncode == 0 and result.stdout.strip().isdigit():
             tally.restores += 1
-            run_oomguard(store, "forget", meta.id)  # restored: its images only take disk
+            if not keep:
+                run_oomguard(store, "forget", meta.id)  # restored: its images only take disk
             if job is not None:
                 job.restored_pid = int(result.stdout.strip())
                 job.checkpoint = meta.id
+        elif any(lost in result.stderr for lost in RACE_LOST):
+            tally.restore_races += 1  # the daemon's auto-restore had it (or was at it)
         else:
             tally.restore_refusals += 1
             lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
@@ -229,7 +295,7 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
     stored = {m.pid: m for m in Store(store).list()}
     for job in jobs:
         if job.done_ok() or alive(job.restored_pid, reader) or (
-                job.proc is not None and job.proc.poll() is None):
+                job.proc is not None and job.proc.poll() is None) or _restored_by_daemon(job):
             continue
         meta = stored.get(job.pid)
         if meta is not None and meta.state == "checkpointed":
@@ -240,10 +306,19 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
                 problems.append(f"{job.name}: checkpoint {meta.id} does not verify: {exc}")
                 continue
         code = job.proc.returncode if job.proc is not None else None
+        # Restored, then ended: its exit is the restored process's (the daemon watched it),
+        # not the SIGKILL CRIU gave the original.
+        exits = [e for e in events if e.get("event") == "restore.exited"
+                 and e.get("pid") == job.pid and e.get("exit_status") is not None]
+        restored_note = ""
+        if exits:
+            code, restored_note = int(exits[-1]["exit_status"]), "after its restore"
         err = workdir / f"{job.name}.err"
         why = ending(code, err.read_text(errors="replace") if err.exists() else "",
                      last_sign_of_life(job.log, err), job.cgroup, job.pid, tally.restarts,
                      handled, events)
+        if restored_note:
+            why.context.insert(0, restored_note)
         tally.losses[why.cause] = tally.losses.get(why.cause, 0) + 1
         writes = ", writing a file" if job.writes else ""
         problems.append(f"{job.name} (pid {job.pid}, {job.target_mib} MiB at {job.rate} MB/s"
@@ -260,6 +335,14 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
     return problems
 
 
+def _restored_by_daemon(job: Job) -> bool:
+    """Running again under its own PID (CRIU restores PIDs), restored by the daemon."""
+    try:
+        return str(job.log) in Path(f"/proc/{job.pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def markdown(report: dict[str, Any]) -> str:
     t = report["tally"]
     rows = [("minutes", report["minutes"]), ("seed", report["seed"]),
@@ -268,14 +351,29 @@ def markdown(report: dict[str, Any]) -> str:
             ("jobs writing a file through write(2)", t["writers"]),
             ("jobs at a time in one cgroup (at most)", report["per_cgroup"]),
             ("jobs finished (counter complete, memory verified)", report["finished"]),
-            ("checkpoints", t["checkpoints"]), ("restores", t["restores"]),
+            ("checkpoints", t["checkpoints"]),
+            ("of which asked for (small jobs, to race the daemon's auto-restore)",
+             t["asked_checkpoints"]), ("restores", t["restores"]),
             ("restores refused (PID in use, no room...)", t["restore_refusals"]),
+            ("daemon auto-restores (racing the drill's)",
+             t["auto_restores"] if report.get("auto_restore") else "-"),
+            ("drill restores that lost the race to the daemon's", t["restore_races"]),
             ("daemon SIGKILLs and restarts", t["daemon_kills"]),
             ("restart gap, SIGKILL to every guard armed (max s)",
              max(t["restart_gaps"], default="-")),
             ("jobs lost to ENOMEM", t["losses"].get("enomem", 0)),
             ("jobs OOM-killed", t["losses"].get("oom-killed", 0)),
             ("invariants broken", len(report["problems"]))]
+    budget = report.get("budget")
+    if budget:
+        rows[-1:-1] = [
+            ("store file system (MiB, ext4 on a loop device)", budget["total"] >> 20),
+            ("store_max_size (MiB) / highest store use (MiB)",
+             f"{budget['cap'] >> 20} / {budget['highest_used'] >> 20}"),
+            ("store_keep_free (MiB) / lowest free (MiB)",
+             f"{budget['keep_free'] >> 20} / {budget['lowest_free'] >> 20}"),
+            ("checkpoints refused by the budget", t["events"].get("checkpoint.refused", 0)),
+            ("restored checkpoints pruned", t["events"].get("store.pruned", 0))]
     lines = ["| what | count |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
     if report.get("machine"):
         lines += ["", "Measured on:", "", "| what | value |", "|---|---|",
@@ -296,6 +394,11 @@ def main() -> int:
     parser.add_argument("--restart-every", type=float, nargs=2, default=RESTART_EVERY,
                         metavar=("MIN", "MAX"), help="seconds between daemon SIGKILLs "
                         "(default 20 60)")
+    parser.add_argument("--small-store", type=int, default=0, metavar="MIB",
+                        help="the store on an ext4 file system of this size on a loop device, "
+                        "with a budget (bench/soakstore.py); 0: beside the work directory")
+    parser.add_argument("--auto-restore", action="store_true",
+                        help="the daemon restores checkpoints itself, racing the drill's")
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directory (logs, store) instead of deleting it")
     args = parser.parse_args()
@@ -303,7 +406,7 @@ def main() -> int:
         ["mktemp", "-d", "/var/tmp/oomguard-soak.XXXXXX"], text=True).strip())
     try:
         ok, report = run(args.minutes, workdir, args.seed, args.per_cgroup,
-                         tuple(args.restart_every))
+                         tuple(args.restart_every), args.small_store, args.auto_restore)
         report["machine"] = machine(workdir)
     finally:
         if not args.keep:

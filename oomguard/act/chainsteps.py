@@ -27,7 +27,12 @@ from oomguard.act.kubelet import KubeletError
 from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE
-from oomguard.model.errors import CheckpointFailed, FailedCheckpoint, ProcessGone
+from oomguard.model.errors import (
+    CheckpointFailed,
+    FailedCheckpoint,
+    ProcessGone,
+    StoreOverBudget,
+)
 from oomguard.observe import events
 from oomguard.sense.owners import KubeContainer, kube_container
 
@@ -181,6 +186,13 @@ class CheckpointAction:
             result = tools.checkpointer.checkpoint(
                 tree, run.cgroup, run.reason, on_frozen=run.on_frozen,
                 headroom=run.settings.headroom, after_signal=run.after_signal, held=run.frozen)
+        except StoreOverBudget as exc:  # no room in the store's budget: the next step runs
+            then = run.next_step or "nothing more: the tree runs on"
+            said = {**fields, **exc.budget, "then": then}
+            untouched = exc.outcome == FailedCheckpoint.UNTOUCHED
+            tools.events.publish(events.CheckpointRefused(str(exc), said))
+            return ChainOutcome(ChainResult.REFUSED if untouched else ChainResult.THAWED,
+                                str(step), str(exc))
         except CheckpointFailed as exc:
             if exc.limit_busy:
                 run.limit_busy = exc.limit_busy

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup, read_layout
 from oomguard.cli.doctor import Check, run_checks
+from oomguard.cli.rendering import budget_text
 from oomguard.config.discovery import CliConfig
 from oomguard.config.loading import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIG, DaemonConfig, GuardConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
@@ -17,6 +18,8 @@ from oomguard.gpu.runtime import detect_gpu
 from oomguard.model.errors import OomguardError
 from oomguard.model.units import format_size
 from oomguard.sense.procevents import EventSource, ProcEvents
+from oomguard.store.budget import StoreBudget
+from oomguard.store.checkpoints import Store
 
 DAEMON_TIMEOUT = 10.0  # the Status verb answers at once; a wedged daemon is reported, not waited on
 START_HINT = "oomguard install-units, then systemctl enable --now oomguard"
@@ -102,6 +105,23 @@ def daemon_check(socket: Path) -> Check:
                  f"{watched} guard{'' if watched == 1 else 's'})")
 
 
+def budget_check(config: DaemonConfig) -> Check:
+    """The store's use against its budget (store_max_size, store_keep_free)."""
+    budget = StoreBudget(Store(config.store), config.store_max_size, config.store_keep_free)
+    try:
+        reading = budget.reading()
+    except OomguardError as exc:
+        return Check("store budget", False, str(exc), warn_only=True)
+    figures = {**reading.fields(), "over": reading.over()}
+    if config.store_max_size is None and config.store_keep_free is None:
+        return Check("store budget", False, f"none: {budget_text(figures)}",
+                     "set store_max_size and store_keep_free: a busy store can fill the disk",
+                     warn_only=True)
+    return Check("store budget", not reading.over(), budget_text(figures),
+                 "only restored checkpoints are pruned: restore or `oomguard forget` some, "
+                 "or give the store more room", warn_only=True)
+
+
 def doctor_checks(config: DaemonConfig, found: CliConfig, socket: Path | None = None,
                   proc_root: str = "/proc",
                   open_events: Callable[[], EventSource] = ProcEvents) -> list[Check]:
@@ -112,6 +132,7 @@ def doctor_checks(config: DaemonConfig, found: CliConfig, socket: Path | None = 
         timeout=config.gpu.timeout)
     checks = run_checks(config.store, config.criu.binary, proc_root, gpu=gpu,
                         gpu_off=config.gpu.engine == "off", open_events=open_events)
+    checks.append(budget_check(config))
     checks.append(config_check(found))
     checks.extend(guard_checks(config, read_layout(proc_root)))
     checks.append(daemon_check(socket or config.socket))

@@ -14,6 +14,7 @@ from typing import Any
 from oomguard.cli.parser import build_parser
 from oomguard.cli.progress import dump_bytes, progress, resident_bytes
 from oomguard.cli.rendering import (
+    budget_text,
     event_fields,
     list_text,
     output_width,
@@ -340,6 +341,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     cps = status.get("checkpoints", {})
     print(f"checkpoints: {cps.get('count', 0)} ({cps.get('checkpointed', 0)} not restored), "
           f"{format_size(cps.get('bytes', 0))}")
+    store = status.get("store")
+    if store:
+        print(f"store: {budget_text(store)}")
     width = output_width()
     for event in status.get("recent_events", [])[-10:]:
         head = f"  {event.get('time', '')}  {event.get('event')}  "

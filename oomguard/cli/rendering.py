@@ -16,7 +16,7 @@ from oomguard.model.units import format_size
 # Log and event fields that hold bytes (besides any field named *_bytes).
 BYTE_FIELDS = frozenset({"usage", "limit", "anon", "resident", "vram", "rss", "available",
                          "total", "bytes", "min_available", "usage_after", "headroom",
-                         "freed"})
+                         "freed", "used", "cap", "free", "keep_free", "need", "pending"})
 LOCAL_TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 STATES_TO_RESTORE = ("checkpointed", "incomplete")
 ELLIPSIS = "\u2026"
@@ -183,6 +183,13 @@ def _how_to_restore(meta: Mapping[str, Any]) -> str:
     return f"not while {meta.get('state')}"
 
 
+def shown_state(meta: Mapping[str, Any]) -> str:
+    """The state as people read it: `stuck` for a checkpoint auto-restore gave up on."""
+    if meta.get("stuck") and meta.get("state") in STATES_TO_RESTORE:
+        return "stuck"
+    return str(meta.get("state"))
+
+
 def _pid_text(meta: Mapping[str, Any]) -> str:
     """'4243 (the job's main process; its tree: 4242, its PID namespace's init, 3 tasks)'."""
     pids = list(meta.get("pids") or [])
@@ -203,7 +210,7 @@ def show_rows(meta: Mapping[str, Any], width: int = DEFAULT_WIDTH) -> list[tuple
     cgroup = meta.get("cgroup") or "(none)"
     rows = [
         ("id", str(meta["id"])),
-        ("state", str(meta.get("state"))),
+        ("state", shown_state(meta)),
         ("command", one_line(meta_command(meta), width - len("resident  "))),  # the longest
         ("pid", _pid_text(meta)),
         ("user", f"{meta.get('user')} (uid {meta.get('uid')})"),
@@ -224,6 +231,10 @@ def show_rows(meta: Mapping[str, Any], width: int = DEFAULT_WIDTH) -> list[tuple
     exited = _exit_text(meta)
     if exited:
         rows.append(("exited", exited))
+    if shown_state(meta) == "stuck":
+        rows.append(("stuck", one_line(f"no longer tried automatically after "
+                                       f"{meta.get('restore_failures')} failed auto-restores: "
+                                       f"{meta['stuck']}", width - len("resident  "))))
     rows.append(("restore", _how_to_restore(meta)))
     return rows
 
@@ -245,10 +256,24 @@ def list_text(metas: Sequence[Mapping[str, Any]], width: int = DEFAULT_WIDTH) ->
     for m in metas:
         created = time.strftime(LOCAL_TIME_FORMAT, time.localtime(m["created"]))
         rows.append((str(m["id"]), str(meta_pid(m)), str(m["pid"]), str(m["user"]),
-                     format_size(m["rss_bytes"]), format_size(m["image_bytes"]), str(m["state"]),
+                     format_size(m["rss_bytes"]), format_size(m["image_bytes"]), shown_state(m),
                      created))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     left = max(width - sum(widths) - 2 * len(widths), MIN_COMMAND_WIDTH)
     commands = [LIST_HEADING[-1], *(one_line(meta_command(m), left) for m in metas)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
                      + "  " + command for row, command in zip(rows, commands, strict=True))
+
+
+def budget_text(store: Mapping[str, Any]) -> str:
+    """The store's use against its budget, from `status`'s figures (bytes)."""
+    if "error" in store:
+        return str(store["error"])
+    cap = store.get("cap")
+    used = format_size(store.get("used") or 0)
+    head = f"{used} used of {format_size(cap)} (store_max_size)" if cap is not None \
+        else f"{used} used, no cap"
+    keep = store.get("keep_free") or 0
+    tail = f", keep {format_size(keep)} free (store_keep_free)" if keep else ""
+    over = "; OVER BUDGET: new checkpoints are refused" if store.get("over") else ""
+    return f"{head}; {format_size(store.get('free') or 0)} free on its file system{tail}{over}"

@@ -30,8 +30,8 @@ from oomguard.config.values import (
     DURATION_OR_NONE,
     GUARD_KEYS,
     POSITIVE_DURATION,
-    SIZE_OR_NONE,
     SIZE_OR_SHARE,
+    SIZE_SHARE_OR_NONE,
     ConfigReader,
     boolean,
     call_rate_value,
@@ -91,7 +91,10 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                      base.control_idle_timeout)
     call_rate = read.take(daemon, "daemon.", "control_call_rate", call_rate_value,
                           base.control_call_rate)
-    max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_OR_NONE, base.store_max_size)
+    max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_SHARE_OR_NONE,
+                         base.store_max_size)
+    keep_free = read.take(daemon, "daemon.", "store_keep_free", SIZE_SHARE_OR_NONE,
+                          base.store_keep_free)
     max_age = read.take(daemon, "daemon.", "store_max_age", DURATION_OR_NONE, base.store_max_age)
     textfile = read.take(daemon, "daemon.", "metrics_textfile_dir",
                          lambda v: Path(nonempty_str(v)) if v != "" else None, None)
@@ -180,7 +183,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
                         dry_run=dry_run, nice=nice, socket=socket, control_idle_timeout=idle,
                         control_call_rate=call_rate, store_max_size=max_size,
-                        store_max_age=max_age, metrics_textfile_dir=textfile, metrics_port=metrics_port,
+                        store_keep_free=keep_free, store_max_age=max_age,
+                        metrics_textfile_dir=textfile, metrics_port=metrics_port,
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,

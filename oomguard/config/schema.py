@@ -82,6 +82,8 @@ class GuardConfig:
     auto_restore: bool = False  # restore this cgroup's checkpoints once memory is free again
     restore_quiet: float = 10.0  # ...for this long without interruption
     restore_margin: int = 64 << 20  # room left under the threshold after a restore
+    restore_attempts: int = 3  # failed auto-restores of a checkpoint before it is `stuck`
+    restore_retry: float = 60.0  # a failed auto-restore is retried after this long
     actions: tuple[Step, ...] = ()  # the action chain; () = checkpoint (+ kill if on_failure)
     prefer: tuple[str, ...] = ()  # regexes on name/command line: chosen first
     avoid: tuple[str, ...] = ()  # ...chosen last
@@ -115,7 +117,10 @@ class DaemonConfig:
     socket: Path = Path("/run/oomguard/control.sock")
     control_idle_timeout: float = 30.0  # a connection that starts no request for this long: closed
     control_call_rate: float = 20.0  # calls a second per non-root uid; beyond it they wait
-    store_max_size: int | None = None  # size budget of the store; None: no budget
+    # The store's budget: its cap, and what its file system keeps free; bytes (int), a share
+    # of the file system (float), or None: none (oomguard.policy.budget).
+    store_max_size: int | float | None = 0.10
+    store_keep_free: int | float | None = 0.15
     store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go
     metrics_textfile_dir: Path | None = None  # node_exporter textfile collector directory
     metrics_port: int = 0  # serve /metrics on this local port (0: off)

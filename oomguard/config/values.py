@@ -299,7 +299,25 @@ def _size_or_fraction(value: Any) -> float | int:
     return amount
 
 
+def _size_share_or_none(value: Any) -> int | float | None:
+    """A store budget: '10%' or 0.1 -> a share of the store's file system; '20G' or an
+    integer -> bytes; "0" or "none" -> no limit."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "0", "0%"):
+        return None
+    if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
+        return parse_fraction(value)
+    return bounded_size(value) or None
+
+
+def positive_count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
+        raise ValueError(f"expected a whole number from 1 to 1000, got {value!r}")
+    return value
+
+
 SIZE_OR_NONE = Quantity(_size_or_none, ("M",), _SIZE_WORDS, counts_bytes=True)
+SIZE_SHARE_OR_NONE = Quantity(_size_share_or_none, ("M", "%"), _SIZE_WORDS + _SHARE_WORDS,
+                              counts_bytes=True)
 DURATION_OR_NONE = Quantity(_duration_or_none, ("s", "ms"), _DURATION_WORDS)
 SIZE_OR_SHARE = Quantity(_size_or_fraction, ("%", "M"), _SHARE_WORDS + _SIZE_WORDS,
                          counts_bytes=True)
@@ -316,6 +334,7 @@ GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "prefer": regex_list, "avoid": regex_list, "protect": regex_list,
     "protect_session_leaders": boolean, "take_sessions": boolean, "post_action_delay": wait(),
     "time_to_limit": boolean, "predict_from": SHARE, "freeze_deadline": POSITIVE_DURATION,
-    "kill_grace": wait(), "store_margin": size(),
+    "kill_grace": wait(), "store_margin": size(), "restore_attempts": positive_count,
+    "restore_retry": POSITIVE_DURATION,
     "gpu": lambda v: choice(v, GPU_PREFERENCES), "gpu_threshold": SHARE,
 }

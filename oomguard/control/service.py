@@ -39,6 +39,7 @@ from oomguard.policy.preferences import Preferences, select_victims
 from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
 from oomguard.store.ids import names_a_pid, newest_holding, resolve_id
 
@@ -76,6 +77,8 @@ class Service:
         # After every checkpoint asked for here, done or not: the daemon settles at once what
         # it may have left (a limit lifted for its dump that could not be put back).
         self.after_checkpoint: Callable[[], None] | None = None
+        # The store's budget, shown by `status` (None: not shown).
+        self.budget: StoreBudget | None = None
 
     # -- authorization ---------------------------------------------------------------------------
 
@@ -316,6 +319,14 @@ class Service:
             "checkpointed": sum(1 for m in mine if m.state == "checkpointed"),
             "bytes": sum(m.image_bytes for m in mine),
         }
+        budget = self.budget
+        if budget is not None:  # the store's use against its budget (oomguard.policy.budget)
+            try:
+                reading = budget.reading()
+                status["store"] = {**reading.fields(), "total": reading.total,
+                                   "over": reading.over()}
+            except StoreError as exc:
+                status["store"] = {"error": str(exc)}
         if uid != ROOT:
             status.pop("recent_events", None)
         return status

@@ -1,6 +1,9 @@
 """Auto-restore: a guarded cgroup's oldest checkpoint brought back once it fits under the
 threshold with a margin, for `restore_quiet` without interruption; one restore at a time, in
-a thread of its own; a failed one said and retried after RESTORE_BACKOFF."""
+a thread of its own; a failed one said and retried after the rule's `restore_retry`, and
+after `restore_attempts` failures marked stuck in its meta.json (with the reason) and no
+longer tried automatically: one that can never restore (a file it had open changed size) is
+not retried forever. A person's `oomguard restore` may still try it."""
 
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_by
 from oomguard.model.errors import OomguardError
 from oomguard.observe.events import EventSink, RestoreDone, RestoreFailed, sink_for
 from oomguard.policy.pressure import restore_fits
-from oomguard.store.checkpoints import Store
+from oomguard.store.checkpoints import STATE_CHECKPOINTED, Store
 
-RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long
+RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long (restore_retry)
 
 
 class AutoRestorer:
@@ -44,7 +47,7 @@ class AutoRestorer:
         now = self.clock()
         waiting = [m for m in self.store.list()
                    if m.state == "checkpointed" and m.cgroup == guard.cgroup.rel_path
-                   and self._backoff.get(m.id, 0.0) <= now]
+                   and not m.stuck and self._backoff.get(m.id, 0.0) <= now]
         if not waiting or self.restorer is None:
             guard.quiet_since = None
             return
@@ -66,14 +69,40 @@ class AutoRestorer:
 
     def restore(self, guard: CgroupGuard, checkpoint_id: str) -> None:
         """One auto-restore, in the caller's thread; whatever fails is said, and retried
-        after RESTORE_BACKOFF."""
+        after the rule's restore_retry, or marked stuck after restore_attempts failures."""
         assert self.restorer is not None
         try:
             result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
         except (OomguardError, OSError) as exc:
-            self._backoff[checkpoint_id] = self.clock() + RESTORE_BACKOFF
-            self.events.publish(RestoreFailed(checkpoint_id, failure_fields(exc), guard.name,
-                                              retry_in_s=RESTORE_BACKOFF))
+            failure = failure_fields(exc)
+            retry = guard.spec.restore_retry
+            self._backoff[checkpoint_id] = self.clock() + retry
+            failures, stuck = self._count_failure(checkpoint_id, failure.get("error", str(exc)),
+                                                  guard.spec.restore_attempts)
+            self.events.publish(RestoreFailed(checkpoint_id, failure, guard.name,
+                                              retry_in_s=None if stuck else retry))
+            if stuck:
+                self.log.error("restore.stuck", id=checkpoint_id, cgroup=guard.name,
+                               attempts=failures, reason=stuck,
+                               explanation="no longer restored automatically (`oomguard "
+                               "list` shows it stuck); `oomguard restore ID` may still try")
             return
         self.restored()
         self.events.publish(RestoreDone(result, guard=guard.name))
+
+    def _count_failure(self, checkpoint_id: str, reason: str, attempts: int) -> tuple[int, str]:
+        """One more failed auto-restore in the checkpoint's meta.json; returns the count and
+        the reason it is stuck ("" while it is tried again)."""
+        try:
+            meta = self.store.get(checkpoint_id)
+            if meta.state != STATE_CHECKPOINTED:
+                return 0, ""
+            meta.restore_failures += 1
+            if meta.restore_failures >= attempts:
+                meta.stuck = reason
+            self.store.update(meta)
+        except (OomguardError, OSError) as exc:
+            self.log.error("restore.count_failed", id=checkpoint_id, error=str(exc),
+                           explanation="the failed attempt is not counted: tried again later")
+            return 0, ""
+        return meta.restore_failures, meta.stuck

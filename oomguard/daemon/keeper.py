@@ -12,7 +12,8 @@ from typing import Any
 from oomguard.config.loading import DaemonConfig
 from oomguard.model.errors import StoreError
 from oomguard.policy.forecast import DEFAULT_THROUGHPUT, updated_throughput
-from oomguard.policy.retention import Stored, choose_prunes
+from oomguard.policy.retention import Prune
+from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
 
@@ -31,6 +32,8 @@ class StoreKeeper:
         self.clock = clock
         self.wall_clock = wall_clock
         self._next_prune = 0.0
+        self._over_said = False  # store.over_budget said, not yet back under
+        self._budget: StoreBudget | None = None
         self._partials_busy = False
         self._next_partials = 0.0  # incomplete checkpoints (a failed commit) are retried then
         self._skipped_warned: set[str] = set()  # store entries already warned about
@@ -129,6 +132,9 @@ class StoreKeeper:
         self._busy_logged = busy
 
     def prune(self) -> None:
+        """Retention, every PRUNE_INTERVAL: restored checkpoints past store_max_age, and
+        restored ones (oldest first) while the store is over its budget; never one that has
+        not been restored (a store still over budget is said, once until it is back under)."""
         self._next_prune = self.clock() + PRUNE_INTERVAL
         scan = self.store.scan()
         for name, why in scan.skipped:
@@ -136,11 +142,29 @@ class StoreKeeper:
                 self._skipped_warned.add(name)
                 self.log.warning("store.entry_skipped", entry=name, reason=why,
                                  explanation="left as it is: not listed, restored or pruned")
-        items = [Stored(m.id, m.created, m.state, m.image_bytes) for m in scan.checkpoints]
-        for prune in choose_prunes(items, self.wall_clock(), self.config.store_max_size,
-                                   self.config.store_max_age):
-            try:
-                self.store.forget(prune.id)
-            except StoreError:
-                continue
+        try:
+            reading, pruned = self.budget().make_room()
+        except StoreError as exc:
+            self.log.error("store.unreadable", error=str(exc))
+            return
+        self.log_pruned(pruned)
+        if reading.over() and not self._over_said:
+            self.log.warning("store.over_budget", **reading.fields(),
+                             explanation=f"{reading.describe()}; what is left is not restored "
+                             "yet and is never deleted: new checkpoints are refused until "
+                             "restores (or `oomguard forget`) make room")
+        self._over_said = reading.over()
+
+    def budget(self) -> StoreBudget:
+        """The budget as the configuration (reloaded or not) says now (one object: its
+        cache of the store's use is kept)."""
+        if self._budget is None:
+            self._budget = StoreBudget(self.store, None, None, wall_clock=self.wall_clock)
+        budget, config = self._budget, self.config
+        budget.max_size, budget.keep_free = config.store_max_size, config.store_keep_free
+        budget.max_age = config.store_max_age
+        return budget
+
+    def log_pruned(self, pruned: list[Prune]) -> None:
+        for prune in pruned:
             self.log.warning("store.pruned", id=prune.id, bytes=prune.size, reason=prune.reason)

@@ -117,6 +117,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
         self.keeper.hold_back = self._leftover_waits
+        checkpointer.on_pruned = self.keeper.log_pruned  # made room for a new checkpoint
         self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
                                          events=self.events, clock=clock,
@@ -277,6 +278,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._rule_parts = {}
         self.config = replace(new, store=self.config.store, socket=self.config.socket,
                               criu=self.config.criu, nice=self.config.nice)
+        self.keeper.config = self.config  # the store's budget as the new config says
+        budget = self.checkpointer.budget  # shared with the control service: changed in place
+        if budget is not None:
+            budget.max_size, budget.keep_free = new.store_max_size, new.store_keep_free
+            budget.max_age = new.store_max_age
         self._gpu_watching = self._wants_gpu_watch()
         self.actor.dry_run = self.armer.dry_run = self.config.dry_run
         self.on_reload(self.config)

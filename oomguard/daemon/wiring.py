@@ -24,6 +24,7 @@ from oomguard.lifecycle.restore import Restorer
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.sense.procevents import Subscriber
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import Store
 
 CRIU_CGROUP_NAME = "oomguard-criu"
@@ -101,12 +102,15 @@ def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None
     """`events`: the process-event subscriptions the freeze uses (one is made if not given;
     the daemon passes its own, probed at start)."""
     proc = proc or ProcReader()
-    return Checkpointer(criu, Store(config.store, algorithm=config.criu.checksum),
-                        SigstopFreezer(proc, events=events), proc,
-                        gpu=build_gpu(config.gpu),
-                        gpu_margin=config.gpu.host_margin,
-                        compress_level=config.criu.compress_level
-                        if config.criu.compress == "zstd" else None)
+    store = Store(config.store, algorithm=config.criu.checksum)
+    checkpointer = Checkpointer(criu, store, SigstopFreezer(proc, events=events), proc,
+                                gpu=build_gpu(config.gpu),
+                                gpu_margin=config.gpu.host_margin,
+                                compress_level=config.criu.compress_level
+                                if config.criu.compress == "zstd" else None)
+    checkpointer.budget = StoreBudget(store, config.store_max_size, config.store_keep_free,
+                                      config.store_max_age)
+    return checkpointer
 
 
 def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
@@ -136,6 +140,7 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc)
     service = Service(Store(config.store), restorer, checkpointer, layout, proc, status)
+    service.budget = checkpointer.budget
     if user_headroom is not None:
         service.user_headroom = user_headroom
     return service

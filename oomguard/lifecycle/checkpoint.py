@@ -9,11 +9,12 @@ names it: restore leaves it stopped too).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pwd
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,15 +40,19 @@ from oomguard.model.errors import (
     FailedCheckpoint,
     ProcessGone,
     StoreError,
+    StoreOverBudget,
     TreeNotYours,
 )
+from oomguard.policy.budget import BudgetReading
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
+from oomguard.policy.retention import Prune
 from oomguard.policy.rights import foreign_of
 from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.budget import BudgetExceeded, StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed
@@ -57,6 +62,7 @@ from oomguard.terminal.checkpointing import DumpTerminals, terminal_refusal
 FROZEN_LEDGER = ".frozen.json"
 OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
+FULL_DISK = 1 << 20  # a failed dump that left less room than this on the store's disk ran out
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
 
@@ -122,6 +128,10 @@ class Checkpointer:
         self.clock = clock
         self.wall_clock = wall_clock
         self.compress_level = compress_level  # zstd level of the pages; None: not compressed
+        # The store's budget (None: none): a checkpoint it has no room for is refused before
+        # the tree is stopped, once restored checkpoints are pruned (told to on_pruned).
+        self.budget: StoreBudget | None = None
+        self.on_pruned: Callable[[list[Prune]], None] = lambda pruned: None
 
     def checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                    on_frozen: Callable[[Frozen, float], None] | None = None, *,
@@ -162,6 +172,31 @@ class Checkpointer:
             if problem is not None:  # lasting: the tree is not chosen again while it lives
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
                                        f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
+        with self._room_for(tree):
+            return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
+                                             after_signal, requester, held, start, rights_of)
+
+    @contextlib.contextmanager
+    def _room_for(self, tree: ProcessTree) -> Iterator[None]:
+        """Room in the store's budget for the tree's image (its resident memory), held while
+        it is dumped; refused, untouched, where there is none (oomguard.store.budget)."""
+        with contextlib.ExitStack() as reserved:
+            try:
+                if self.budget is not None:
+                    reserved.enter_context(self.budget.reserve(tree.rss_bytes, self.on_pruned))
+            except BudgetExceeded as exc:
+                raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping "
+                                      f"it: {exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
+            except StoreError as exc:
+                raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
+                                       f"it: {exc}", OUTCOME_UNTOUCHED) from exc
+            yield  # what the dump raises goes on as it is
+
+    def _checkpoint_reserved(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
+                             on_frozen: Callable[[Frozen, float], None] | None,
+                             headroom: int | None, after_signal: Callable[[], None] | None,
+                             requester: int | None, held: Collection[int],
+                             start: float, rights_of: int | None) -> CheckpointResult:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -319,6 +354,7 @@ class Checkpointer:
                     f"the commit failed ({exc}); its images are intact and it is listed as "
                     f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
                     "or when restored", OUTCOME_INCOMPLETE) from exc
+            full = self._disk_full(exc)  # before the partial goes: what the dump met
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
                 self.store.abort(checkpoint_id)
@@ -338,6 +374,11 @@ class Checkpointer:
                             f"; its CUDA state could NOT be put back on the GPU: {trouble}")
             busy_note = (f"; the limit lifted for its dump could not be put back: {busy}"
                          if busy else "")
+            if full is not None:
+                raise StoreOverBudget(
+                    f"checkpoint of {tree.root.pid} failed: the store's disk filled during "
+                    f"the dump ({full.describe()}): {exc}{gpu_note}{busy_note}", outcome,
+                    full.fields(), limit_busy=busy) from exc
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}"
                                    f"{busy_note}", outcome,
                                    lasting=lasting_failure(str(exc)) or "",
@@ -363,6 +404,18 @@ class Checkpointer:
         tasks = [(p.pid, p.comm, p.uids[:3] or (p.uid,))
                  for p in self.proc.processes(frozen.pids)]
         return foreign_of(tasks, tree.root.pid, uid)
+
+    def _disk_full(self, exc: BaseException) -> BudgetReading | None:
+        """The budget's figures where a failed dump ran out of room: ENOSPC said, or the
+        store's file system (nearly) full now (a full disk often keeps CRIU from logging
+        why)."""
+        if self.budget is None:
+            return None
+        try:
+            reading = self.budget.reading()
+        except StoreError:
+            return None
+        return reading if _out_of_space(exc) or reading.free < FULL_DISK else None
 
     def _put_back_room(self, undo_limit: Callable[[], str | None] | None, others: Held) -> None:
         """The limit as it was, then the rest of the cgroup continued (in that order: what
@@ -487,6 +540,14 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """The dump or its files ran out of room on the store's disk (ENOSPC, EDQUOT)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return "No space left on device" in text or "Disk quota exceeded" in text
 
 
 def _limited(cgroup: MemoryCgroup) -> bool:

@@ -58,6 +58,10 @@ class CheckpointMeta:
     # Older checkpoints lack them: policy/jobs.py job_command derives the command.
     job_command: str = ""
     job_pid: int | None = None
+    # Auto-restores that failed, and why it is no longer tried automatically once they
+    # reached the rule's restore_attempts ("": not stuck; a person's restore may still try).
+    restore_failures: int = 0
+    stuck: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:

@@ -75,6 +75,16 @@ class TreeNotYours(CheckpointFailed):
     setuid exec in between). The tasks oomguard stopped were continued (outcome THAWED)."""
 
 
+class StoreOverBudget(CheckpointFailed):
+    """A checkpoint the store's budget has no room for (refused before the dump, or the disk
+    filled during it): `budget`, the figures (used, cap, free, keep_free, in bytes)."""
+
+    def __init__(self, message: str, outcome: FailedCheckpoint,
+                 budget: dict[str, int | None], limit_busy: str = "") -> None:
+        self.budget = budget
+        super().__init__(message, outcome, limit_busy=limit_busy)
+
+
 class RestoreFailed(OomguardError):
     """A restore did not happen; the checkpoint is left intact."""
 

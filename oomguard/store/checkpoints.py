@@ -381,3 +381,7 @@ class Store:
         self._read_meta(validate_id(checkpoint_id))
         with self.restore_lock(checkpoint_id):
             shutil.rmtree(self.path_of(checkpoint_id))
+        # Durably gone: the journal's commit is what hands the blocks back to the file system
+        # (ext4 counts them free only then: the store's budget reads it right after).
+        with contextlib.suppress(OSError):
+            fsync_dir(self.root)

@@ -196,6 +196,9 @@ class RestoreVerifier:
                         if item.hasher.hexdigest() != self.expected[item.name]:
                             problems.append(f"{item.name} checksum mismatch")
                         item.done = True
+                        # Closed now: an fd kept open would keep a pruned checkpoint's pages
+                        # on the disk for as long as the daemon runs.
+                        os.close(item.fd)
                 pending = [item for item in pending if not item.done]
                 if not moved and pending:
                     if hurry():

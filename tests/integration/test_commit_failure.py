@@ -36,22 +36,27 @@ os.posix_fallocate(fd, 0, free)
 """
 
 
-def filling_criu(tmp_path: Path, filler: Path) -> Path:
+def filling_criu(tmp_path: Path, filler: Path, *, before: bool = False) -> Path:
     """The real CRIU, behind a wrapper that fills the store's file system the moment a dump
     has succeeded (CRIU has killed the tree), before oomguard commits: the commit takes a few
-    milliseconds now, too short a window to fill the disk from outside in time."""
+    milliseconds now, too short a window to fill the disk from outside in time. `before`:
+    filled as the dump starts instead (another writer takes the room the estimate saw)."""
     own = own_memory_cgroup()
     assert own is not None
     procs = own.path / "cgroup.procs"
     fill = tmp_path / "fill.py"
     fill.write_text(FILL)
     wrapper = tmp_path / "criu-then-fill"
+    filling = (f'echo $$ > "{procs}"  # out of CRIU\'s small memory cgroup: tmpfs pages '
+               f'are charged\n    "{sys.executable}" "{fill}" "{filler}"')
     wrapper.write_text(f"""#!/bin/sh
+if [ "$1" = dump ] && [ {int(before)} = 1 ]; then
+    {filling}
+fi
 "{find_criu()[0]}" "$@"
 status=$?
-if [ "$1" = dump ] && [ $status = 0 ]; then
-    echo $$ > "{procs}"  # out of CRIU's small memory cgroup: tmpfs pages are charged
-    "{sys.executable}" "{fill}" "{filler}"
+if [ "$1" = dump ] && [ $status = 0 ] && [ {int(before)} = 0 ]; then
+    {filling}
 fi
 exit $status
 """)
@@ -74,7 +79,10 @@ def test_disk_full_at_commit_keeps_the_images_and_restores_later(
     restored_pid = None
     try:
         assert wait_until(lambda: last_count(log) > 30, 20)
-        result = run_oomguard(store, "checkpoint", str(hog.pid))
+        # No budget: the disk fills between the dump and the commit, never before the dump.
+        unbudgeted = tmp_path / "unbudgeted.toml"
+        unbudgeted.write_text('[daemon]\nstore_max_size = "0"\nstore_keep_free = "0"\n')
+        result = run_oomguard(store, "--config", str(unbudgeted), "checkpoint", str(hog.pid))
         assert filler.exists(), f"the disk was not filled (the dump may have failed): {result.stderr}"
         assert result.returncode == 1, result.stderr
         assert "dumped, commit pending" in result.stderr and "incomplete" in result.stderr

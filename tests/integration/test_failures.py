@@ -23,6 +23,7 @@ from tests.helpers import (
     start_in_cgroup,
     wait_until,
 )
+from tests.integration.test_commit_failure import filling_criu
 
 pytestmark = pytest.mark.integration
 
@@ -126,20 +127,29 @@ def test_restore_refuses_taken_pid_and_too_small_cgroup_then_works(
         kill_pid(int(result.stdout.strip()))
 
 
-def test_full_store_disk_thaws_the_victim(cgroups: CgroupFactory, tmp_path: Path) -> None:
-    """The dump runs out of space half way (an 8 MiB tmpfs for a ~100 MiB image)."""
+def test_full_store_disk_thaws_the_victim(cgroups: CgroupFactory, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dump runs out of space half way: another writer fills the store's disk (a 200 MiB
+    tmpfs) as the dump of a ~96 MiB job starts, after the budget found room for it. The job
+    is thawed and runs on, nothing is left in the store, and the error names the budget."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=700", "tmpfs", str(mount_point)],
-                   check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200m,mode=700", "tmpfs",
+                    str(mount_point)], check=True)
     cg = cgroups.make("full", None)
     log = tmp_path / "hog.log"
     hog = start_in_cgroup(cg, hog_argv(log, target=96, rate=500, count=100_000))
+    monkeypatch.setenv("OOMGUARD_CRIU", str(filling_criu(tmp_path, mount_point / "filler",
+                                                         before=True)))
     try:
         assert wait_until(lambda: last_count(log) > 30, 10)
-        result = run_oomguard(mount_point / "store", "checkpoint", str(hog.pid))
+        unbudgeted = tmp_path / "unbudgeted.toml"  # only the room there is on the disk
+        unbudgeted.write_text('[daemon]\nstore_max_size = "0"\nstore_keep_free = "0"\n')
+        result = run_oomguard(mount_point / "store", "--config", str(unbudgeted), "checkpoint",
+                              str(hog.pid))
         assert result.returncode == 1
-        assert '"outcome": "thawed"' in result.stderr
+        assert '"outcome": "thawed"' in result.stderr, result.stderr
+        assert "the store's disk filled during the dump" in result.stderr, result.stderr
         mark = last_count(log)
         assert wait_until(lambda: last_count(log) > mark + 10, 10), "victim left stopped"
         assert hog.poll() is None

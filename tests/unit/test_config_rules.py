@@ -99,6 +99,8 @@ def regex_error(pattern: str) -> str:
         ('restore_quiet = "1h"', "restore_quiet", 3600.0),
         ('restore_margin = "128M"', "restore_margin", 128 * MiB),
         ('restore_margin = "1.5G"', "restore_margin", 3 * GiB // 2),
+        ("restore_attempts = 5", "restore_attempts", 5),
+        ('restore_retry = "5s"', "restore_retry", 5.0),
     ],
 )
 def test_guard_key_parses(line: str, attr: str, expected: Any) -> None:
@@ -184,6 +186,7 @@ def test_guard_defaults_for_new_keys() -> None:
     assert spec.predict_from == 0.5
     assert (spec.freeze_deadline, spec.kill_grace, spec.store_margin) == (60.0, 5.0, 256 * MiB)
     assert (spec.auto_restore, spec.restore_quiet, spec.restore_margin) == (False, 10.0, 64 * MiB)
+    assert (spec.restore_attempts, spec.restore_retry) == (3, 60.0)
     assert (spec.oom_kill_disable, spec.park_deadline) == (True, 30.0)  # v1: parked, not killed
 
 
@@ -200,6 +203,12 @@ def test_guard_defaults_for_new_keys() -> None:
         ('store_max_size = "20G"', "store_max_size", 20 * GiB),
         ('store_max_size = "512MiB"', "store_max_size", 512 * MiB),
         ("store_max_size = 1048576", "store_max_size", MiB),
+        ('store_max_size = "10%"', "store_max_size", 0.10),
+        ("store_max_size = 0.25", "store_max_size", 0.25),
+        ('store_max_size = "0%"', "store_max_size", None),
+        ('store_keep_free = "15%"', "store_keep_free", 0.15),
+        ('store_keep_free = "2G"', "store_keep_free", 2 * GiB),
+        ('store_keep_free = "none"', "store_keep_free", None),
         ('store_max_age = "30d"', "store_max_age", 30 * 86400.0),
         ('store_max_age = "12h"', "store_max_age", 43200.0),
         ("store_max_age = 3600", "store_max_age", 3600.0),
@@ -219,7 +228,9 @@ def test_daemon_key_parses(line: str, attr: str, expected: Any) -> None:
 def test_daemon_defaults_for_new_keys() -> None:
     config = load_config_text("", SOURCE)
     assert config.socket == Path("/run/oomguard/control.sock")
-    assert config.store_max_size is None
+    # The store's budget by default, as systemd-coredump's and journald's: 10% of its file
+    # system at most, and 15% of it kept free.
+    assert config.store_max_size == 0.10 and config.store_keep_free == 0.15
     assert config.store_max_age == 30 * 86400.0
 
 
@@ -291,6 +302,10 @@ BAD_GUARD = [
      "expected a duration such as '150ms' or '2s', got '10 sec' (did you mean \"10s\"?)"),
     ('restore_margin = "64X"', "restore_margin",
      "expected a size such as '512M' or '2GiB', got '64X'"),
+    ("restore_attempts = 0", "restore_attempts", "expected a whole number from 1 to 1000, got 0"),
+    ('restore_attempts = "3"', "restore_attempts",
+     "expected a whole number from 1 to 1000, got '3'"),
+    ('restore_retry = "0"', "restore_retry", "must be above 0, got '0'"),
     ('victim_cgroups = "user.slice"', "victim_cgroups",
      "cgroup paths must be absolute, got 'user.slice'"),
     ('victim_cgroups = ["/a/../b"]', "victim_cgroups",
@@ -355,6 +370,10 @@ def test_system_must_be_a_bool() -> None:
         ('store_max_size = "big"', "store_max_size",
          "expected a size such as '512M' or '2GiB', got 'big'"),
         ("store_max_size = -1", "store_max_size", "a size cannot be negative, got -1"),
+        ('store_max_size = "150%"', "store_max_size",
+         "must be above 0% and at most 100%, got '150%'"),
+        ('store_keep_free = "lots"', "store_keep_free",
+         "expected a size such as '512M' or '2GiB', got 'lots'"),
         ("store_max_size = true", "store_max_size",
          "expected a size such as '512M' or '2GiB', got True"),
         ('store_max_age = "forever"', "store_max_age",

@@ -23,7 +23,7 @@ from oomguard.daemon.loop import Daemon
 from oomguard.lifecycle.checkpoint import Checkpointer, CheckpointResult, CheckpointTimings
 from oomguard.lifecycle.restore import RestoreResult
 from oomguard.model.errors import CheckpointFailed as CheckpointError
-from oomguard.model.errors import FailedCheckpoint
+from oomguard.model.errors import FailedCheckpoint, StoreOverBudget
 from oomguard.model.errors import RestoreFailed as RestoreError
 from oomguard.observe.events import (
     CheckpointDone,
@@ -40,6 +40,7 @@ from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
+from tests.helpers import KeptLog
 from tests.unit._support import FakeProc, fake_proc_tree, proc_info
 from tests.unit.test_chain import CHILD, FIELDS, REASON, ROOT, chain, make_rig, make_tree, run
 from tests.unit.test_loop import Clock, FakeEpoll
@@ -113,6 +114,21 @@ def test_the_chain_publishes_a_refusal_then_the_kill(tmp_path: Path) -> None:
     assert rig.log.events == []  # no line but what the publisher writes
 
 
+def test_the_chain_names_the_store_budget_in_its_refusal_then_kills(tmp_path: Path) -> None:
+    """A checkpoint the store's budget has no room for: checkpoint.refused with the budget's
+    figures and what runs next, then that next step, once."""
+    figures = {"used": 90, "cap": 100, "free": 500, "keep_free": 450, "need": 30, "pending": 0}
+    refusal = StoreOverBudget("checkpoint of 4242 refused before stopping it: the store's "
+                              "budget has no room", FailedCheckpoint.UNTOUCHED, figures)
+    rig = make_rig(tmp_path, error=refusal)
+    sink = Published()
+    rig.runner.events = sink
+    run(rig, chain("checkpoint", "kill"), make_tree(ROOT, CHILD))
+    assert sink.events == [CheckpointRefused(str(refusal), {**FIELDS, **figures, "then": "kill"}),
+                           VictimKilled(REASON, 0, FIELDS)]
+    assert rig.log.events == []
+
+
 def test_the_chain_publishes_a_failure_then_the_kill(tmp_path: Path) -> None:
     rig = make_rig(tmp_path, error=CheckpointError("CRIU: no space", FailedCheckpoint.THAWED))
     sink = Published()
@@ -149,10 +165,34 @@ def test_a_failed_auto_restore_publishes_restore_failed_with_its_retry(tmp_path:
 
     sink = Published()
     keeping, lines = keeper(tmp_path, restore, sink)
-    keeping.restore(SimpleNamespace(name="/jobs", cgroup=None), "job-1")  # type: ignore[arg-type]
+    keeping.restore(SimpleNamespace(name="/jobs", cgroup=None,  # type: ignore[arg-type]
+                                    spec=GuardConfig(cgroups=())), "job-1")
     assert sink.events == [RestoreFailed("job-1", {"error": "criu restore of job-1 failed"},
                                          "/jobs", retry_in_s=RESTORE_BACKOFF)]
     assert lines.events == []
+
+
+def test_the_last_failed_auto_restore_marks_the_checkpoint_stuck(tmp_path: Path) -> None:
+    """After restore_attempts failures: restore.failed without a retry, restore.stuck with the
+    reason, and the reason and the count in its meta.json; never tried again automatically."""
+    def restore(checkpoint_id: str, **_: Any) -> Any:
+        raise RestoreError("criu restore of job-1 failed: File has bad size")
+
+    sink, lines = Published(), KeptLog()
+    keeping = AutoRestorer(stored(tmp_path / "store"),
+                           SimpleNamespace(restore=restore),  # type: ignore[arg-type]
+                           lines, clock=lambda: 100.0, events=sink)
+    guard = SimpleNamespace(name="/jobs", cgroup=None, spec=GuardConfig(cgroups=(),
+                                                                         restore_attempts=2))
+    keeping.restore(guard, "job-1")  # type: ignore[arg-type]
+    assert keeping.store.get("job-1").restore_failures == 1 and not lines.seen
+    keeping.restore(guard, "job-1")  # type: ignore[arg-type]
+    error = {"error": "criu restore of job-1 failed: File has bad size"}
+    assert sink.events[-1] == RestoreFailed("job-1", error, "/jobs", retry_in_s=None)
+    [stuck] = lines.named("restore.stuck")
+    assert stuck["attempts"] == 2 and stuck["reason"] == error["error"]
+    meta = keeping.store.get("job-1")
+    assert (meta.restore_failures, meta.stuck) == (2, error["error"])
 
 
 # -- the control service --------------------------------------------------------------------------

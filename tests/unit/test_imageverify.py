@@ -222,3 +222,17 @@ def test_with_no_reads_ahead_nothing_is_asked_for(tmp_path: Path,
     _uncache(path)
     assert default.follow_pages(lambda: False, lambda: True) == []
     assert asked  # the eager restore's verifier does ask
+
+
+def test_every_pages_file_is_closed_once_followed(tmp_path: Path) -> None:
+    """A pages file kept open by the daemon after its restore keeps a pruned checkpoint's
+    blocks on the disk (the store's budget frees nothing): none is left open."""
+    images = _images(tmp_path)
+
+    def open_pages() -> list[str]:
+        names = (os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                 if os.path.exists(f"/proc/self/fd/{fd}"))
+        return [name for name in names if name.startswith(str(images))]
+
+    assert _verifier(images).follow_pages(lambda: False, lambda: True) == []
+    assert open_pages() == []

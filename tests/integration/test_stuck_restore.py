@@ -1,0 +1,77 @@
+"""A checkpoint that can never restore is not retried forever (issue 26, item 9): the file a
+job had open changed size after its checkpoint, so every restore fails (CRIU's size check).
+The daemon's auto-restore tries it restore_attempts times, restore_retry apart, then marks it
+`stuck` with the reason (list, show) and tries no more; a person's restore still may."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import CgroupFactory, daemon, last_count, start_in_cgroup, wait_until
+from tests.integration.test_store_budget import cli
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+RETRY = 2.0
+ATTEMPTS = 3
+
+COUNTING_JOB = """
+import sys, time
+log = open(sys.argv[1], "w", buffering=1)
+count = 0
+while True:
+    count += 1
+    log.write(f"{count}\\n")
+    time.sleep(0.05)
+"""
+
+
+def test_an_auto_restore_that_always_fails_ends_stuck(cgroups: CgroupFactory, store: Path,
+                                                       tmp_path: Path) -> None:
+    cg = cgroups.make("stuck", 512 * MiB)
+    log = tmp_path / "job.log"
+    config = tmp_path / "stuck.toml"
+    config.write_text(f'[daemon]\nrescan_interval = "500ms"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n'
+                      f'auto_restore = true\nrestore_quiet = "1s"\nrestore_retry = "{RETRY:g}s"\n'
+                      f"restore_attempts = {ATTEMPTS}\n")
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.armed")
+        assert wait_until(guard.socket.exists, 10)
+        job = start_in_cgroup(cg, [sys.executable, "-c", COUNTING_JOB, str(log)])
+        assert wait_until(lambda: last_count(log) > 5, 20)
+        done = cli(guard.socket, "checkpoint", str(job.pid))
+        assert done.returncode == 0, done.stderr
+        checkpoint_id = done.stdout.strip()
+        assert job.wait(timeout=10) == -signal.SIGKILL
+        with log.open("a") as grown:  # the file it had open is no longer the size it had
+            grown.write("written after the checkpoint\n")
+        [stuck] = guard.wait_event("restore.stuck", timeout=60 + ATTEMPTS * RETRY)
+        assert stuck["id"] == checkpoint_id and stuck["attempts"] == ATTEMPTS
+        assert "size" in stuck["reason"], stuck
+        failed = guard.events("restore.failed")
+        assert [e["id"] for e in failed] == [checkpoint_id] * ATTEMPTS
+        assert [e["retry_in_s"] for e in failed] == [RETRY] * (ATTEMPTS - 1) + [None]
+        # No further attempt: counted from the events over five retry periods.
+        assert not wait_until(lambda: len(guard.events("restore.auto")) > ATTEMPTS,
+                              5 * RETRY + 1)
+        assert len(guard.events("restore.failed")) == ATTEMPTS
+        listed = cli(guard.socket, "list")
+        assert listed.returncode == 0, listed.stderr
+        [row] = [line for line in listed.stdout.splitlines() if checkpoint_id in line]
+        assert " stuck " in row, listed.stdout
+        [entry] = json.loads(cli(guard.socket, "list", "--json").stdout)
+        assert entry["stuck"] == stuck["reason"] and entry["restore_failures"] == ATTEMPTS
+        assert entry["state"] == "checkpointed"  # a person's restore may still try
+        shown = cli(guard.socket, "show", checkpoint_id)
+        assert shown.returncode == 0, shown.stderr
+        assert "stuck" in shown.stdout and "no longer tried automatically" in shown.stdout
+        tried = cli(guard.socket, "restore", checkpoint_id)
+        assert tried.returncode == 1 and "size" in tried.stderr, tried.stderr
+        assert len(guard.events("restore.failed")) == ATTEMPTS + 1
+        assert guard.events("restore.failed")[-1]["auto"] is False
