@@ -7,9 +7,11 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -291,3 +293,33 @@ def unprivileged_user(name: str, uid: int) -> int:
     if made.returncode == 0:
         return pwd.getpwnam(name).pw_uid
     return uid
+
+
+def checkpoint_through_socket(sock: Path, pid: int) -> subprocess.Popen[bytes]:
+    """A Checkpoint call for `pid` on the daemon's socket, left running (a test kills the
+    daemon under it): its answer is not read."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import sys; from oomguard.control.client import "
+         "ControlClient as C; C(__import__('pathlib').Path(sys.argv[1]))"
+         ".call('Checkpoint', pid=int(sys.argv[2]))", str(sock), str(pid)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def outside_server(path: Path) -> tuple[socket.socket, list[socket.socket]]:
+    """A Unix stream server outside any job, bound at `path` and accepting in a thread: a job
+    connected to it holds a connection CRIU cannot dump. Returns it and what it accepted."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, accepted

@@ -95,6 +95,10 @@ cat > "$work/oomguard.toml" <<EOF
 store = "$store"
 socket = "$sock"
 rescan_interval = "1s"
+# The store is in the guest's RAM (a tmpfs of half of it): the default budget (10% of its file
+# system) would refuse this job's checkpoint; this lane gives it most of the tmpfs.
+store_max_size = "75%"
+store_keep_free = "5%"
 
 [slurm]
 after_checkpoint = "requeue"

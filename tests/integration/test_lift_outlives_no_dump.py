@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,10 +33,12 @@ from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
     MiB,
+    checkpoint_through_socket,
     daemon,
     hog_argv,
     kill_pid,
     last_count,
+    outside_server,
     short_socket_path,
     start_in_cgroup,
     unprivileged_user,
@@ -67,15 +68,6 @@ while True:  # then on, 4 MiB at a time page by page, as far as it is let
 """
 
 
-def _serve(server: socket.socket, accepted: list[socket.socket]) -> None:
-    while True:
-        try:
-            conn, _ = server.accept()
-        except OSError:
-            return
-        accepted.append(conn)
-
-
 def _watch_limit(cgroup: MemoryCgroup, stop: threading.Event,
                  seen: list[tuple[float, int | None]]) -> None:
     """The limit file every 10 ms, with when (time.time, as the daemon's event timestamps)."""
@@ -96,12 +88,8 @@ def test_a_job_whose_growth_cannot_be_dumped_gets_its_limit_back_and_one_next_ac
     own limit, so the chain's next action runs at once (the rule has none: the kill the limit
     needs), once, and the limit is back within the dump's time."""
     cg = cgroups.make("linked", 256 * MiB)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer = short_socket_path().with_name("peer.sock")
-    server.bind(str(peer))
-    server.listen(2)
-    accepted: list[socket.socket] = []
-    threading.Thread(target=_serve, args=(server, accepted), daemon=True).start()
+    server, accepted = outside_server(peer)
     log = tmp_path / "grower.log"
     grower = None
     stop = threading.Event()
@@ -212,12 +200,8 @@ def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_c
     os.chown(workdir, mallory, mallory)
     as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
     cg = cgroups.make("traced", 200 * MiB)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer = short_socket_path().with_name("peer.sock")
-    server.bind(str(peer))
-    server.listen(2)
-    accepted: list[socket.socket] = []
-    threading.Thread(target=_serve, args=(server, accepted), daemon=True).start()
+    server, accepted = outside_server(peer)
     linked = start_in_cgroup(cg, [sys.executable, "-c", LINKED_GROWER, str(peer),
                                   str(tmp_path / "linked.log"), "60", "60"])
     log = workdir / "grower.log"
@@ -351,11 +335,7 @@ def test_a_crashed_daemons_lift_never_overrides_the_limit_an_administrator_set_m
         try:
             first.wait_event("guard.started")
             assert wait_until(sock.exists, 10)
-            client = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from oomguard.control.client import "
-                 "ControlClient as C; C(__import__('pathlib').Path(sys.argv[1]))"
-                 ".call('Checkpoint', pid=int(sys.argv[2]))", str(sock), str(hog.pid)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client = checkpoint_through_socket(sock, hog.pid)
             assert wait_until(lambda: cg.limit() != 200 * MiB, 30), "no headroom was lifted"
             lifted = cg.limit()
             entry = json.loads((store / LIFTS_LEDGER).read_text())[str(cg.path)]

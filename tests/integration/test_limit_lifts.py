@@ -22,6 +22,7 @@ from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
     MiB,
+    checkpoint_through_socket,
     daemon,
     hog_argv,
     kill_pid,
@@ -87,11 +88,7 @@ def test_daemon_killed_mid_dump_has_its_lift_put_back_at_next_start(
         try:
             first.wait_event("guard.started")
             assert wait_until(sock.exists, 10)
-            client = subprocess.Popen(
-                [sys.executable, "-c", "import sys; from oomguard.control.client import "
-                 "ControlClient as C; C(__import__('pathlib').Path(sys.argv[1]))"
-                 ".call('Checkpoint', pid=int(sys.argv[2]))", str(sock), str(hog.pid)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client = checkpoint_through_socket(sock, hog.pid)
             assert wait_until(lambda: cg.limit() != 320 * MiB, 30), "no headroom was lifted"
             assert cg.limit() <= 320 * MiB + 64 * MiB
             assert str(cg.path) in json.loads((store / LIFTS_LEDGER).read_text())

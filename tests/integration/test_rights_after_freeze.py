@@ -15,11 +15,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from tests.helpers import (
     CgroupFactory,
     daemon,
     kill_pid,
+    outside_server,
     proc_state,
     short_socket_path,
     start_in_cgroup,
@@ -94,15 +93,6 @@ def _written(path: Path) -> bool:
         return False
 
 
-def _serve(server: socket.socket, accepted: list[socket.socket]) -> None:
-    while True:
-        try:
-            conn, _ = server.accept()
-        except OSError:
-            return
-        accepted.append(conn)
-
-
 def test_a_setuid_exec_between_the_check_and_the_freeze_is_refused_and_only_ours_continue(
         cgroups: CgroupFactory, store: Path, tmp_path: Path,
         request: pytest.FixtureRequest) -> None:
@@ -115,13 +105,9 @@ def test_a_setuid_exec_between_the_check_and_the_freeze_is_refused_and_only_ours
     shutil.copy("/bin/sleep", suid_sleep)
     os.chown(suid_sleep, 0, 0)
     suid_sleep.chmod(0o4755)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     peer = shared / "peer.sock"
-    server.bind(str(peer))
+    server, accepted = outside_server(peer)
     peer.chmod(0o777)
-    server.listen(4)
-    accepted: list[socket.socket] = []
-    threading.Thread(target=_serve, args=(server, accepted), daemon=True).start()
     as_eve = ["setpriv", f"--reuid={eve}", f"--regid={eve}", "--clear-groups", "--"]
     cg = cgroups.make("eve", None)
     job = start_in_cgroup(cg, [*as_eve, sys.executable, "-c", ATTACKER, str(suid_sleep),

@@ -7,7 +7,6 @@ never goes below store_keep_free meanwhile (sampled all along)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -16,11 +15,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bench.soakstore import loop_store
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,
@@ -41,23 +40,6 @@ pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 ROOM = 108 * MiB  # what keep_free leaves the store: four ~23 MiB checkpoints, not five
-
-
-@contextlib.contextmanager
-def loop_disk(tmp_path: Path, size: int) -> Iterator[Path]:
-    """A real ext4 file system of `size` bytes on a loop device (no blocks reserved for root),
-    mounted for the test and torn down after it."""
-    image, mount_point = tmp_path / "disk.img", tmp_path / "disk"
-    mount_point.mkdir()
-    with open(image, "wb") as handle:
-        handle.truncate(size)
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
-    subprocess.run(["mount", "-o", "loop", str(image), str(mount_point)], check=True)
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-d", str(mount_point)], check=False)
-        image.unlink(missing_ok=True)
 
 
 def free_bytes(path: Path) -> int:
@@ -106,7 +88,7 @@ def checkpointed_job(guard: DaemonProcess, cgroups: CgroupFactory, tmp_path: Pat
 
 
 def test_a_busy_store_never_fills_its_disk(cgroups: CgroupFactory, tmp_path: Path) -> None:
-    with loop_disk(tmp_path, 256 * MiB) as disk:
+    with loop_store(tmp_path, 256) as disk:
         store = disk / "store"
         keep_free = free_bytes(disk) - ROOM
         guarded = cgroups.make("victim", 64 * MiB)
@@ -188,7 +170,7 @@ def test_a_user_cannot_fill_the_store_by_asking(cgroups: CgroupFactory, tmp_path
     log = logs / "hog.log"
     sock = short_socket_path()
     sock.parent.chmod(0o755)
-    with loop_disk(tmp_path, 128 * MiB) as disk:
+    with loop_store(tmp_path, 128) as disk:
         store = disk / "store"
         keep_free = free_bytes(disk) - 8 * MiB  # room for 8 MiB: not for a ~28 MiB job
         config = tmp_path / "full.toml"
