@@ -88,8 +88,9 @@ def test_a_users_checkpoint_is_never_restored_onto_a_swapped_file(
     cg = cgroups.make("userswap", None)
     log = workdir / "hog.log"
     as_user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    # 20 s of life: the emulated lane's CLI is slow to start (see test_guard's tree test)
-    hog = start_in_cgroup(cg, [*as_user, *hog_argv(log, target=16, rate=200, count=1000,
+    # 60 s of life: the emulated lane's CLI is slow to start (see test_guard's tree test);
+    # with 20 s the count once ended during the dump ("Unable to detach ... No such process")
+    hog = start_in_cgroup(cg, [*as_user, *hog_argv(log, target=16, rate=200, count=3000,
                                                     tick=0.02)], cwd=workdir)
     restored = None
     try:
@@ -115,7 +116,7 @@ def test_a_users_checkpoint_is_never_restored_onto_a_swapped_file(
         again = run_oomguard(store, "restore", checkpoint_id)
         assert again.returncode == 0, again.stderr
         restored = int(again.stdout.strip())
-        assert wait_until(lambda: "done 1000 ok" in log.read_text(), 90)
+        assert wait_until(lambda: "done 3000 ok" in log.read_text(), 180)
     finally:
         kill_pid(hog.pid)
         if restored:
