@@ -323,3 +323,17 @@ def outside_server(path: Path) -> tuple[socket.socket, list[socket.socket]]:
 
     threading.Thread(target=serve, daemon=True).start()
     return server, accepted
+
+
+def as_user(uid: int) -> list[str]:
+    """The argv prefix that runs a command as `uid` (its group the same), no other groups."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
+def users_workdir(uid: int, prefix: str) -> Path:
+    """A directory under /tmp that `uid` owns (mode 0755), for an attacker's files; the
+    caller removes it (request.addfinalizer)."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    workdir.chmod(0o755)
+    os.chown(workdir, uid, uid)
+    return workdir

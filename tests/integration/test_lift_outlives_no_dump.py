@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import datetime
@@ -33,6 +31,7 @@ from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
     MiB,
+    as_user,
     checkpoint_through_socket,
     daemon,
     hog_argv,
@@ -42,6 +41,7 @@ from tests.helpers import (
     short_socket_path,
     start_in_cgroup,
     unprivileged_user,
+    users_workdir,
     wait_until,
 )
 from tests.integration.test_limit_lifts import RECORD_DEAD_LIFT
@@ -193,12 +193,10 @@ def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_c
     victim, refused for good, thawed; the grower never a victim). Now the chain acts at once:
     the kill the limit needs (the rule has no kill step), once, then the grower's if what it
     took alone still keeps the limit from coming back, and the limit is back."""
-    workdir = Path(tempfile.mkdtemp(prefix="og-traced-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
     mallory = unprivileged_user("oomguard-t-mallory3", MALLORY)
-    workdir.chmod(0o755)
-    os.chown(workdir, mallory, mallory)
-    as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
+    workdir = users_workdir(mallory, "og-traced-")
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    as_mallory = as_user(mallory)
     cg = cgroups.make("traced", 200 * MiB)
     peer = short_socket_path().with_name("peer.sock")
     server, accepted = outside_server(peer)
@@ -274,12 +272,10 @@ def test_a_dead_runs_lift_taken_by_a_traced_grower_is_acted_on_down_to_the_kill(
     program (290 MiB): the next daemon cannot put the limit back, and the grower can never be
     checkpointed. Before, it said so (victim.none) and left the limit lifted for good; now
     the chain runs on it at once, the checkpoint refused, the kill the limit needs, once."""
-    workdir = Path(tempfile.mkdtemp(prefix="og-traced-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
     mallory = unprivileged_user("oomguard-t-mallory3", MALLORY)
-    workdir.chmod(0o755)
-    os.chown(workdir, mallory, mallory)
-    as_mallory = ["setpriv", f"--reuid={mallory}", f"--regid={mallory}", "--clear-groups", "--"]
+    workdir = users_workdir(mallory, "og-traced-")
+    request.addfinalizer(lambda: shutil.rmtree(workdir, ignore_errors=True))
+    as_mallory = as_user(mallory)
     cg = cgroups.make("deadtraced", 256 * MiB)
     store.mkdir(mode=0o700)
     subprocess.run([sys.executable, "-c", RECORD_DEAD_LIFT, str(store / LIFTS_LEDGER),

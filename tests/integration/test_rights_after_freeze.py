@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ import pytest
 from oomguard.sense.procfs import ProcReader
 from tests.helpers import (
     CgroupFactory,
+    as_user,
     daemon,
     kill_pid,
     outside_server,
@@ -32,6 +32,7 @@ from tests.helpers import (
     short_socket_path,
     start_in_cgroup,
     unprivileged_user,
+    users_workdir,
     wait_until,
 )
 
@@ -96,11 +97,9 @@ def _written(path: Path) -> bool:
 def test_a_setuid_exec_between_the_check_and_the_freeze_is_refused_and_only_ours_continue(
         cgroups: CgroupFactory, store: Path, tmp_path: Path,
         request: pytest.FixtureRequest) -> None:
-    shared = Path(tempfile.mkdtemp(prefix="og-eve-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(shared, ignore_errors=True))
     eve = unprivileged_user("oomguard-t-eve", EVE)
-    shared.chmod(0o755)
-    os.chown(shared, eve, eve)
+    shared = users_workdir(eve, "og-eve-")
+    request.addfinalizer(lambda: shutil.rmtree(shared, ignore_errors=True))
     suid_sleep = shared / "sleep"
     shutil.copy("/bin/sleep", suid_sleep)
     os.chown(suid_sleep, 0, 0)
@@ -108,7 +107,7 @@ def test_a_setuid_exec_between_the_check_and_the_freeze_is_refused_and_only_ours
     peer = shared / "peer.sock"
     server, accepted = outside_server(peer)
     peer.chmod(0o777)
-    as_eve = ["setpriv", f"--reuid={eve}", f"--regid={eve}", "--clear-groups", "--"]
+    as_eve = as_user(eve)
     cg = cgroups.make("eve", None)
     job = start_in_cgroup(cg, [*as_eve, sys.executable, "-c", ATTACKER, str(suid_sleep),
                                str(peer), str(shared)], log=tmp_path / "attacker.log")
