@@ -275,13 +275,6 @@ def size(*, low: int = 0) -> Quantity:
                     counts_bytes=True)
 
 
-def _size_or_none(value: Any) -> int | None:
-    """A size; "0" or "none" means no limit."""
-    if isinstance(value, str) and value.strip().lower() in ("none", "0"):
-        return None
-    return bounded_size(value) or None
-
-
 def _duration_or_none(value: Any) -> float | None:
     if isinstance(value, str) and value.strip().lower() in ("none", "0"):
         return None
@@ -315,7 +308,6 @@ def positive_count(value: Any) -> int:
     return value
 
 
-SIZE_OR_NONE = Quantity(_size_or_none, ("M",), _SIZE_WORDS, counts_bytes=True)
 SIZE_SHARE_OR_NONE = Quantity(_size_share_or_none, ("M", "%"), _SIZE_WORDS + _SHARE_WORDS,
                               counts_bytes=True)
 DURATION_OR_NONE = Quantity(_duration_or_none, ("s", "ms"), _DURATION_WORDS)
