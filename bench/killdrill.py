@@ -41,8 +41,9 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.control.client import ControlClient
 from oomguard.model.errors import OomguardError
 from oomguard.sense.procfs import ProcReader
-from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
+from oomguard.store.checkpoints import Store
 from oomguard.store.ledger import FrozenLedger
+from oomguard.store.names import FROZEN_LEDGER, PARTIAL_PREFIX
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
@@ -301,7 +302,7 @@ class Drill:
         with contextlib.suppress(Exception):
             if cg.limit() != LIMIT:
                 waits.append(f"limit {cg.limit()} is not the configured {LIMIT}")
-        ledger = FrozenLedger(store / ".frozen.json", self.proc, owner=0)
+        ledger = FrozenLedger(store / FROZEN_LEDGER, self.proc, owner=0)
         if ledger.pending():
             waits.append("the frozen ledger still names tasks a dead run stopped")
         return waits

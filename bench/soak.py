@@ -267,7 +267,12 @@ def _restore_one(jobs: list[Job], store: Path, big: Path, tally: Tally, rng: ran
     if not metas:
         return
     for meta in (metas if every else metas[:oldest]):
-        result = run_oomguard(store, "restore", meta.id, "--cgroup", str(big), timeout=180)
+        try:
+            result = run_oomguard(store, "restore", meta.id, "--cgroup", str(big), timeout=180)
+        except subprocess.TimeoutExpired:  # counted, and the drill goes on to its checks
+            tally.restore_refusals += 1
+            tally.refusals.append(f"{meta.id}: restore still running after 180 s")
+            continue
         job = next((j for j in jobs if j.pid == meta.pid), None)
         if result.returncode == 0 and result.stdout.strip().isdigit():
             tally.restores += 1

@@ -147,7 +147,8 @@ def restore_read_s(log: Path) -> float | None:
 def old_commit_s(images: Path) -> float:
     """What the commit did before checksums were taken during the dump: read every image back
     with a cold cache and SHA-256 it."""
-    from oomguard.store.integrity import SHA256, compute
+    from oomguard.model.checksums import SHA256
+    from oomguard.store.integrity import compute
 
     for path in images.iterdir():
         fd = os.open(path, os.O_RDONLY)

@@ -213,11 +213,12 @@ class DaemonProcess:
 
     def __init__(self, store: Path, log: Path, *args: str, socket: Path | None = None,
                  env: dict[str, str] | None = None, config: Path | None = None,
-                 wrapper: tuple[str, ...] = ()) -> None:
+                 wrapper: tuple[str, ...] = (), log_level: str = "info") -> None:
         self.log = log
         self.socket = socket or short_socket_path()
-        argv = oomguard_argv(store, "--socket", str(self.socket), "run", *args) \
-            if config is None else cli_argv("--config", str(config), "run", *args)
+        level = ("--log-level", log_level)
+        argv = oomguard_argv(store, *level, "--socket", str(self.socket), "run", *args) \
+            if config is None else cli_argv(*level, "--config", str(config), "run", *args)
         self.handle = subprocess.Popen([*wrapper, *argv], cwd=REPO, env=env,
                                        stdin=subprocess.DEVNULL, stdout=open(log, "ab"),  # noqa: SIM115
                                        stderr=subprocess.STDOUT)

@@ -25,7 +25,7 @@ from oomguard.act.chainstate import (
     Settled,
 )
 from oomguard.act.chainsteps import StepAction, step_actions
-from oomguard.act.freezer import Freezer, Frozen
+from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.steps import Step
 from oomguard.cgroup.base import MemoryCgroup
@@ -79,6 +79,12 @@ class ChainRunner:
         back: the chain goes down to a kill if it must (chainsteps.CheckpointAction)."""
         run = ChainRun(tree, cgroup, reason, settings, still_pressing, fields, on_frozen,
                        after_signal, recorded=list(tree.pids), limit_busy=limit_busy)
+        # Stopped by the last run's standby (or a dead daemon) and held for this action: once
+        # it ends, what was not dumped runs on, as what this chain stopped does (their ledger
+        # entries go with this chain's: left stopped, they would read as stopped by the user).
+        with contextlib.suppress(OSError):
+            left = set(self.checkpointer.ledger.left_over(list(tree.pids)))
+            run.left_over_starts = {p.pid: p.starttime for p in tree.members if p.pid in left}
         try:
             for index, step in enumerate(chain):
                 # (A limit that could not be put back is pressure whatever the usage says.)
@@ -98,12 +104,33 @@ class ChainRunner:
         finally:
             if run.frozen:
                 self.freezer.thaw(run.frozen)
+            self._continue_left_over(run)
             with contextlib.suppress(OSError):
                 self.checkpointer.ledger.clear(run.recorded)
 
-    def kill_tree(self, pids: list[int], settings: ChainSettings, reason: str,
-              fields: dict[str, Any]) -> None:
-        """SIGTERM (and SIGCONT, so a stopped task can act on it), then SIGKILL what is left."""
+    def _continue_left_over(self, run: ChainRun) -> None:
+        """SIGCONT what the standby (or a dead run) had stopped and this chain did not dump:
+        the same processes (start time), still stopped."""
+        continued = []
+        for pid, started in run.left_over_starts.items():
+            try:
+                stat = self.proc.stat(pid)
+            except ProcessGone:
+                continue
+            if stat.starttime != started or stat.state != USER_STOPPED_STATE:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                continued.append(pid)
+        if continued:
+            self.log.warning("victim.thawed_after_crash", thawed=[str(p) for p in continued],
+                             explanation="stopped while no daemon ran (the standby) and held "
+                             "for the action on its cgroup, which has ended without dumping it")
+
+    def end_tree(self, pids: list[int], settings: ChainSettings, reason: str,
+                 fields: dict[str, Any]) -> None:
+        """The chain's kill: SIGTERM (and SIGCONT, so a stopped task can act on it), the
+        rule's grace, then SIGKILL what is left (freezer.kill_tree), and the event said."""
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -112,9 +139,7 @@ class ChainRunner:
         while self.clock() < deadline and any(self.alive(pid) for pid in pids):
             self.sleep(0.05)
         survivors = [pid for pid in pids if self.alive(pid)]
-        for pid in survivors:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_tree(survivors)
         self.events.publish(VictimKilled(reason, len(survivors), fields))
 
     def alive(self, pid: int) -> bool:

@@ -95,3 +95,6 @@ class ChainRun:
     # Why the limit lifted for a failed dump could not be put back (the tree grew into the
     # room above its own limit): the chain then acts at once, down to a kill (chainsteps.py).
     limit_busy: str = ""
+    # Tasks of the tree the last run's standby (or a dead daemon) stopped, with their start
+    # times: continued at the chain's end unless dumped (ChainRunner._continue_left_over).
+    left_over_starts: dict[int, int] = field(default_factory=dict)

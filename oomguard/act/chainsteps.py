@@ -262,7 +262,7 @@ class CheckpointAction:
                           container=ref.container, archives=archives, **fields)
         reason = (f"checkpointed by the kubelet to {archives[0]}; the container restarts per "
                   "its pod's restartPolicy")
-        tools.kill_tree(list(run.tree.pids), run.settings, reason, fields)
+        tools.end_tree(list(run.tree.pids), run.settings, reason, fields)
         return ChainOutcome(ChainResult.KILLED, str(step), reason)
 
 
@@ -279,7 +279,7 @@ class KillAction:
             fields = {**fields, "limit_busy": run.limit_busy,
                       "explanation": "it grew into the room lifted for its dump, above its "
                       "own limit, and the dump failed: only its end brings the limit back"}
-        self.tools.kill_tree(sorted(set(run.tree.pids) | set(run.frozen)), run.settings,
+        self.tools.end_tree(sorted(set(run.tree.pids) | set(run.frozen)), run.settings,
                              run.reason, fields)
         run.frozen = []
         return Settled(ChainOutcome(ChainResult.KILLED, KILL, run.reason))

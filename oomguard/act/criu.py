@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import re
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.act.criu_hook import VERIFY_GATE_ENV
 from oomguard.act.runner import CommandRunner, SubprocessRunner, executable_candidates
+from oomguard.model.atomicfile import write_atomically
 from oomguard.model.errors import CriuError
 
 CRIU_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/bin/criu")
@@ -151,9 +151,14 @@ class Criu:
     runner: CommandRunner = field(default_factory=SubprocessRunner)
     options: CriuOptions = field(default_factory=CriuOptions)
     cgroup_procs: Path | None = None
+    # Runs CRIU in the host's mount namespace when the daemon has one of its own
+    # (oomguard/act/hostns.py): ("nsenter", "--mount=/proc/1/ns/mnt", "--") or ().
+    host_ns: tuple[str, ...] = ()
 
     def confined(self, argv: list[str]) -> list[str]:
-        """`argv` run inside CRIU's memory cgroup (where there is one)."""
+        """`argv` run inside CRIU's memory cgroup (where there is one), in the host's mount
+        namespace (where the daemon has another)."""
+        argv = [*self.host_ns, *argv]
         if self.cgroup_procs is None:
             return argv
         return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.cgroup_procs), *argv]
@@ -164,10 +169,9 @@ class Criu:
         path = directory / "criu-post-dump"
         text = hook_script_text(sys.executable)
         if not path.exists() or path.read_text() != text:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(text)
-            tmp.chmod(0o700)
-            tmp.replace(path)
+            # Not fsync'd: written on the dump's path, and rewritten whenever its text differs
+            # (one a crash left empty included).
+            write_atomically(path, text, 0o700, sync=False)
         return path
 
     def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None,
@@ -222,7 +226,7 @@ class Criu:
             raise CriuError("criu restore succeeded but wrote no pidfile") from exc
 
     def check(self) -> tuple[bool, str]:
-        result = self.runner.run([self.binary, "check"], timeout=60)
+        result = self.runner.run([*self.host_ns, self.binary, "check"], timeout=60)
         text = (result.stdout + result.stderr).strip()
         ok = result.returncode == 0 and "Looks good" in text
         return ok, text.splitlines()[-1] if text else f"exit status {result.returncode}"

@@ -29,8 +29,8 @@ from typing import Any
 from oomguard.cgroup.base import LimitBusy, MemoryCgroup
 from oomguard.model.errors import CgroupGone
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.ledger import JsonRecord
 
-LIFTS_LEDGER = ".lifted.json"
 LIFT_CEILING = 2  # a lift never exceeds the own limit + this many times the headroom
 PAGE = mmap.PAGESIZE  # limits are kept in whole pages (read back rounded down)
 
@@ -48,6 +48,8 @@ class LimitLifts:
     def __init__(self, ledger: Path, proc: ProcReader | None = None,
                  owner: int | None = None) -> None:
         self.ledger = ledger
+        # Durable: a lifted limit must outlive a crash, or it stays lifted for good.
+        self.record = JsonRecord(ledger, sync=True)
         self.proc = proc or ProcReader()
         self.owner = owner if owner is not None else os.getpid()
         self._owner_start = self.proc.starttime(self.owner)
@@ -76,24 +78,14 @@ class LimitLifts:
                 os.close(fd)
 
     def _load(self) -> dict[str, dict[str, Any]]:
-        try:
-            data = json.loads(self.ledger.read_text())
-        except (OSError, ValueError, RecursionError):
-            return {}
+        data = self.record.read()
         if not isinstance(data, dict):
             return {}
         return {k: v for k, v in data.items() if isinstance(v, dict)
                 and isinstance(v.get("state"), dict) and isinstance(v.get("holders"), list)}
 
     def _save(self, entries: dict[str, dict[str, Any]]) -> None:
-        tmp = self.ledger.with_name(f"{self.ledger.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps(entries).encode())
-            os.fsync(fd)  # a lifted limit must outlive a crash, or it stays lifted for good
-        finally:
-            os.close(fd)
-        tmp.replace(self.ledger)
+        self.record.write(entries)
 
     def _alive(self, holder: list[Any]) -> bool:
         try:

@@ -13,7 +13,6 @@ next daemon start if the writer died in between.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.ledger import JsonRecord
 
 SHIELD = -1000  # OOM_SCORE_ADJ_MIN: the OOM killer never picks such a task
 
@@ -38,6 +38,9 @@ class OomShield:
     def __init__(self, path: Path, proc: ProcReader | None = None,
                  owner: int | None = None) -> None:
         self.path = path
+        # Not fsync'd: written on the path to SIGSTOP, and it guards against a dead daemon
+        # (the next one reads the page cache), not a dead machine.
+        self.record = JsonRecord(path, sync=False, mode=0o644)
         self.proc = proc or ProcReader()
         self.proc_root = Path(self.proc.root)  # oom_score_adj is written where it is read
         self.owner = owner if owner is not None else os.getpid()
@@ -46,19 +49,17 @@ class OomShield:
 
 
     def _load(self) -> list[Shielded]:
+        data = self.record.read()
         try:
-            return [Shielded(**entry) for entry in json.loads(self.path.read_text())]
-        except (OSError, ValueError, TypeError):
+            return [Shielded(**entry) for entry in data] if isinstance(data, list) else []
+        except TypeError:  # not a list of entries
             return []
 
     def _save(self, entries: list[Shielded]) -> None:
         if not entries:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            self.record.remove()
             return
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps([asdict(e) for e in entries]))
-        tmp.replace(self.path)
+        self.record.write([asdict(e) for e in entries])
 
     def _adj_file(self, pid: int) -> Path:
         return self.proc_root / str(pid) / "oom_score_adj"

@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from oomguard.config.loading import DEFAULT_CONFIG_PATH, DaemonConfig, embedded_config_text, load_config
+from oomguard.model.atomicfile import write_atomically
 
 SHIPPED_EXEC = "/usr/local/bin/oomguard"  # scripts/setup links it to the checkout's .venv
 SERVICE = "oomguard.service"
@@ -55,10 +56,7 @@ def this_executable(stable: Path = Path(SHIPPED_EXEC)) -> str:
 def _write_unit(directory: Path, name: str, executable: str, config: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     unit = directory / name
-    tmp = unit.with_suffix(".tmp")
-    tmp.write_text(unit_text(executable, name, config))
-    tmp.chmod(0o644)
-    tmp.replace(unit)
+    write_atomically(unit, unit_text(executable, name, config), 0o644)
     return unit
 
 

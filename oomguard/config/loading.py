@@ -39,6 +39,7 @@ from oomguard.config.values import (
     choice,
     factor,
     guard_array,
+    mount_namespace_value,
     niceness,
     nonempty_str,
     port,
@@ -129,6 +130,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                            c.compress),
         compress_level=read.take(criu_t, "criu.", "compress_level", zstd_level,
                                  c.compress_level),
+        mount_namespace=read.take(criu_t, "criu.", "mount_namespace", mount_namespace_value,
+                                  c.mount_namespace),
     )
     read.leftovers(criu_t, "criu.")
     gpu = _gpu_config(read, gpu_t)

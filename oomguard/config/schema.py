@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.act.steps import Step
+from oomguard.model.checksums import ALGORITHMS, XXH3
 from oomguard.model.errors import ConfigIssue
 
 ON_FAILURE_THAW = "thaw"  # a failed checkpoint: the tree is thawed and runs on
@@ -19,12 +20,15 @@ class CriuConfig:
     timeout: float = 300.0
     tcp_close: bool = True
     cgroup_limit: int = 256 << 20  # CRIU's own memory cgroup bounds the images' page cache
-    checksum: str = "xxh3"  # of new checkpoints' images: xxh3 (XXH128SUMS) | sha256 (SHA256SUMS)
+    checksum: str = XXH3  # of new checkpoints' images: xxh3 (XXH128SUMS) | sha256 (SHA256SUMS)
     compress: str = "off"  # pages stored as: off (as CRIU wrote them) | zstd (pages-N.img.zst)
     compress_level: int = 3  # zstd's level, 1-19
+    # CRIU's mount namespace when the daemon has one of its own: auto (PID 1's, when CRIU is
+    # the same file there) | off (the daemon's) | a path such as /proc/PID/ns/mnt
+    mount_namespace: str = "auto"
 
 
-CHECKSUMS = ("xxh3", "sha256")
+CHECKSUMS = ALGORITHMS  # the names criu.checksum takes
 COMPRESSIONS = ("off", "zstd")
 GPU_ENGINES = ("auto", "cuda-checkpoint", "criu-plugin", "off")
 GPU_PREFERENCES = ("neutral", "prefer", "avoid")

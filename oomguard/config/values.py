@@ -158,6 +158,16 @@ def nonempty_str(value: Any) -> str:
     return value
 
 
+def mount_namespace_value(value: Any) -> str:
+    """criu.mount_namespace: "auto", "off", or an absolute path (a namespace file)."""
+    if value in ("auto", "off"):
+        return str(value)
+    if isinstance(value, str) and value.startswith("/") and "\0" not in value:
+        return value
+    raise ValueError(f'expected "auto", "off" or an absolute path such as "/proc/1/ns/mnt", '
+                     f"got {value!r}")
+
+
 def choice(value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"expected one of {', '.join(repr(c) for c in choices)}, "

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_CONNECTIONS = 64  # in all: each is a thread in the daemon
 MAX_PER_UID = 8  # one user cannot take every slot
@@ -82,6 +83,35 @@ class LogThrottle:
                 return True, suppressed
             self._state[key] = (start, logged, suppressed + 1)
             return False, 0
+
+
+@dataclass
+class CallSummary:
+    """Routine calls counted per uid and method; `add` returns the counts since the last
+    summary once `window` seconds have passed since it (then starts again), else None: one
+    summary line a window, however many calls."""
+
+    window: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    _since: float | None = None
+    _counts: Counter[tuple[int, str]] = field(default_factory=Counter)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, uid: int, method: str) -> dict[str, Any] | None:
+        now = self.clock()
+        with self._lock:
+            if self._since is None:
+                self._since = now
+            self._counts[(uid, method)] += 1
+            if now - self._since < self.window:
+                return None
+            calls: dict[str, dict[str, int]] = {}
+            for (who, name), count in sorted(self._counts.items()):
+                calls.setdefault(str(who), {})[name] = count
+            summary = {"window_s": round(now - self._since, 1), "calls": calls,
+                       "total": sum(self._counts.values())}
+            self._since, self._counts = now, Counter()
+            return summary
 
 
 @dataclass

@@ -4,11 +4,11 @@ serving thread sleeps in select() until a connection comes or stop() writes to a
 
 from __future__ import annotations
 
-import contextlib
-import os
 import selectors
 import socketserver
 import threading
+
+from oomguard.model.wakepipe import WakePipe
 
 
 class QuietServing:
@@ -18,7 +18,7 @@ class QuietServing:
         self.server = server
         self.server.timeout = 0  # handle_request() is called only once select() said ready
         self._stopping = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakeup = WakePipe()
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
     def start(self) -> None:
@@ -27,7 +27,7 @@ class QuietServing:
     def _serve(self) -> None:
         with selectors.DefaultSelector() as selector:
             selector.register(self.server.fileno(), selectors.EVENT_READ, "server")
-            selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+            selector.register(self._wakeup.fileno(), selectors.EVENT_READ, "wake")
             while not self._stopping:
                 for key, _events in selector.select():
                     if key.data == "server" and not self._stopping:
@@ -37,10 +37,7 @@ class QuietServing:
     def stop(self, timeout: float | None = None) -> None:
         """Stop serving and wait for the thread (requests in handler threads go on)."""
         self._stopping = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        self._wakeup.wake(b"x")
         if self.thread.is_alive():
             self.thread.join(timeout)
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._wakeup.close()

@@ -21,6 +21,7 @@ from oomguard.control.limits import (
     MAX_BAD_REQUESTS,
     REQUEST_DEADLINE,
     CallRate,
+    CallSummary,
     ConnectionLimiter,
     LogThrottle,
 )
@@ -54,10 +55,10 @@ from oomguard.model.errors import (
     StoreError,
 )
 
-# Calls that change something are always logged; the others (Status, List, GetInfo...) at
-# most ROUTINE_LINES a minute per uid, the next line saying how many went unlogged.
+# Calls that change something are always logged; the others (Status, List, GetInfo...)
+# that succeed are logged at debug, and counted in one summary line a minute.
 ACTING = frozenset({"Checkpoint", "Restore", "Forget", "GpuResume"})
-ROUTINE_LINES = 10
+SUMMARY_WINDOW = 60.0
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -192,17 +193,19 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                  dispatcher: Callable[[Service, bytes, int, int],
                                       tuple[str, dict[str, Any]]] = dispatch,
                  mode: int = 0o666, idle_timeout: float = IDLE_TIMEOUT,
-                 call_rate: float = CALL_RATE) -> None:
+                 call_rate: float = CALL_RATE,
+                 debug: Callable[..., None] | None = None) -> None:
         self.service = service
         self.idle_timeout = idle_timeout
         self.dispatcher = dispatcher
         self.path = path
         self.note = note or (lambda *args, **kwargs: None)
+        self.debug = debug or (lambda *args, **kwargs: None)
         self.limiter = ConnectionLimiter()
         self.throttle = LogThrottle()
         self.rate = CallRate(rate=call_rate, burst=max(call_rate * 2, 1.0))
         self.quiet = LogThrottle(burst=1, window=60.0)  # once a minute per uid and kind
-        self.routine = LogThrottle(burst=ROUTINE_LINES, window=60.0)
+        self.routine = CallSummary(window=SUMMARY_WINDOW)
         self._peers: dict[int, tuple[int, int]] = {}  # id(socket) -> (pid, uid), admitted ones
         self._peers_lock = threading.Lock()
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -264,16 +267,19 @@ class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         time.sleep(wait)
 
     def note_call(self, *, uid: int, pid: int, method: str, error: object) -> None:
-        """Calls that act are all logged; routine ones and failed ones at a bounded rate per
-        uid (`suppressed`: how many went unlogged since the last line)."""
+        """Calls that act are all logged; routine ones that succeed at debug, and in one
+        `control.calls` summary a minute; failed ones at a bounded rate per uid
+        (`suppressed`: how many went unlogged since the last line)."""
         if error is None:
             if method in ACTING:
                 self.note("control.call", uid=uid, pid=pid, method=method, error=None)
                 return
-            allowed, suppressed = self.routine.allow(("ok", uid))
-            if allowed:
-                self.note("control.call", uid=uid, pid=pid, method=method, error=None,
-                          suppressed=suppressed or None)
+            self.debug("control.call", uid=uid, pid=pid, method=method, error=None)
+            summary = self.routine.add(uid, method)
+            if summary is not None:
+                self.note("control.calls", **summary,
+                          explanation="routine calls answered (by uid and method) since the "
+                          "last such line; each is logged at debug")
             return
         allowed, suppressed = self.throttle.allow(("call", uid))
         if allowed:

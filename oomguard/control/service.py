@@ -40,8 +40,9 @@ from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.budget import StoreBudget
-from oomguard.store.checkpoints import PARTIAL_PREFIX, CheckpointMeta, Store, validate_id
+from oomguard.store.checkpoints import CheckpointMeta, Store, validate_id
 from oomguard.store.ids import names_a_pid, newest_holding, resolve_id
+from oomguard.store.names import PARTIAL_PREFIX
 
 ROOT = 0
 

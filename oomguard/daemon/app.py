@@ -30,6 +30,7 @@ from oomguard.daemon.wiring import (
 from oomguard.lifecycle.restorefit import daemon_lookup
 from oomguard.model.errors import StoreError
 from oomguard.observe.dbus import SignalEmitter
+from oomguard.observe.history import EventHistory
 from oomguard.observe.hooks import HookRun, HookRunner
 from oomguard.observe.logsetup import RecordingLogger
 from oomguard.observe.sdnotify import Notifier
@@ -188,7 +189,8 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     metrics = wanted_metrics(config)
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
     tap = EventTap(metrics, None, emitter, slurm=build_slurm(config.slurm))
-    log = RecordingLogger(base_log, tap=tap.tell)  # also the daemon's EventSink
+    # also the daemon's EventSink; its events of note are kept in the store for `status`
+    log = RecordingLogger(base_log, tap=tap.tell, history=EventHistory(config.store))
     tap.log = log
     apply_hooks(tap, config)
     notifier = Notifier.from_env()
@@ -200,7 +202,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     subscriptions = Subscriber(kinds=FORKS)
     no_events = subscriptions.probe()
     checkpointer = build_checkpointer(config, criu, proc, events=subscriptions)
-    restorer = build_restorer(config, criu, proc, events=subscriptions)
+    restorer = build_restorer(config, criu, proc, events=subscriptions, layout=layout)
     restorer.exits = exit_watch = ExitWatch(_exit_recorder(
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
@@ -240,7 +242,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         service.guard_of = daemon_lookup(lambda: daemon.guards)
         service.prefs_of = daemon.preferences_for
         service.after_checkpoint = daemon.settle_soon
-        server = ControlServer(config.socket, service, note=log.info,
+        server = ControlServer(config.socket, service, note=log.info, debug=log.debug,
                                idle_timeout=config.control_idle_timeout,
                                call_rate=config.control_call_rate)
         server.start()

@@ -15,7 +15,7 @@ from typing import Any
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
-from oomguard.model.errors import OomguardError
+from oomguard.model.errors import OomguardError, RestoreInProgress
 from oomguard.observe.events import EventSink, RestoreDone, RestoreFailed, sink_for
 from oomguard.policy.pressure import restore_fits
 from oomguard.store.checkpoints import STATE_CHECKPOINTED, Store
@@ -74,6 +74,15 @@ class AutoRestorer:
         try:
             result = self.restorer.restore(checkpoint_id, original=guard.cgroup)
         except (OomguardError, OSError) as exc:
+            if isinstance(exc, RestoreInProgress) or isinstance(exc.__cause__, RestoreInProgress):
+                # Another restore has it (a person's, or a lazy one still streaming in): a
+                # race lost, not this checkpoint's failure.
+                self._backoff[checkpoint_id] = self.clock() + guard.spec.restore_retry
+                self.log.info("restore.raced", id=checkpoint_id, cgroup=guard.name, auto=True,
+                              error=str(exc), explanation="another restore has this "
+                              "checkpoint; looked at again after restore_retry (not counted "
+                              "as a failure)")
+                return
             failure = failure_fields(exc)
             retry = guard.spec.restore_retry
             self._backoff[checkpoint_id] = self.clock() + retry

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from oomguard.model.errors import StoreError
+from oomguard.model.wakepipe import WakePipe
 from oomguard.sense.cnproc import EXITS, ProcessExit
 from oomguard.sense.procevents import EventSource, ProcEvents, unavailable
 from oomguard.store.checkpoints import Store
@@ -108,7 +109,7 @@ class ExitWatch:
         self._watches: dict[int, _Watch] = {}  # pidfd -> watch
         self._recent: OrderedDict[int, ProcessExit] = OrderedDict()
         self._expect_until = 0.0
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wakeup = WakePipe()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -142,7 +143,7 @@ class ExitWatch:
             self._open_events()
             self._watches[pidfd] = _Watch(checkpoint_id, pid, since_ns)
             self._ensure_thread()
-        self._wake()
+        self._wakeup.wake()
 
     def why_unknown(self) -> str | None:
         """Why an exit status may be unknown: no connector, or events it lost."""
@@ -159,7 +160,7 @@ class ExitWatch:
 
     def close(self) -> None:
         self._stopping = True
-        self._wake()
+        self._wakeup.wake()
         thread = self._thread
         if thread is not None:
             thread.join(timeout=5)
@@ -168,8 +169,7 @@ class ExitWatch:
                 os.close(pidfd)
             self._watches.clear()
             self._close_events()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wakeup.close()
 
     # -- the thread ---------------------------------------------------------------------------
 
@@ -179,10 +179,6 @@ class ExitWatch:
             self._thread = threading.Thread(target=self._run, name="oomguard-exitwatch",
                                             daemon=True)
             self._thread.start()
-
-    def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"w")
 
     def _open_events(self) -> None:
         if self.events is None:
@@ -218,7 +214,7 @@ class ExitWatch:
     def _run(self) -> None:
         while not self._stopping:
             poller = select.poll()
-            poller.register(self._wake_r, select.POLLIN)
+            poller.register(self._wakeup.fileno(), select.POLLIN)
             with self._lock:
                 fds = list(self._watches)
                 events = self.events
@@ -229,9 +225,8 @@ class ExitWatch:
                 poller.register(events.fileno(), select.POLLIN)
             timeout = 1000 if not pending else 50
             for fd, _mask in poller.poll(timeout):
-                if fd == self._wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 64)
+                if fd == self._wakeup.fileno():
+                    self._wakeup.drain()
                 elif fd in fds:
                     with self._lock:
                         watch = self._watches.get(fd)

@@ -32,9 +32,9 @@ from pathlib import Path
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.schema import DaemonConfig
 from oomguard.model.errors import OomguardError
+from oomguard.store.names import STORE_LOCK
 
 LOCK_DIR = Path("/run/oomguard/locks")
-STORE_LOCK = ".daemon.lock"
 PID_WAIT = 0.5  # a holder that has just taken its lock writes its PID within this long
 
 

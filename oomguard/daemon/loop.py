@@ -10,7 +10,6 @@ floor); the safety rescan (rescan_interval) costs one stat(2) per guard.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 import select
@@ -50,6 +49,7 @@ from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
 from oomguard.lifecycle.selfguard import ancestors_of, own_family
 from oomguard.model.errors import ConfigError, ConfigIssue, OomguardError
+from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
 from oomguard.policy.preferences import Preferences
@@ -59,8 +59,8 @@ from oomguard.sense.procfs import ProcessInfo, ProcReader
 from oomguard.sense.ranking import ProcessRanking
 from oomguard.store.checkpoints import CheckpointMeta
 from oomguard.store.ledger import SavedLimits
+from oomguard.store.names import SAVED_HIGH
 
-SAVED_HIGH = ".memory-high.json"
 LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pages (a unit's
 # TimeoutStopSec is 330 s)
 STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
@@ -99,8 +99,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.epoll = poller()  # select.epoll's register/unregister/poll/close (a test's fake)
         self._fd_owner: dict[int, tuple[Guard, str]] = {}
         self._stopping = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.epoll.register(self._wake_r, select.EPOLLIN)
+        self._wakeup = WakePipe()  # stop(), a reload, later marks, an action done
+        self.epoll.register(self._wakeup.fileno(), select.EPOLLIN)
         self.files = files if files is not None else CgroupFiles()
         files_fd = self.files.fileno()
         if files_fd is not None:
@@ -112,7 +112,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.psi_trigger = psi_trigger_for()
         self.armer = Armer(checkpointer.own_snapshot, self.saved_high, self.psi_trigger,
                            dry_run=config.dry_run)
-        self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wake(b"m"))
+        self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wakeup.wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
@@ -241,7 +241,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
 
     def request_reload(self) -> None:
         self._reload = True
-        self._wake(b"r")
+        self._wakeup.wake(b"r")
 
     def reload(self) -> None:
         """SIGHUP: read the config file again. A config with any error is rejected, every error
@@ -299,11 +299,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
 
     def stop(self) -> None:
         self._stopping = True
-        self._wake(b"x")
-
-    def _wake(self, why: bytes) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, why)
+        self._wakeup.wake(b"x")
 
     def _release_guards(self) -> None:
         """Let actions in flight finish, then unregister every guard and put back what
@@ -326,8 +322,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.files.close()
         self.newcomers.close()
         self.epoll.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wakeup.close()
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -361,9 +356,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         fired: list[Guard] = []
         files_ready = False
         for fd, _mask in ready:
-            if fd == self._wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 64)
+            if fd == self._wakeup.fileno():
+                self._wakeup.drain()
                 continue
             if fd == self.files.fileno():
                 files_ready = True
@@ -397,7 +391,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         """From an Actor thread: an action ended; the loop settles what it left (a lifted
         limit to put back, a store to prune) at once."""
         self._acted.set()
-        self._wake(b"a")
+        self._wakeup.wake(b"a")
 
     def settle_soon(self) -> None:
         """From the control service's thread: a checkpoint asked for ended; settled at once

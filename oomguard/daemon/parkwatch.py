@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from oomguard.model.errors import CgroupGone
+from oomguard.model.wakepipe import WakePipe
 
 # How often the watchdog reads memory.oom_control of each parked-capable cgroup. A park ends
 # within park_deadline + this.
@@ -81,8 +82,8 @@ class ParkWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._epoll = select.epoll()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._wakeup = WakePipe()
+        self._epoll.register(self._wakeup.fileno(), select.EPOLLIN)
 
     def watch(self, name: str, cgroup: ParkableCgroup, deadline: float) -> None:
         entry = _Watched(cgroup, deadline)
@@ -94,7 +95,7 @@ class ParkWatchdog:
             if entry.oom_fd is not None:
                 self._by_fd[entry.oom_fd] = name
                 self._epoll.register(entry.oom_fd, select.EPOLLIN)
-        self._wake()  # read it once: tasks may be waiting already
+        self._wakeup.wake()  # read it once: tasks may be waiting already
 
     def unwatch(self, name: str) -> None:
         """After this returns the watchdog writes nothing more to that cgroup."""
@@ -169,19 +170,14 @@ class ParkWatchdog:
                                         daemon=True)
         self._thread.start()
 
-    def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"w")
-
     def _loop(self) -> None:
         following = True  # read everything once at the start
         while not self._stop.is_set():
             ready = self._epoll.poll(self.interval if following else -1)
             with self._lock:
                 for fd, _mask in ready:
-                    if fd == self._wake_r:
-                        with contextlib.suppress(BlockingIOError, OSError):
-                            os.read(self._wake_r, 64)
+                    if fd == self._wakeup.fileno():
+                        self._wakeup.drain()
                         continue
                     with contextlib.suppress(BlockingIOError, OSError):
                         os.read(fd, 8)
@@ -198,7 +194,7 @@ class ParkWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake()
+        self._wakeup.wake()
         if self._thread is not None:
             self._thread.join()
             self._thread = None

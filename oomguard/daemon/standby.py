@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from oomguard.model.atomicfile import write_atomically
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.names import FROZEN_LEDGER, SAVED_HIGH, STANDBY_RECORD
 
-RECORD = ".standby.json"  # in the store: the standby of the daemon that runs (pid, start)
 RELIEVE_WAIT = 2.0  # the next daemon waits this long for the old standby to end
 POLL_S = 0.005  # while no daemon runs: every cgroup is read this often (usage first)
 
@@ -66,7 +67,7 @@ class Standby:
         waiting until it is gone: what it stopped is then the next start's to continue.
         Returns its pid, or None where there was none."""
         try:
-            record = json.loads((self.store / RECORD).read_text())
+            record = json.loads((self.store / STANDBY_RECORD).read_text())
             pid, start = int(record["pid"]), int(record["start"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -106,15 +107,15 @@ class Standby:
             self.store.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.handle = subprocess.Popen(
                 [sys.executable, "-I", "-m", "oomguard.daemon.standby", "--ledger",
-                 str(self.store / ".frozen.json"), "--saved",
-                 str(self.store / ".memory-high.json")],
+                 str(self.store / FROZEN_LEDGER), "--saved",
+                 str(self.store / SAVED_HIGH)],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True)
             # Recorded, or not kept: one the next start cannot find would guard on its own.
             record = {"pid": self.handle.pid, "start": self.proc.starttime(self.handle.pid)}
-            tmp = self.store / f"{RECORD}.tmp"
-            tmp.write_text(json.dumps(record))
-            tmp.replace(self.store / RECORD)
+            # Not fsync'd: it names a process a machine's crash takes with it, and a start
+            # under memory pressure must not wait on the disk.
+            write_atomically(self.store / STANDBY_RECORD, json.dumps(record), 0o644, sync=False)
         except OSError as exc:
             self.bye()
             self.failed = True
@@ -151,7 +152,7 @@ class Standby:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.handle.wait(timeout=5)
         with contextlib.suppress(OSError):
-            (self.store / RECORD).unlink()
+            (self.store / STANDBY_RECORD).unlink()
         self.handle = None
 
     def _send(self, message: dict[str, Any]) -> None:

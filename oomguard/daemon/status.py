@@ -10,12 +10,18 @@ from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.model.errors import CgroupGone
 from oomguard.store.checkpoints import CheckpointMeta
 
+STATUS_NAMES = 3  # guarded cgroups named in STATUS= (then "and N more")
+
 
 def summary_line(guards: list[Guard], stored: Iterable[CheckpointMeta]) -> str:
     """One line for systemd's STATUS=."""
     present = [g for g in guards if g.present]
     waiting = sum(1 for m in stored if m.state == "checkpointed")
-    return (f"guarding {len(present)} of {len(guards)} cgroup(s); "
+    named = ", ".join(g.name for g in present[:STATUS_NAMES])
+    if len(present) > STATUS_NAMES:
+        named += f" and {len(present) - STATUS_NAMES} more"
+    return (f"guarding {len(present)} of {len(guards)} cgroup(s)"
+            f"{': ' + named if named else ''}; "
             f"{waiting} checkpoint(s) waiting to be restored")
 
 

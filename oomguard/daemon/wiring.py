@@ -13,14 +13,16 @@ from typing import Any
 
 from oomguard.act.criu import Criu, CriuOptions, find_criu
 from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.hostns import host_mount_prefix
 from oomguard.act.kubelet import ContainerCheckpointer, KubeletClient
+from oomguard.act.systemdscope import SystemdScopes
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.loading import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
 from oomguard.control.service import Service
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lifecycle.checkpoint import Checkpointer
-from oomguard.lifecycle.restore import Restorer
+from oomguard.lifecycle.restore import Restorer, ScopeFor
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.sense.procevents import Subscriber
 from oomguard.sense.procfs import ProcReader
@@ -94,7 +96,8 @@ def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
                       libdir=libdir)
     confine = criu_cgroup(layout, proc, criu_config.cgroup_limit)
     return Criu(binary=binary, version=version, options=options,
-                cgroup_procs=confine.path / "cgroup.procs" if confine is not None else None)
+                cgroup_procs=confine.path / "cgroup.procs" if confine is not None else None,
+                host_ns=host_mount_prefix(binary, criu_config.mount_namespace))
 
 
 def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
@@ -114,10 +117,20 @@ def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None
 
 
 def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
-                   events: Subscriber | None = None) -> Restorer:
+                   events: Subscriber | None = None,
+                   layout: CgroupLayout | None = None) -> Restorer:
+    """On a systemd host with the unified hierarchy, a unit's job is restored into a new
+    scope (oomguard/act/systemdscope.py)."""
     proc = proc or ProcReader()
     return Restorer(criu, Store(config.store), SigstopFreezer(proc, events=events), proc,
-                    gpu=build_gpu(config.gpu))
+                    gpu=build_gpu(config.gpu), scopes=systemd_scopes(layout))
+
+
+def systemd_scopes(layout: CgroupLayout | None) -> ScopeFor | None:
+    if layout is None or layout.unified is None or not layout.unified_has_memory:
+        return None
+    scopes = SystemdScopes(lambda path: open_cgroup(path, layout), cgroup_root=layout.unified)
+    return scopes.holding if scopes.available() else None
 
 
 def remove_criu_cgroup(layout: CgroupLayout, proc: ProcReader) -> None:
@@ -138,7 +151,7 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
         criu = (build_criu(config.criu, layout, proc, build_gpu(config.gpu)) if with_criu
                 else Criu(binary="criu", version=()))
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
-        restorer = restorer or build_restorer(config, criu, proc)
+        restorer = restorer or build_restorer(config, criu, proc, layout=layout)
     service = Service(Store(config.store), restorer, checkpointer, layout, proc, status)
     service.budget = checkpointer.budget
     if user_headroom is not None:

@@ -23,7 +23,7 @@ import psutil
 from oomguard.act.bystanders import Bystanders, Held
 from oomguard.act.criu import Criu, format_version
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, SigstopFreezer
-from oomguard.act.lifts import LIFTS_LEDGER, LimitLifts
+from oomguard.act.lifts import LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import shields_needed
@@ -57,10 +57,9 @@ from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed
 from oomguard.store.ledger import FrozenLedger
+from oomguard.store.names import FROZEN_LEDGER, HOOKS_DIR, LIFTS_LEDGER, OOM_SHIELD
 from oomguard.terminal.checkpointing import DumpTerminals, terminal_refusal
 
-FROZEN_LEDGER = ".frozen.json"
-OOM_SHIELD = ".oom-shield.json"
 DUMP_SLOTS = 2
 FULL_DISK = 1 << 20  # a failed dump that left less room than this on the store's disk ran out
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
@@ -313,7 +312,7 @@ class Checkpointer:
                 # What the stopped tree has open, to be checked again before a restore.
                 self.store.write_private(images.parent / FILES_RECORD,
                                          fileids.to_json(fileids.record(pids)))
-                hook = self.criu.install_hook(self.hook_dir or self.store.root / ".hooks")
+                hook = self.criu.install_hook(self.hook_dir or self.store.root / HOOKS_DIR)
                 # Checksums taken as CRIU writes, finished in its post-dump action; the pages
                 # compressed alongside where asked (never waited for before the memory is free).
                 packer = self._packer(images)

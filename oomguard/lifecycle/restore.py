@@ -26,12 +26,17 @@ from oomguard.model.errors import CgroupGone, CriuError, NeverFits, NoRoom, Rest
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name
+from oomguard.store.names import HOOKS_DIR
 from oomguard.store.pagemap import small_runs, warm
 from oomguard.store.verify import RestoreVerifier
 from oomguard.terminal.client import HolderError
 from oomguard.terminal.external import TTYS
 from oomguard.terminal.restore import TtyLease, gid_of, lease_ttys
 from oomguard.terminal.shelljob import SHELL_TTY, images_hold_shell_terminal
+
+# (the checkpoint's cgroup, its id) -> a context giving the cgroup to restore into instead
+# (a new systemd scope: oomguard.act.systemdscope.SystemdScopes.holding), or None.
+ScopeFor = Callable[[str, str], contextlib.AbstractContextManager[MemoryCgroup | None]]
 
 RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a little room
 # A lazy restore warms the page cache with up to this much of the job's smallest runs of memory
@@ -118,8 +123,10 @@ class Restorer:
                  proc: ProcReader | None = None, *, pid_wait: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time,
-                 gpu: GpuSupport | None = None, exits: ExitWatch | None = None) -> None:
+                 gpu: GpuSupport | None = None, exits: ExitWatch | None = None,
+                 scopes: ScopeFor | None = None) -> None:
         self.criu = criu
+        self.scopes = scopes  # a systemd host: a unit's job back into a scope of its own
         self.exits = exits  # the daemon watches restored roots until they exit
         self.gpu = gpu
         self.store = store
@@ -195,11 +202,26 @@ class Restorer:
         try:
             if self.store.get(checkpoint_id).state == STATE_INCOMPLETE:
                 self.store.complete(checkpoint_id)  # its commit failed earlier: finish it
-            with self.store.restore_lock(checkpoint_id) as lock_fd:
+            with self.store.restore_lock(checkpoint_id) as lock_fd, \
+                    self._scope(checkpoint_id, target) as scope:
+                if scope is not None:  # into a new scope, not the unit's old cgroup
+                    target, original = scope, None
                 return self._restore(checkpoint_id, target, original, force,
                                      lock_fd if lazy else None)
         except StoreError as exc:
             raise RestoreFailed(str(exc)) from exc
+
+    def _scope(self, checkpoint_id: str,
+               target: MemoryCgroup | None) -> contextlib.AbstractContextManager[
+                   MemoryCgroup | None]:
+        """Where no cgroup was asked for: a new systemd scope when the checkpoint left a
+        unit (oomguard/act/systemdscope.py), else None."""
+        if target is not None or self.scopes is None:
+            return contextlib.nullcontext(None)
+        meta = self.store.get(checkpoint_id)
+        if meta.cgroup_version != 2 or not meta.cgroup:
+            return contextlib.nullcontext(None)
+        return self.scopes(meta.cgroup, meta.id)
 
     def _restore(self, checkpoint_id: str, target: MemoryCgroup | None,
                  original: MemoryCgroup | None, force: bool,
@@ -328,7 +350,7 @@ class Restorer:
         """CRIU's restore; its post-restore action waits for the pages' verdict (eagerly).
         Returns the restored root's pid."""
         try:
-            hook = self.criu.install_hook(self.store.root / ".hooks")
+            hook = self.criu.install_hook(self.store.root / HOOKS_DIR)
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
                                     hook, ttys.args, ttys.pass_fds(),

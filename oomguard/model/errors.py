@@ -115,5 +115,10 @@ class AmbiguousId(StoreError):
         super().__init__(message)
 
 
+class RestoreInProgress(StoreError):
+    """Another restore (the daemon's, a person's, a lazy restore's keeper) holds the
+    checkpoint: a race lost, not a failure of the checkpoint."""
+
+
 class UnknownCheckpoint(StoreError):
     """No such checkpoint (or none the caller may see): a request for nothing, not a failure."""

@@ -17,6 +17,7 @@ from oomguard.cli.rendering import LOCAL_TIME_FORMAT, humanize_event
 
 if TYPE_CHECKING:  # the daemon's; the CLI loads logsetup without them
     from oomguard.observe.events import Event
+    from oomguard.observe.history import EventHistory
 
 _pending: tuple[str, str, TextIO | None] | None = None  # configure_logging(lazily=True)'s
 
@@ -34,15 +35,23 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
 
     import structlog
 
-    from oomguard.observe.journal import syslog_prefix_renderer
+    from oomguard.observe.journal import (
+        JournalLoggerFactory,
+        journal_renderer,
+        journal_socket_usable,
+        syslog_prefix_renderer,
+    )
 
     out = stream or sys.stderr
     use_json = fmt == "json" or (fmt == "auto" and not out.isatty())
     renderer: Any = (structlog.processors.JSONRenderer() if use_json
                      else structlog.dev.ConsoleRenderer(colors=out.isatty()))
+    factory: Any = structlog.PrintLoggerFactory(file=out)
     if use_json and fmt == "auto" and _journald(out):
         # "<N>" first: journald turns it into the entry's PRIORITY (sd-daemon(3)).
         renderer = syslog_prefix_renderer()
+        if journal_socket_usable():  # native entries: a line for people, fields to select on
+            renderer, factory = journal_renderer, JournalLoggerFactory(fallback=out)
     # JSON: raw numbers and UTC ISO times, for machines. Console (a TTY): local time and
     # byte-valued fields as sizes, for people.
     people: list[Any] = [] if use_json else [humanize_event]
@@ -58,7 +67,7 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=factory,
         cache_logger_on_first_use=False,
     )
 
@@ -89,10 +98,13 @@ class RecordingLogger:
     NOTABLE = ("checkpoint.", "restore.", "threshold.crossed", "oom.", "victim.", "store.")
 
     def __init__(self, log: Any, keep: int = 50,
-                 tap: Callable[[Event], None] | None = None) -> None:
+                 tap: Callable[[Event], None] | None = None,
+                 history: EventHistory | None = None) -> None:
         self.log = log
         self.tap = tap
-        self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.history = history  # kept in the store: a restarted daemon shows them too
+        self.recent: deque[dict[str, Any]] = deque(
+            history.load() if history is not None else [], maxlen=keep)
 
     def publish(self, event: Event) -> None:
         if self.tap is not None:
@@ -103,9 +115,15 @@ class RecordingLogger:
         if level in ("warning", "error") or event.startswith(self.NOTABLE):
             keep = {k: v for k, v in fields.items()
                     if isinstance(v, str | int | float | bool) and k not in ("path",)}
-            self.recent.append({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level,
-                                "event": event, **keep})
+            entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "level": level,
+                     "event": event, **keep}
+            self.recent.append(entry)
+            if self.history is not None:
+                self.history.append(entry, list(self.recent))
         getattr(self.log, level)(event, **fields)
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._write("debug", event, fields)
 
     def info(self, event: str, **fields: Any) -> None:
         self._write("info", event, fields)

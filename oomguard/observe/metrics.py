@@ -11,9 +11,7 @@ updated under one lock so that ``set_cgroup`` and ``forget_cgroup`` never interl
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from oomguard.control.quietserve import QuietServing
+from oomguard.model.atomicfile import write_atomically
 
 OUTCOME_DONE = "done"
 OUTCOME_FAILED = "failed"
@@ -313,16 +312,7 @@ class TextfileWriter:
         Raises OSError (e.g. the directory is missing); no temporary file is left behind.
         """
         data = metrics.render()
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{self.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), TEXTFILE_MODE)
-                f.write(data)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomically(self.path, data, TEXTFILE_MODE, sync=False)
         return self.path
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from oomguard.model.errors import StoreError
 from oomguard.policy.budget import BudgetReading, Limit, resolve
 from oomguard.policy.retention import Prune, Stored, choose_prunes
-from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
+from oomguard.store.checkpoints import Store
+from oomguard.store.names import PARTIAL_PREFIX
 
 
 class BudgetExceeded(StoreError):

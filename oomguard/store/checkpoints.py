@@ -19,6 +19,7 @@ from pathlib import Path
 
 from oomguard.act.hookgate import remove_gates
 from oomguard.config.schema import DEFAULT_STORE
+from oomguard.model.atomicfile import fsync_dir, write_atomically
 from oomguard.model.checkpointmeta import (  # re-exported: what the store holds
     ID_RE,
     STATE_CHECKPOINTED,
@@ -29,11 +30,11 @@ from oomguard.model.checkpointmeta import (  # re-exported: what the store holds
     new_id,
     validate_id,
 )
-from oomguard.model.errors import StoreError
-from oomguard.store.commit import fsync_dir, image_checksums, swap_compressed
+from oomguard.model.checksums import SUMS_FILES
+from oomguard.model.errors import RestoreInProgress, StoreError
+from oomguard.store.commit import image_checksums, swap_compressed
 from oomguard.store.digest import Digests
 from oomguard.store.integrity import (
-    SUMS_FILES,
     find_sums,
     format_sums,
     preferred_algorithm,
@@ -41,35 +42,18 @@ from oomguard.store.integrity import (
     sums_name,
     verify,
 )
+from oomguard.store.names import LAST_FAILED_LOG, PARTIAL_PREFIX
 
-__all__ = ["COMPRESSED", "DEFAULT_STORE", "DUMP_SUCCESS", "ID_RE", "IMAGES", "LAST_FAILED_LOG",
-           "META", "META_MAX", "PARTIAL_PREFIX", "STATE_CHECKPOINTED", "STATE_DUMPING",
+__all__ = ["COMPRESSED", "DEFAULT_STORE", "DUMP_SUCCESS", "ID_RE", "IMAGES",
+           "META", "META_MAX", "STATE_CHECKPOINTED", "STATE_DUMPING",
            "STATE_INCOMPLETE", "STATE_RESTORED", "CheckpointMeta", "Store", "StoreScan",
            "dir_size", "new_id", "validate_id"]
 
 META = "meta.json"
 IMAGES = "images"
-PARTIAL_PREFIX = ".partial-"
 DUMP_SUCCESS = "Dumping finished successfully"  # CRIU's last log line of a complete dump
-LAST_FAILED_LOG = ".last-failed-dump.log"
 COMPRESSED = "compressed"  # meta.extra: pages files stored compressed, name -> raw bytes
 META_MAX = 16 << 20  # a meta.json is a few KiB; anything this big is not ours
-
-
-def _write_durably(path: Path, text: str) -> None:
-    """Write-new-then-rename; the new file is made with O_EXCL and never through a symlink."""
-    tmp = path.with_name(path.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()  # a leftover (or a planted symlink): removed, never followed
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.replace(path)
-    fsync_dir(path.parent)
 
 
 def _reason(exc: BaseException) -> str:
@@ -127,7 +111,7 @@ class Store:
             lock_fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)  # inheritable on purpose
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             meta.state = STATE_DUMPING
-            _write_durably(partial / META, meta.to_json())
+            write_atomically(partial / META, meta.to_json())
         except OSError as exc:
             raise StoreError(f"cannot create checkpoint in {self.root}: {exc.strerror}") from exc
         return partial / IMAGES, lock_fd
@@ -149,8 +133,8 @@ class Store:
         for other in set(SUMS_FILES.values()) - {name}:  # a failed commit's, by another version
             with contextlib.suppress(FileNotFoundError):
                 (partial / other).unlink()
-        _write_durably(partial / name, format_sums(sums))
-        _write_durably(partial / META, meta.to_json())
+        write_atomically(partial / name, format_sums(sums))
+        write_atomically(partial / META, meta.to_json())
         final = self.path_of(meta.id)
         partial.rename(final)
         fsync_dir(self.root)
@@ -213,7 +197,7 @@ class Store:
         log = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id)) / IMAGES / "dump.log"
         with contextlib.suppress(OSError):
             if log.is_file() and not log.is_symlink():
-                _write_durably(self.root / LAST_FAILED_LOG, log.read_text(errors="replace"))
+                write_atomically(self.root / LAST_FAILED_LOG, log.read_text(errors="replace"))
 
     def abort(self, checkpoint_id: str) -> None:
         partial = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id))
@@ -359,7 +343,7 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise StoreError(f"checkpoint {checkpoint_id} is being restored right now "
+                raise RestoreInProgress(f"checkpoint {checkpoint_id} is being restored right now "
                                  "(by the daemon or another oomguard, or its pages are still "
                                  "streaming in after a lazy restore)") from None
             yield fd
@@ -369,10 +353,10 @@ class Store:
     def write_private(self, path: Path, text: str) -> None:
         """A file of oomguard's own inside a checkpoint directory: made anew (O_EXCL, never
         through a symlink), durable."""
-        _write_durably(path, text)
+        write_atomically(path, text)
 
     def update(self, meta: CheckpointMeta) -> None:
-        _write_durably(self.path_of(meta.id) / META, meta.to_json())
+        write_atomically(self.path_of(meta.id) / META, meta.to_json())
 
     def forget(self, checkpoint_id: str) -> None:
         """Delete a checkpoint; a symlink or malformed entry is refused, never followed, and so

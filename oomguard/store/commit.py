@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from oomguard.model.atomicfile import fsync_dir
 from oomguard.store.compression import SUFFIX, compressed_pages, raw_name
 from oomguard.store.digest import Digests
 from oomguard.store.integrity import digest_file, image_files
@@ -18,15 +19,6 @@ def _sync_and_drop(path: Path) -> None:
     try:
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """A directory's entries durable (a rename or a new file in it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -30,7 +30,14 @@ from pathlib import Path
 from oomguard.act.criu_hook import DIGEST_GATE_ENV
 from oomguard.act.hookgate import Gate
 from oomguard.store.compression import SUFFIX
-from oomguard.store.integrity import READ_BLOCK, Hasher, digest_file, hasher_factory, image_files
+from oomguard.store.integrity import (
+    READ_BLOCK,
+    Hasher,
+    digest_file,
+    hash_block,
+    hasher_factory,
+    image_files,
+)
 
 # Files hashed as they grow: CRIU appends to them and never goes back (criu/page-xfer.c).
 GROWING = re.compile(r"^pages-\d+\.img$")
@@ -221,12 +228,7 @@ class ImageDigester:
 
     def _hash_to(self, state: _Open, size: int) -> None:
         view = memoryview(self._buffer)
-        while state.offset < size:
-            count = os.preadv(state.fd, [view[:min(READ_BLOCK, size - state.offset)]],
-                              state.offset)
-            if count == 0:
-                break
-            state.hasher.update(view[:count])
+        while count := hash_block(state.fd, state.hasher, view, state.offset, size):
             state.offset += count
 
     def _close_all(self) -> None:

@@ -28,14 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from oomguard.model.checksums import CHECKSUMS, DIGEST_HEX, SHA256, SUMS_FILES, XXH3
 from oomguard.model.errors import StoreError
 
-CHECKSUMS = "SHA256SUMS"  # the older checkpoints' file (and sha256's)
-XXH3 = "xxh3"
-SHA256 = "sha256"
-ALGORITHMS = (XXH3, SHA256)
-SUMS_FILES = {XXH3: "XXH128SUMS", SHA256: CHECKSUMS}  # verify looks in this order
-DIGEST_HEX = {XXH3: 32, SHA256: 64}  # hex digits of a digest
 READ_BLOCK = 4 << 20  # bytes per read: large enough to stream at disk speed
 # Reading from disk, the next PREFETCH bytes are asked for ahead (POSIX_FADV_WILLNEED, in
 # PREFETCH_STEP pieces): several reads in flight. On the development VM's virtio disk a cold
@@ -97,6 +92,19 @@ def algorithm_of(sums_file: Path) -> str:
         if sums_file.name == name:
             return algorithm
     return SHA256  # any other name: the original format
+
+
+def hash_block(fd: int, hasher: Hasher, view: memoryview, offset: int, size: int,
+               flags: int = 0) -> int:
+    """Hash a file's next block: what `view` holds (READ_BLOCK at most) from `offset`, not
+    past `size`, read with preadv(2) and `flags` (RWF_NOWAIT: only what the page cache has,
+    BlockingIOError otherwise). Returns the bytes hashed: 0 at the end (or past `size`)."""
+    want = min(len(view), READ_BLOCK, size - offset)
+    if want <= 0:
+        return 0
+    count = os.preadv(fd, [view[:want]], offset, flags)
+    hasher.update(view[:count])
+    return count
 
 
 def digest_file(path: Path, algorithm: str = SHA256, *, drop_cache: bool = True,

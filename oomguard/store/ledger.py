@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomguard.model.atomicfile import write_atomically
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.procfs import ProcReader
 
@@ -36,18 +37,30 @@ class FrozenEntry:
     waits_for_start: int = 0
 
 
-def _write_json_durably(path: Path, data: object) -> None:
-    """Atomic (rename) but not fsync'd: what it guards against is a dead daemon, and the next
-    one reads the page cache; a machine that goes down takes the stopped processes with it.
-    No fsync keeps it off the path between a threshold crossing and SIGSTOP."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps(data).encode())
-    finally:
-        os.close(fd)
-    tmp.replace(path)
+class JsonRecord:
+    """The file of a crash record kept whole (the saved limits, the lifts, the OOM shield; the
+    frozen ledger is written in place instead, see FrozenLedger._update): read as JSON (None
+    from a missing, unreadable or malformed file: nothing recorded), written whole with
+    write_atomically (a reader sees the old record or the new one), `sync` and `mode` as its
+    owner needs them. Each owner checks the shape of what it reads and keeps its own lock."""
+
+    def __init__(self, path: Path, *, sync: bool, mode: int = 0o600) -> None:
+        self.path = path
+        self.sync = sync
+        self.mode = mode
+
+    def read(self) -> object:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError, RecursionError):
+            return None
+
+    def write(self, data: object) -> None:
+        write_atomically(self.path, json.dumps(data), self.mode, sync=self.sync)
+
+    def remove(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
 
 
 def _read_all(fd: int) -> bytes:
@@ -194,6 +207,17 @@ class FrozenLedger:
         named = {(e.pid, e.starttime) for e in self._load() if not e.cgroup}
         return [pid for pid in pids if (pid, self.proc.starttime(pid)) in named]
 
+    def left_over(self, pids: list[int]) -> list[int]:
+        """Those of `pids` the ledger names (as the same process) for an oomguard process that
+        is gone: what the last run's standby, or a dead daemon, stopped and left to the next
+        daemon to continue."""
+        if not pids:
+            return []
+        wanted = set(pids)
+        left = {(e.pid, e.starttime) for e in self._load()
+                if not e.cgroup and e.pid in wanted and not self._owner_alive(e)}
+        return [pid for pid in pids if (pid, self.proc.starttime(pid)) in left]
+
     def recover(self, hold_back: Callable[[int], bool] | None = None) -> list[str]:
         """Thaw what dead oomguard processes left stopped: each recorded cgroup, and each task
         that still exists as the same process and is not being dumped right now, nor held back
@@ -259,20 +283,21 @@ class SavedLimits:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Not fsync'd: what it guards against is a dead daemon, and the next one reads the page
+        # cache. No fsync keeps it off the path between a threshold crossing and SIGSTOP.
+        self.record = JsonRecord(path, sync=False)
         self._lock = threading.Lock()  # guards are armed from several threads at once
 
     def _load(self) -> dict[str, int | None]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
+        data = self.record.read()
         if not isinstance(data, dict):
             return {}
         return {str(k): v for k, v in data.items()
                 if v is None or (isinstance(v, int) and not isinstance(v, bool))}
 
     def _save(self, data: dict[str, int | None]) -> None:
-        _write_json_durably(self.path, data)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.record.write(data)
 
     def remember(self, key: str, current: int | None) -> int | None:
         """The original value for `key`: the saved one if oomguard already replaced it."""

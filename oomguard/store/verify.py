@@ -36,6 +36,7 @@ from oomguard.store.integrity import (
     Hasher,
     damaged,
     digest_file,
+    hash_block,
     hasher_factory,
     image_files,
     listing_problems,
@@ -176,10 +177,9 @@ class RestoreVerifier:
                         os.posix_fadvise(item.fd, item.advised, AHEAD_STEP,
                                          os.POSIX_FADV_WILLNEED)
                         item.advised += AHEAD_STEP
-                    want = min(READ_BLOCK, item.size - item.offset)
                     try:
-                        count = os.preadv(item.fd, [view[:want]], item.offset,
-                                          item.flags) if want else 0
+                        count = hash_block(item.fd, item.hasher, view, item.offset, item.size,
+                                           item.flags)
                     except BlockingIOError:  # not in the page cache (yet)
                         continue
                     except OSError as exc:
@@ -188,7 +188,6 @@ class RestoreVerifier:
                         item.flags = 0  # tmpfs and the like: no RWF_NOWAIT, all in memory
                         continue
                     if count:
-                        item.hasher.update(view[:count])
                         item.offset += count
                         self._pages_bytes += count
                         moved = True
@@ -217,9 +216,7 @@ class RestoreVerifier:
         return sorted(problems)
 
     def _read_outright(self, item: _Following, view: memoryview) -> None:
-        count = os.preadv(item.fd, [view[:min(READ_BLOCK, item.size - item.offset)]],
-                          item.offset)
-        item.hasher.update(view[:count])
+        count = hash_block(item.fd, item.hasher, view, item.offset, item.size)
         item.offset += count
         self._pages_bytes += count
         if not count:

@@ -34,6 +34,7 @@ import socket
 import sys
 import termios
 
+from oomguard.model.wakepipe import WakePipe
 from oomguard.terminal.holder import Holder, detach_stdio, parse_options, serve
 from oomguard.terminal.jobprocs import descendants, ns_pid
 
@@ -65,13 +66,12 @@ class Reaper:
         self.status: int | None = None
         self.signal: int | None = None
         self.children = True
-        self.rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        os.set_blocking(wfd, False)
+        self.wakeups = WakePipe()  # SIGCHLD's
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        signal.set_wakeup_fd(self.wakeups.write_fd, warn_on_full_buffer=False)
 
     def wake_fd(self) -> int:
-        return self.rfd
+        return self.wakeups.fileno()
 
     def job_pgrp(self) -> int | None:
         return self.pgrp if self.children else None
@@ -89,9 +89,8 @@ class Reaper:
             os.killpg(pgrp, signal.SIGCONT)
 
     def reap(self, holder: Holder) -> None:
-        with contextlib.suppress(OSError):
-            while os.read(self.rfd, 512):
-                pass
+        while self.wakeups.drain():
+            pass
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED | os.WCONTINUED)

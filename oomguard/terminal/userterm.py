@@ -14,6 +14,8 @@ import termios
 import tty
 from collections.abc import Iterator
 
+from oomguard.model.wakepipe import WakePipe
+
 
 def window_size(fd: int) -> tuple[int, int] | None:
     try:
@@ -42,19 +44,16 @@ def raw_terminal(fd: int | None) -> Iterator[None]:
 @contextlib.contextmanager
 def signal_wakeups(signals: tuple[int, ...]) -> Iterator[int]:
     """A fd that gets one byte (the signal number) per signal caught while inside."""
-    rfd, wfd = os.pipe()
-    os.set_blocking(rfd, False)
-    os.set_blocking(wfd, False)
+    wakeups = WakePipe()
     old = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
-    old_fd = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    old_fd = signal.set_wakeup_fd(wakeups.write_fd, warn_on_full_buffer=False)
     try:
-        yield rfd
+        yield wakeups.fileno()
     finally:
         signal.set_wakeup_fd(old_fd)
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        os.close(rfd)
-        os.close(wfd)
+        wakeups.close()
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -22,6 +22,7 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.store.checkpoints import Store
 from oomguard.store.ledger import FrozenLedger
+from oomguard.store.names import FROZEN_LEDGER
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
@@ -30,6 +31,7 @@ from tests.helpers import (
     kill_pid,
     last_count,
     proc_state,
+    read_counts,
     run_oomguard,
     start_in_cgroup,
     wait_until,
@@ -134,7 +136,7 @@ def test_two_growers_one_writing_lose_nothing_while_one_is_dumped(
         assert len(guard.events("checkpoint.done")) == 1
         _losses(jobs, guard.events())
         assert cg.limit() == LIMIT
-        assert json.loads((store / ".frozen.json").read_text() or "[]") == []
+        assert json.loads((store / FROZEN_LEDGER).read_text() or "[]") == []
     finally:
         guard.stop()
         jobs.kill()
@@ -175,8 +177,8 @@ def test_a_daemon_killed_while_it_holds_a_writer_loses_no_job(
         checkpoints = [m for m in Store(store).list() if m.pid == jobs.v.pid]
         assert len(checkpoints) == 1 and checkpoints[0].state == "checkpointed", events
         assert wait_until(lambda: cg.limit() == LIMIT, 30), "the lifted limit stayed lifted"
-        assert wait_until(lambda: not FrozenLedger(store / ".frozen.json").pending()
-                          and json.loads((store / ".frozen.json").read_text() or "[]") == [],
+        assert wait_until(lambda: not FrozenLedger(store / FROZEN_LEDGER).pending()
+                          and json.loads((store / FROZEN_LEDGER).read_text() or "[]") == [],
                           30)
     finally:
         if second is not None:
@@ -242,6 +244,73 @@ def test_jobs_that_cross_while_no_daemon_runs_wait_for_the_next_one(
             if proc is not None:
                 kill_pid(proc.pid)
     _restore_and_finish(store, done["id"], cgroups, v_log)
+
+
+def test_a_job_the_standby_held_runs_on_when_the_next_daemon_cannot_dump_it(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Found by the soak drill: a job crossed while no daemon ran and its standby stopped it;
+    the next daemon's checkpoint was refused (the store over its budget), and the job stayed
+    stopped, its ledger entry gone with the refused action's, so the next checkpoint took the
+    stop for its user's, and the restored job came back stopped, for good. Now the refused
+    action ends with the job continued (victim.thawed_after_crash); given room (a reload with
+    a budget), its checkpoint holds no task the user stopped, and the restored job finishes."""
+    cg = _v1(cgroups.make("mateshold", LIMIT))
+    config = tmp_path / "oomguard.toml"
+
+    def budget(cap: str) -> None:
+        config.write_text(f'[daemon]\nstore_max_size = "{cap}"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n')
+
+    budget("90%")
+    first = DaemonProcess(store, tmp_path / "first.log", "--config", str(config))
+    second: DaemonProcess | None = None
+    v_log = tmp_path / "v.log"
+    v = None
+    try:
+        first.wait_event("guard.ready")
+        v = start_in_cgroup(cg, hog_argv(v_log, target=240, rate=40, count=100_000, tick=0.01),
+                            log=tmp_path / "v.err", cwd=tmp_path)
+        assert wait_until(lambda: last_count(v_log) >= 10, 30)
+        assert not first.events("threshold.crossed")
+        first.handle.send_signal(signal.SIGKILL)
+        first.handle.wait()
+        held = first.wait_event("standby.held", timeout=60)[0]
+        assert held["pids"] == [v.pid]
+        assert wait_until(lambda: proc_state(v.pid) == "T", 10), proc_state(v.pid)
+        budget("1M")  # the next daemon's store has no room for it
+        second = DaemonProcess(store, tmp_path / "second.log", "--config", str(config),
+                               socket=first.socket)
+        refused = second.wait_event("checkpoint.refused", timeout=60)[0]
+        assert refused["pid"] == v.pid, refused
+        thawed = second.wait_event("victim.thawed_after_crash", timeout=30)[0]
+        assert thawed["thawed"] == [str(v.pid)], thawed
+        counted = last_count(v_log)
+        assert wait_until(lambda: last_count(v_log) > counted + 20, 30), proc_state(v.pid)
+        budget("90%")
+        second.handle.send_signal(signal.SIGHUP)
+        done = second.wait_event("checkpoint.done", timeout=60)[0]
+        assert done["pid"] == v.pid
+        meta = Store(store).get(done["id"])
+        assert meta.stopped_nspids == [], meta.stopped_nspids  # no stop of its user's
+        assert v.wait(timeout=30) == -signal.SIGKILL
+        assert cg.snapshot().oom_kills == 0
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+        if v is not None:
+            kill_pid(v.pid)
+    # Restored, it runs (it came back stopped for good before): it counts on from there.
+    big = cgroups.make("matesheldbig", 768 * MiB)
+    before = last_count(v_log)
+    result = run_oomguard(store, "restore", done["id"], "--cgroup", str(big.path))
+    assert result.returncode == 0, result.stderr
+    pid = int(result.stdout.strip())
+    try:
+        assert wait_until(lambda: last_count(v_log) > before + 20, 30), proc_state(pid)
+        counts = read_counts(v_log)
+        assert counts == list(range(1, counts[-1] + 1))
+    finally:
+        kill_pid(pid)
 
 
 class Tmux:

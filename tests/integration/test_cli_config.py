@@ -51,7 +51,7 @@ def test_the_cli_reaches_the_daemon_and_store_of_its_config(
     sock = short_socket_path()
     config = _write_config(tmp_path / "oomguard.toml", store, sock)
     daemon = DaemonProcess(store, tmp_path / "daemon.log", socket=sock, config=config,
-                           env=_environ())
+                           env=_environ(), log_level="debug")
     flag = ["--config", str(config)] if how == "flag" else []
     env = _environ(OOMGUARD_CONFIG=str(config)) if how == "env" else _environ()
     cg = cgroups.make("cliconf", None)
@@ -171,7 +171,7 @@ def test_a_user_reads_a_readable_config_and_falls_back_quietly_from_a_root_only_
     readable = _write_config(etc / "oomguard.toml", store, sock)
     readable.chmod(0o644)
     daemon = DaemonProcess(store, tmp_path / "daemon.log", socket=sock, config=readable,
-                           env=_environ())
+                           env=_environ(), log_level="debug")
     request.addfinalizer(daemon.stop)
     daemon.wait_event("guard.started")
     status = run_cli("status", "--json", env=_environ(OOMGUARD_CONFIG=str(readable)),

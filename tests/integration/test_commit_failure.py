@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.act.criu import find_criu
-from oomguard.store.checkpoints import PARTIAL_PREFIX, Store
+from oomguard.store.checkpoints import Store
+from oomguard.store.names import PARTIAL_PREFIX
 from tests.helpers import (
     CgroupFactory,
     hog_argv,

@@ -50,6 +50,16 @@ oomguard restore "$(first 'c["id"]')" >/dev/null 2>&1; echo "restore_rc=$?"
 new=$(first 'c["restored_pid"]')
 echo "restored=$(first 'c["state"]') $(kill -0 "$new" 2>/dev/null && echo alive || echo gone)"
 echo "restored_cgroup=$(cut -d: -f3 /proc/$new/cgroup)"
+echo "restored_unit=$(systemctl is-active "$(basename "$(cut -d: -f3 /proc/$new/cgroup)")")"
+# The unit's sandbox: the daemon in a mount namespace of its own, /usr read-only there; CRIU
+# restored the job into the host's, unconfined (no seccomp, no no_new_privs, every capability).
+ns() { readlink "/proc/$1/ns/mnt"; }
+echo "daemon_ns=$([ "$(ns "$pid")" != "$(ns 1)" ] && echo own || echo host)"
+nsenter -t "$pid" -m touch /usr/lane-probe 2>/dev/null && echo "daemon_usr=rw" || echo "daemon_usr=ro"
+echo "restored_ns=$([ "$(ns "$new")" = "$(ns 1)" ] && echo host || echo other)"
+field() { sed -n "s/^$2:[[:space:]]*//p" "/proc/$1/status"; }
+bounding=$([ "$(field "$new" CapBnd)" = "$(field 1 CapBnd)" ] && echo full || echo less)
+echo "restored_confinement=$(field "$new" NoNewPrivs) $(field "$new" Seccomp) $bounding"
 man -w oomguard >/dev/null 2>&1 || test -e /usr/share/man/man8/oomguard.8.gz && echo "man=yes"
 touch /var/lib/oomguard/.made-before-purge
 apt-get purge -y -q oomguard >/dev/null 2>&1 || exit 13
@@ -95,14 +105,21 @@ def test_systemd_host_runs_the_packaged_service(capsys: pytest.CaptureFixture[st
     assert got.get("daemon_cgroup") == "/system.slice/oomguard.service"
     assert "daemon: running" in result.stdout
     assert "no [[guard]] rules" in result.stdout
-    # The packaged daemon checkpoints a service's process and restores it. Where the restored
-    # process lands (restored_cgroup) is not asserted yet: issue 27 item 4.
+    # The packaged daemon checkpoints a service's process and restores it: into a new scope
+    # of its own in the service's slice, which systemd knows about (the service is gone).
     assert got.get("job_cgroup") == "/system.slice/lane-job.service", output[-3000:]
     assert got.get("checkpoint_rc") == "0", output[-3000:]
     assert got.get("job_after_checkpoint") == "gone"
     assert got.get("checkpoint") == "checkpointed /system.slice/lane-job.service"
     assert got.get("restore_rc") == "0", output[-3000:]
     assert got.get("restored") == "restored alive", output[-3000:]
+    assert re.fullmatch(r"/system\.slice/oomguard-restore-[\w-]+\.scope",
+                        got.get("restored_cgroup", "")), output[-3000:]
+    assert got.get("restored_unit") == "active", output[-3000:]
+    # Hardened (ProtectSystem=full), yet CRIU restored into the host's namespace, unconfined.
+    assert got.get("daemon_ns") == "own" and got.get("daemon_usr") == "ro", got
+    assert got.get("restored_ns") == "host", got
+    assert got.get("restored_confinement") == "0 0 full", got
     # Purge: the units, their enablement and the config go; the store stays; nothing runs.
     assert got.get("purge_unit") == "gone"
     assert got.get("purge_link") == "gone"

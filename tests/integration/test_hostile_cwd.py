@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.names import STANDBY_RECORD
 from tests.helpers import (
     CgroupFactory,
     MiB,
@@ -101,7 +102,7 @@ def test_no_verb_the_daemon_or_a_restore_imports_from_the_current_directory(
                              stdin=subprocess.DEVNULL)
     try:
         assert wait_until(lambda: "guard.ready" in log.read_text(), 60), log.read_text()
-        assert wait_until(lambda: (store / ".standby.json").exists(), 30)
+        assert wait_until(lambda: (store / STANDBY_RECORD).exists(), 30)
         # A crossing: the daemon's checkpoint (CRIU runs its action script).
         crossing = tmp_path / "crossing.log"
         hog = start_in_cgroup(guarded, hog_argv(crossing, target=400, rate=300, count=100_000))

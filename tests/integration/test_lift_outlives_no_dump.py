@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.lifts import LIFTS_LEDGER
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.model.errors import CgroupGone
+from oomguard.store.names import LIFTS_LEDGER
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,

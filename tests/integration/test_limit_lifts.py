@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.lifts import LIFTS_LEDGER
 from oomguard.control.client import ControlClient
+from oomguard.store.names import LIFTS_LEDGER
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,

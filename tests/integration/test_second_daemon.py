@@ -18,6 +18,7 @@ import pytest
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.daemon.locks import LOCK_DIR
+from oomguard.store.names import STANDBY_RECORD, STORE_LOCK
 from tests.helpers import (
     EMULATION_FACTOR,
     REPO,
@@ -65,7 +66,7 @@ def _second(store: Path, socket: Path, cgroup: str) -> tuple[subprocess.Complete
 
 
 def _standby_alive(store: Path) -> int:
-    record = json.loads((store / ".standby.json").read_text())
+    record = json.loads((store / STANDBY_RECORD).read_text())
     os.kill(int(record["pid"]), 0)  # raises if it was killed
     return int(record["pid"])
 
@@ -137,8 +138,8 @@ def test_the_locks_go_with_the_daemon(cgroups: CgroupFactory, store: Path,
         held = [p for p in LOCK_DIR.glob("cgroup-*.lock")
                 if p.read_text().split()[0] == str(second.handle.pid)]
         assert len(held) == 1 and str(cg.path) in held[0].read_text()
-        assert (store / ".daemon.lock").read_text().split()[0] == str(second.handle.pid)
-    assert not held[0].exists() and not (store / ".daemon.lock").exists()
+        assert (store / STORE_LOCK).read_text().split()[0] == str(second.handle.pid)
+    assert not held[0].exists() and not (store / STORE_LOCK).exists()
 
 
 def test_a_reload_that_would_take_another_daemons_cgroup_is_rejected(

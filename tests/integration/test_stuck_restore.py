@@ -75,3 +75,47 @@ def test_an_auto_restore_that_always_fails_ends_stuck(cgroups: CgroupFactory, st
         assert tried.returncode == 1 and "size" in tried.stderr, tried.stderr
         assert len(guard.events("restore.failed")) == ATTEMPTS + 1
         assert guard.events("restore.failed")[-1]["auto"] is False
+
+
+def test_auto_restores_that_lose_the_race_to_another_restore_never_make_it_stuck(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Another restorer (here: the test, holding the checkpoint's restore lock as a person's
+    `oomguard restore` or a lazy restore's keeper does) has the checkpoint for longer than
+    restore_attempts retries: each auto-restore says restore.raced, none counts as a failure,
+    and once the lock is let go the daemon restores it."""
+    import fcntl
+    import os
+
+    cg = cgroups.make("raced", 512 * MiB)
+    log = tmp_path / "job.log"
+    config = tmp_path / "raced.toml"
+    config.write_text(f'[daemon]\nrescan_interval = "500ms"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n'
+                      f'auto_restore = true\nrestore_quiet = "1s"\nrestore_retry = "{RETRY:g}s"\n'
+                      f"restore_attempts = {ATTEMPTS}\n")
+    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+        guard.wait_event("guard.armed")
+        assert wait_until(guard.socket.exists, 10)
+        job = start_in_cgroup(cg, [sys.executable, "-c", COUNTING_JOB, str(log)])
+        assert wait_until(lambda: last_count(log) > 5, 20)
+        # The lock is taken before the checkpoint exists as such: its directory, once there.
+        done = cli(guard.socket, "checkpoint", str(job.pid))
+        assert done.returncode == 0, done.stderr
+        checkpoint_id = done.stdout.strip()
+        held = os.open(store / checkpoint_id, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            assert job.wait(timeout=10) == -signal.SIGKILL
+            guard.wait_event("restore.raced", count=ATTEMPTS + 1, timeout=60 + 3 * ATTEMPTS * RETRY)
+        finally:
+            os.close(held)
+        assert not guard.events("restore.failed") and not guard.events("restore.stuck")
+        [entry] = json.loads(cli(guard.socket, "list", "--json").stdout)
+        assert entry["restore_failures"] == 0 and not entry.get("stuck"), entry
+        [restored] = guard.wait_event("restore.done", timeout=60)
+        assert restored["id"] == checkpoint_id
+        restored_pid = int(restored["pid"])
+        try:
+            before = last_count(log)
+            assert wait_until(lambda: last_count(log) > before + 5, 20)
+        finally:
+            os.kill(restored_pid, signal.SIGKILL)

@@ -67,7 +67,8 @@ def test_notify_ready_status_watchdog_stopping_in_order(cgroups: CgroupFactory, 
                                 stdout=subprocess.DEVNULL, stderr=out)
     try:
         messages = [receiver.recv(4096).decode()]
-        assert messages[0].startswith("READY=1\nSTATUS=guarding 1 of 1 cgroup(s)")
+        assert messages[0].startswith("READY=1\nSTATUS=guarding 1 of 1 cgroup(s): "
+                                      f"{cg.path}; 0 checkpoint(s) waiting"), messages
         # The log says it too, after every guard's guard.armed: what a log reader waits for.
         assert wait_until(lambda: "guard.ready" in log.read_text(), 10)
         names = [e.get("event") for e in parse_events(log.read_text())]

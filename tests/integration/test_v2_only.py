@@ -12,8 +12,8 @@ import pytest
 
 from oomguard.cgroup.mounts import read_layout
 from oomguard.cgroup.v2 import V2MemoryCgroup
-from oomguard.lifecycle.checkpoint import FROZEN_LEDGER
 from oomguard.store.ledger import FrozenLedger
+from oomguard.store.names import FROZEN_LEDGER
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,

@@ -15,7 +15,7 @@ from oomguard.config.loading import GuardConfig
 from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.restore import RestoreResult
-from oomguard.model.errors import RestoreFailed
+from oomguard.model.errors import RestoreFailed, RestoreInProgress
 from tests.unit.test_restore_failures import meta_of, stored
 
 MiB = 1 << 20
@@ -46,12 +46,15 @@ class Restores:
 
     def __init__(self) -> None:
         self.asked: list[str] = []
-        self.fail = False
+        self.fail: bool | str = False
         self.done = threading.Event()
 
     def restore(self, checkpoint_id: str, **_: Any) -> RestoreResult:
         self.asked.append(checkpoint_id)
         self.done.set()
+        if self.fail == "raced":  # as Restorer.restore says it: its StoreError as the cause
+            cause = RestoreInProgress(f"checkpoint {checkpoint_id} is being restored right now")
+            raise RestoreFailed(str(cause)) from cause
         if self.fail:
             raise RestoreFailed("criu restore failed")
         return RestoreResult(meta=meta_of(checkpoint_id), pid=777, seconds=0.2)
@@ -115,3 +118,18 @@ def test_nothing_to_restore_without_a_restorer_or_a_checkpoint_of_that_cgroup(
     mine.quiet_since = 50.0
     AutoRestorer(store, None, Log()).consider(mine, snap(0))
     assert mine.quiet_since is None
+
+
+def test_a_race_lost_to_another_restore_is_no_failure_and_never_makes_it_stuck(
+        tmp_path: Path) -> None:
+    store = stored(tmp_path / "store")
+    guard = guard_for(store.get("job-1").cgroup)
+    restores, log = Restores(), Log()
+    restores.fail = "raced"
+    auto = AutoRestorer(store, restores, log, clock=lambda: 100.0)  # type: ignore[arg-type]
+    for _ in range(guard.spec.restore_attempts + 2):
+        auto.restore(guard, "job-1")
+    meta = store.get("job-1")
+    assert meta.restore_failures == 0 and not meta.stuck
+    assert [event for event, _ in log.lines] == ["restore.raced"] * (guard.spec.restore_attempts + 2)
+    assert auto._backoff["job-1"] == 100.0 + guard.spec.restore_retry  # looked at again later

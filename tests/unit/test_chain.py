@@ -145,6 +145,9 @@ class FakeLedger:
         if self.clear_error is not None:
             raise self.clear_error
 
+    def left_over(self, pids: list[int]) -> list[int]:  # nothing a dead run left here
+        return []
+
     @property
     def recorded(self) -> set[int]:
         return {pid for kind, pids in self.calls if kind == "record" for pid in pids}
@@ -531,7 +534,7 @@ def test_freeze_step_then_kill_kills_the_users_stopped_task_too(tmp_path: Path) 
     rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD], user_stopped=[CHILD]),
                    free=SHORT)
     killed: list[list[int]] = []
-    rig.runner.kill_tree = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
+    rig.runner.end_tree = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
     outcome = run(rig, chain("freeze", "checkpoint", "kill"), make_tree(ROOT, CHILD))
     assert outcome.result == "killed"
     assert killed == [[ROOT, CHILD]]
@@ -931,7 +934,7 @@ def test_a_freeze_continues_holding_the_tree_and_a_refused_checkpoint_continues(
     assert state.frozen == [ROOT, CHILD]
     assert [e for _l, e, _f in rig.log.records] == ["checkpoint.refused"]
     killed: list[list[int]] = []
-    rig.runner.kill_tree = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
+    rig.runner.end_tree = lambda pids, *rest: killed.append(pids)  # type: ignore[method-assign]
     ended = rig.runner.actions["kill"].run(parse_step("kill"), state)
     assert isinstance(ended, Settled) and ended.outcome.result == "killed"
     assert killed == [[ROOT, CHILD]] and state.frozen == []

@@ -136,6 +136,8 @@ def test_input_dict_not_mutated() -> None:
         ('[criu]\ntimeout = "forever"\n', "criu.timeout", "expected a duration"),
         ('[criu]\ntcp_close = 1\n', "criu.tcp_close", "expected true or false, got 1"),
         ('[criu]\nchecksum = "md5"\n', "criu.checksum", "expected one of 'xxh3', 'sha256'"),
+        ('[criu]\nmount_namespace = "proc/1/ns/mnt"\n', "criu.mount_namespace",
+         'expected "auto", "off" or an absolute path'),
         ('[criu]\nversion = "4.2"\n', "criu.version", "unknown key"),
         ("[[guard]]\nthreshold = \"85%\"\n", "guard[0].cgroups",
          "missing: which cgroups to guard (or system = true)"),

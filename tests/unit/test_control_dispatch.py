@@ -478,7 +478,10 @@ def server(socket_path: Path, service: Service,
         with lock:
             notes.append((event, fields))
 
-    srv = start_quick(ControlServer(socket_path, service, note=note))
+    def debug(event: str, **fields: Any) -> None:
+        note(event, **fields, level="debug")
+
+    srv = start_quick(ControlServer(socket_path, service, note=note, debug=debug))
     try:
         yield srv
     finally:
@@ -536,6 +539,9 @@ def test_socket_round_trip(server: ControlServer, socket_path: Path, service: Se
     calls = [f for event, f in notes if event == "control.call"]
     expected = ["List", *(["Show"] if visible else []), "Show", "Show", "Frobnicate", "List"]
     assert [c["method"] for c in calls] == expected
+    # Routine calls that succeed are logged at debug (issue 26 item 6); failed ones at info.
+    assert [c["method"] for c in calls if c.get("level") != "debug"] == \
+        ["Show", "Show", "Frobnicate"]
     assert all(c["uid"] == me and c["pid"] == os.getpid() for c in calls)
     assert [c["error"] for c in calls if c["method"] == "Frobnicate"] == [NO_METHOD]
 

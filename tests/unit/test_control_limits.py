@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from oomguard.control.limits import CallRate, ConnectionLimiter, LogThrottle
+from oomguard.control.limits import CallRate, CallSummary, ConnectionLimiter, LogThrottle
 from oomguard.control.protocol import ProtocolError, decode_call
 from oomguard.sense.procfs import ProcReader
 
@@ -61,6 +61,21 @@ def test_throttle_allows_a_burst_then_counts_what_it_suppressed() -> None:
     now[0] = 10.5
     assert throttle.allow("k") == (True, 2)
     assert throttle.allow("k") == (True, 0)
+
+
+def test_routine_calls_make_one_summary_a_window_with_every_call_counted() -> None:
+    now = [0.0]
+    summary = CallSummary(window=60.0, clock=lambda: now[0])
+    for second in range(600):  # ten calls a second for a minute, from two uids
+        now[0] = second / 10
+        assert summary.add(1000 if second % 3 else 0, "Status") is None
+    now[0] = 60.0
+    line = summary.add(1000, "List")
+    assert line is not None
+    assert line["total"] == 601 and line["window_s"] == 60.0
+    assert line["calls"] == {"0": {"Status": 200}, "1000": {"List": 1, "Status": 400}}
+    now[0] = 61.0
+    assert summary.add(1000, "List") is None  # the next window starts at the summary
 
 
 def test_deeply_nested_frame_is_a_protocol_error() -> None:

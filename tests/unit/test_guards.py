@@ -10,6 +10,7 @@ import pytest
 from oomguard.cgroup.watch import PSI, Replaced, threshold_marks
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.guards import CgroupGuard, SystemGuard, arm_system, psi_trigger_for
+from oomguard.store.names import SAVED_HIGH
 from tests.unit._support import MiB
 
 # -- threshold_marks -----------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Pa
         (v2 / name / "memory.high").write_text("200")
     (v1 / "gone" / "memory.oom_control").unlink()
     (v1 / "gone").rmdir()
-    saved = SavedLimits(tmp_path / ".memory-high.json")
+    saved = SavedLimits(tmp_path / SAVED_HIGH)
     for name in ("kept", "dropped", "gone"):
         saved.remember(str(v1 / name) + OOM_KILL_KEY, 0)
     saved.remember(str(v2 / "dropped"), None)

@@ -115,3 +115,82 @@ def test_not_under_journald_for_a_closed_fd(tmp_path: Path) -> None:
     st = os.fstat(fd)
     os.close(fd)
     assert not under_journald({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}, fd)
+
+
+def _parse_native(data: bytes) -> dict[str, str]:
+    """journald's native protocol, read back as journald reads it."""
+    fields: dict[str, str] = {}
+    while data:
+        line_end = data.index(b"\n")
+        head = data[:line_end]
+        if b"=" in head:
+            name, _, value = head.partition(b"=")
+            data = data[line_end + 1:]
+        else:  # NAME\n, 64-bit little-endian length, the value, \n
+            name = head
+            size = int.from_bytes(data[line_end + 1:line_end + 9], "little")
+            value = data[line_end + 9:line_end + 9 + size]
+            assert data[line_end + 9 + size:line_end + 10 + size] == b"\n"
+            data = data[line_end + 10 + size:]
+        assert name.decode().replace("_", "").isalnum() and name.isupper(), name
+        fields[name.decode()] = value.decode()
+    return fields
+
+
+def test_events_go_to_journald_as_a_human_message_and_fields(tmp_path: Path) -> None:
+    import socket as socketlib
+
+    from oomguard.observe.journal import JournalLoggerFactory, journal_renderer
+
+    path = tmp_path / "socket"
+    server = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    server.bind(str(path))
+    server.settimeout(5)
+    fallback = io.StringIO()
+    log = structlog.wrap_logger(
+        JournalLoggerFactory(path, fallback)(),
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"), journal_renderer])
+    log.warning("checkpoint.done", pid=4242, uid=1000, id="20261203-1-4242",
+                cgroup="/user.slice/user-1000.slice", freed=300 << 20,
+                error="CRIU said:\nline two", ok=True, extra={"a": 1},
+                explanation="the job is on disk")
+    fields = _parse_native(server.recv(1 << 16))
+    server.close()
+    assert fallback.getvalue() == ""
+    message = fields["MESSAGE"]
+    assert "\n" not in message and "{" not in message, message
+    assert message.startswith("checkpoint.done: cgroup=/user.slice/user-1000.slice "
+                              "id=20261203-1-4242 pid=4242"), message
+    assert "freed=300.0MiB" in message and "extra=a:1" in message
+    assert message.endswith("(the job is on disk)"), message
+    assert fields["PRIORITY"] == "4" and fields["SYSLOG_IDENTIFIER"] == "oomguard"
+    assert fields["OOMGUARD_EVENT"] == "checkpoint.done"
+    assert fields["CHECKPOINT_ID"] == "20261203-1-4242"
+    assert (fields["OOMGUARD_PID"], fields["OOMGUARD_UID"]) == ("4242", "1000")
+    assert fields["OOMGUARD_CGROUP"] == "/user.slice/user-1000.slice"
+    assert fields["OOMGUARD_FREED"] == str(300 << 20)
+    assert fields["OOMGUARD_ERROR"] == "CRIU said:\nline two"  # sent with its length
+    assert (fields["OOMGUARD_OK"], fields["OOMGUARD_EXTRA"]) == ("true", '{"a": 1}')
+    assert "OOMGUARD_TIMESTAMP" not in fields and "OOMGUARD_LEVEL" not in fields
+
+
+def test_without_journald_socket_the_line_goes_to_the_stream(tmp_path: Path) -> None:
+    from oomguard.observe.journal import JournalLoggerFactory, journal_renderer
+
+    fallback = io.StringIO()
+    log = structlog.wrap_logger(
+        JournalLoggerFactory(tmp_path / "absent", fallback)(),
+        processors=[structlog.processors.add_log_level, journal_renderer])
+    log.info("guard.armed", cgroup="/a")
+    prio, body = _split(fallback.getvalue().strip())
+    assert prio == 6 and body["event"] == "guard.armed" and body["cgroup"] == "/a"
+
+
+@pytest.mark.parametrize(("key", "name"), [("id", "CHECKPOINT_ID"),
+                                           ("usage-after", "OOMGUARD_USAGE_AFTER"),
+                                           ("job.pid", "OOMGUARD_JOB_PID")])
+def test_field_names_are_journal_names(key: str, name: str) -> None:
+    from oomguard.observe.journal import field_name
+
+    assert field_name(key) == name

@@ -13,6 +13,7 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.keeper import PRUNE_INTERVAL, StoreKeeper
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
+from oomguard.store.names import FROZEN_LEDGER
 
 
 class RecordingLog:
@@ -47,7 +48,7 @@ def keeper(tmp_path: Path, **config: Any) -> tuple[StoreKeeper, Store, Recording
     store = Store(tmp_path / "store")
     store.ensure()
     log, clock = RecordingLog(), FakeClock()
-    ledger = FrozenLedger(tmp_path / "store" / ".frozen.json")
+    ledger = FrozenLedger(tmp_path / "store" / FROZEN_LEDGER)
     settings = dataclasses.replace(DaemonConfig(source="test"), store=str(store.root),
                                    **config)
     return StoreKeeper(store, ledger, settings, log, clock=clock,
@@ -138,7 +139,7 @@ def test_a_task_another_oomguard_still_holds_is_continued_as_soon_as_it_is_gone(
     job = subprocess.Popen(["sleep", "60"])
     standby = subprocess.Popen(["sleep", "60"])
     try:
-        FrozenLedger(store.root / ".frozen.json", owner=standby.pid).record([job.pid])
+        FrozenLedger(store.root / FROZEN_LEDGER, owner=standby.pid).record([job.pid])
         os.kill(job.pid, signal.SIGSTOP)
         # A task just started reads R until the stop takes (on a busy machine, a while).
         assert wait_until(lambda: task_state(job.pid) == "T", 5.0)

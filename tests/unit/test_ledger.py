@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -17,7 +18,7 @@ import pytest
 
 import oomguard.store.ledger as ledger_module
 from oomguard.sense.procfs import ProcReader
-from oomguard.store.ledger import FrozenEntry, FrozenLedger, SavedLimits
+from oomguard.store.ledger import FrozenEntry, FrozenLedger, JsonRecord, SavedLimits
 from tests.unit._support import FakeProc, fake_proc_tree
 
 
@@ -393,3 +394,21 @@ def test_entries_of_another_live_oomguard_are_held_elsewhere(tmp_path: Path) -> 
             other.wait()
     daemon.record([os.getpid()])  # the daemon's own: neither
     assert not daemon.held_elsewhere() and not daemon.pending()
+
+
+def test_a_json_record_reads_nothing_from_a_missing_or_bad_file_and_writes_whole(
+        tmp_path: Path) -> None:
+    """store.ledger.JsonRecord: the file of the saved limits, the lifts and the OOM shield."""
+    path = tmp_path / "record.json"
+    record = JsonRecord(path, sync=False, mode=0o644)
+    assert record.read() is None  # missing
+    for bad in (b"{", b"\xff", b"[" * 100_000):  # malformed, not text, nested past the recursion
+        path.write_bytes(bad)
+        assert record.read() is None
+    record.write({"a": [1, None]})
+    assert record.read() == {"a": [1, None]}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["record.json"]
+    record.remove()
+    record.remove()  # gone already: no error
+    assert not path.exists()

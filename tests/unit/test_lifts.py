@@ -12,6 +12,7 @@ import pytest
 
 from oomguard.act.lifts import LimitLifts
 from oomguard.cgroup.base import LimitBusy
+from oomguard.store.names import LIFTS_LEDGER
 
 MiB = 1 << 20
 
@@ -44,7 +45,7 @@ class FakeCgroup:
 
 @pytest.fixture
 def lifts(tmp_path: Path) -> LimitLifts:
-    return LimitLifts(tmp_path / "store" / ".lifted.json")
+    return LimitLifts(tmp_path / "store" / LIFTS_LEDGER)
 
 
 def test_lift_is_recorded_before_and_put_back_after(lifts: LimitLifts, tmp_path: Path) -> None:
@@ -89,7 +90,7 @@ def test_a_limit_that_cannot_be_put_back_stays_pending_until_it_can(
 
 
 def test_a_dead_holders_lift_is_put_back_by_the_next_process(tmp_path: Path) -> None:
-    ledger = tmp_path / ".lifted.json"
+    ledger = tmp_path / LIFTS_LEDGER
     cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 199 * MiB)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -125,7 +126,7 @@ def test_no_lift_when_there_is_room_already(lifts: LimitLifts, tmp_path: Path) -
 def test_a_limit_someone_else_set_meanwhile_is_left_and_its_entry_dropped(
         tmp_path: Path) -> None:
     """A dead run's entry, and an administrator who set 512 MiB since: not put back to 200."""
-    ledger = tmp_path / ".lifted.json"
+    ledger = tmp_path / LIFTS_LEDGER
     cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 150 * MiB)
     LimitLifts(ledger, owner=_dead_pid()).lift(cg, 214 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
     assert json.loads(ledger.read_text())[str(cg.path)]["lifted"] == [214 * MiB]
@@ -139,7 +140,7 @@ def test_a_limit_someone_else_set_meanwhile_is_left_and_its_entry_dropped(
 
 def test_a_limit_still_as_lifted_is_put_back_and_not_taken_for_a_change(
         tmp_path: Path) -> None:
-    ledger = tmp_path / ".lifted.json"
+    ledger = tmp_path / LIFTS_LEDGER
     cg = FakeCgroup(tmp_path / "cg", 200 * MiB, 150 * MiB)
     LimitLifts(ledger, owner=_dead_pid()).lift(cg, 214 * MiB + 100, cap=64 * MiB)  # type: ignore[arg-type]
     live = LimitLifts(ledger)

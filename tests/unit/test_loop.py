@@ -162,7 +162,7 @@ def test_stop_from_another_thread_ends_run(tmp_path: Path, closing: Any) -> None
             stopper = threading.Thread(target=daemon.stop)
             stopper.start()
             stopper.join()
-            epoll.queued.append([(daemon._wake_r, select.EPOLLIN)])
+            epoll.queued.append([(daemon._wakeup.fileno(), select.EPOLLIN)])
 
     epoll.on_poll = on_poll
     daemon.run()  # returns: the wake-up was read and the loop saw _stopping
@@ -177,7 +177,7 @@ def test_a_reload_asked_for_is_done_by_the_loop_not_the_signal_handler(
     daemon.arm()
     daemon.request_reload()  # what SIGHUP's handler does: a flag and a wake-up, nothing else
     assert not log.named("config.reload_ignored") and not log.named("config.reloaded")
-    epoll.queued.append([(daemon._wake_r, select.EPOLLIN)])
+    epoll.queued.append([(daemon._wakeup.fileno(), select.EPOLLIN)])
     daemon.tick()
     # The config came from a file that is not there (load_config_text): the loop says so.
     assert log.named("config.reload_ignored")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from oomguard.act.oomshield import OomShield
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.names import OOM_SHIELD
 from tests.unit._support import FakeProc, fake_proc_tree
 
 OWNER = 50
@@ -27,7 +28,7 @@ def _adj(root: Path, pid: int) -> int:
 
 
 def _shield(tmp_path: Path, root: Path, owner: int = OWNER) -> OomShield:
-    return OomShield(tmp_path / "store" / ".oom-shield.json", ProcReader(root), owner=owner)
+    return OomShield(tmp_path / "store" / OOM_SHIELD, ProcReader(root), owner=owner)
 
 
 def test_shield_and_put_back(tmp_path: Path) -> None:
@@ -39,7 +40,7 @@ def test_shield_and_put_back(tmp_path: Path) -> None:
     assert shield.original_of(101) == 300
     shield.unshield([100, 101, 102])
     assert [_adj(root, p) for p in (100, 101, 102)] == [0, 300, -1000]
-    assert not (tmp_path / "store" / ".oom-shield.json").exists()
+    assert not (tmp_path / "store" / OOM_SHIELD).exists()
 
 
 def test_a_child_forked_while_shielded_gets_the_parents_original(tmp_path: Path) -> None:

@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from oomguard.cgroup.watch import OOM_KILL_KEY
-from oomguard.daemon.standby import RECORD, Standby, Watched, listen
+from oomguard.daemon.standby import Standby, Watched, listen
 from oomguard.daemon.standbyguard import JsonLog, StandbyGuard, over_level
 from oomguard.model.errors import CgroupGone
 from oomguard.store.ledger import SavedLimits
+from oomguard.store.names import FROZEN_LEDGER, STANDBY_RECORD
 from tests.helpers import REPO, wait_until
 from tests.unit._support import MiB, sleeping_processes, task_state
 
@@ -144,10 +145,10 @@ def test_a_goodbye_ends_it_and_its_record(tmp_path: Path, monkeypatch: pytest.Mo
     assert standby.take_over() is None  # no previous one
     assert standby.handle is not None
     pid = standby.handle.pid
-    assert json.loads((tmp_path / "store" / RECORD).read_text())["pid"] == pid
+    assert json.loads((tmp_path / "store" / STANDBY_RECORD).read_text())["pid"] == pid
     handle = standby.handle
     standby.bye()
-    assert handle.returncode == 0 and not (tmp_path / "store" / RECORD).exists()
+    assert handle.returncode == 0 and not (tmp_path / "store" / STANDBY_RECORD).exists()
 
 
 def test_an_orphaned_standby_guards_until_the_next_daemon_relieves_it(
@@ -167,7 +168,7 @@ def test_an_orphaned_standby_guards_until_the_next_daemon_relieves_it(
     assert second.take_over() == orphan.pid  # relieved, and waited for
     assert orphan.poll() == 0
     assert task_state(over) == "T"  # the next daemon continues it (thaw_leftovers)
-    entries = json.loads((store / ".frozen.json").read_text())
+    entries = json.loads((store / FROZEN_LEDGER).read_text())
     assert [e["pid"] for e in entries] == [over] and entries[0]["owner"] == orphan.pid
     second.bye()
 
@@ -175,10 +176,10 @@ def test_an_orphaned_standby_guards_until_the_next_daemon_relieves_it(
 def test_a_stale_record_names_nobody(tmp_path: Path, sleepers: list[int]) -> None:
     store = tmp_path / "store"
     store.mkdir()
-    (store / RECORD).write_text(json.dumps({"pid": sleepers[0], "start": 1}))  # reused pid
+    (store / STANDBY_RECORD).write_text(json.dumps({"pid": sleepers[0], "start": 1}))  # reused pid
     assert _standby(store).relieve_previous() is None
     assert task_state(sleepers[0]) != "gone"
-    (store / RECORD).write_text("garbage")
+    (store / STANDBY_RECORD).write_text("garbage")
     assert _standby(store).relieve_previous() is None
 
 
@@ -199,7 +200,7 @@ def test_one_that_cannot_be_recorded_is_not_kept(tmp_path: Path,
     monkeypatch.chdir(REPO)
     store = tmp_path / "store"
     store.mkdir()
-    (store / f"{RECORD}.tmp").mkdir()  # the record cannot be written
+    (store / STANDBY_RECORD).mkdir()  # the record cannot be written (a rename never replaces a directory)
     standby = _standby(store)
     standby.tell("/m/a", 100, "/m", 30.0)
     standby.take_over()

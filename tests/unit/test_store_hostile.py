@@ -121,7 +121,7 @@ def test_meta_round_trip_still_accepts_what_oomguard_writes(tmp_path: Path) -> N
 
 
 def test_a_failed_dumps_log_is_kept_before_the_partial_goes(tmp_path: Path) -> None:
-    from oomguard.store.checkpoints import LAST_FAILED_LOG
+    from oomguard.store.names import LAST_FAILED_LOG
 
     store = Store(tmp_path / "store")
     images, lock_fd = store.begin(make_meta("failed-one"))
