@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.act.chain import ChainResult, ChainRunner, ChainSettings
+from oomguard.act.chain import ChainOutcome, ChainResult, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.act.steps import CHECKPOINT, KILL, Step
@@ -24,6 +24,7 @@ from oomguard.model.patterns import compile_patterns
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import CheckpointDone, EventSink, VictimFrozen, sink_for
 from oomguard.policy.preferences import Preferences, apply_preferences
+from oomguard.policy.retry import retry_delay
 from oomguard.policy.victims import ProcessTree
 
 MiB = 1 << 20
@@ -140,17 +141,29 @@ class Actor:
         self._running: dict[str, threading.Event] = {}  # guard name -> set once its action ended
         self.last_done: dict[str, float] = {}
         self._unfit_said: dict[str, tuple[str, ...]] = {}  # per rule: the marked trees last told
+        # Per rule: actions in a row that settled nothing, and when it may act again.
+        self._unsettled: dict[str, int] = {}
+        self._retry_at: dict[str, float] = {}
 
     def busy(self, name: str) -> bool:
         done = self._running.get(name)
         return done is not None and not done.is_set()
 
-    def may_act(self, name: str, post_action_delay: float, now: float) -> bool:
+    def may_act(self, name: str, post_action_delay: float, now: float,
+                urgent: bool = False) -> bool:
         """The one gate of every trigger (cgroup, system, GPU): nothing of `name`'s running,
-        and its last action ended at least `post_action_delay` ago."""
+        its last action ended at least `post_action_delay` ago, and, after actions that
+        settled nothing, its retry is due (policy/retry.py). `urgent` (a lifted limit that
+        could not be put back) waits for no retry."""
         if self.busy(name):
             return False
+        if not urgent and now < self._retry_at.get(name, -1e9):
+            return False
         return now - self.last_done.get(name, -1e9) >= post_action_delay
+
+    def retry_at(self, name: str) -> float | None:
+        """When `name` may act again after actions that settled nothing (None: no wait)."""
+        return self._retry_at.get(name)
 
     def left_alone(self, name: str) -> bool:
         """The rule's last action found only trees refused for good (it left them running)."""
@@ -216,6 +229,7 @@ class Actor:
         # After a failure only trees that would free real memory are worth a try.
         worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
         after_signal: Callable[[], None] | None = thaw
+        last: ChainOutcome | None = None  # the last chain that ended unsettled
         for candidate in [ranked[0], *worth][:MAX_VICTIM_ATTEMPTS]:
             read_at = self.clock()
             tree = request.refresh(candidate) if request.refresh is not None else candidate
@@ -269,7 +283,25 @@ class Actor:
                 self.log.warning("victim.thawed", step=outcome.step, detail=outcome.detail,
                                  **fields)
             if outcome.settled:
+                self._unsettled.pop(request.name, None)
+                self._retry_at.pop(request.name, None)
                 return
+            if outcome.result is not ChainResult.GONE:
+                last = outcome
+        if last is not None:
+            self._back_off(request.name, last.step, last.detail)
+
+    def _back_off(self, name: str, step: str, detail: str) -> None:
+        """Every chain of this action ended unsettled: the rule waits before its next try,
+        longer each time (said once per try, with when the next one comes)."""
+        count = self._unsettled.get(name, 0) + 1
+        self._unsettled[name] = count
+        wait = retry_delay(count)
+        self._retry_at[name] = self.clock() + wait
+        self.log.warning("action.backoff", cgroup=name, unsettled=count, retry_in_s=wait,
+                         step=step, detail=detail,
+                         explanation="nothing settled the pressure; the next try waits "
+                         "(longer after each try that settles nothing)")
 
 
     def _say_unfit_only(self, name: str, unfit: list[str]) -> None:

@@ -119,7 +119,11 @@ class ExaminingMixin:
             guard.samples = None
         if snap.under_oom:  # parked at the limit: never left waiting for an event
             self._set_due(guard, min(guard.due_at or 1e18, self.clock() + PARKED_RETRY))
-        if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock()):
+        if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock(),
+                                  urgent=bool(limit_busy)):
+            retry_at = self.actor.retry_at(guard.name)
+            if retry_at is not None and retry_at > self.clock():  # looked at again then
+                self._set_due(guard, min(guard.due_at or 1e18, retry_at))
             return
         self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
                           anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,

@@ -116,6 +116,10 @@ echo "status_history=$(oomguard status --json | python3 -c "import json, sys
 print(sum(1 for e in json.load(sys.stdin).get('recent_events', [])
           if e.get('event') == 'checkpoint.done' and str(e.get('pid')) == '$job'))")"
 
+# The store's budget (10% of this small disk) has no room for the second job's checkpoint:
+# each refusal is followed by a longer wait, not by the next freeze at once.
+echo "refusals=$(events checkpoint.refused) $(events action.backoff)"
+
 # 4. Stopping the service puts back what it changed.
 systemctl stop grow2.service 2>/dev/null
 systemctl stop oomguard.service
@@ -165,6 +169,10 @@ def test_the_service_under_systemd(capsys: pytest.CaptureFixture[str]) -> None:
         output[-5000:]
     assert got.get("stopped_in_slice") == "0", output[-5000:]
     assert got.get("status_history", "0") != "0", output[-5000:]  # from before the restart
+    # Refused checkpoints (the store's budget): each try waited for (two daemons: at most one
+    # try each in flight), never the freeze-refuse-thaw loop of ten a second.
+    refusals, backoffs = (int(n) for n in got.get("refusals", "-1 -1").split())
+    assert 0 <= refusals <= backoffs + 2, got.get("refusals")
     # 4. Stopped: memory.high is systemd's again.
     assert got.get("high_guarded") != got.get("high_before"), got
     assert got.get("high_after_stop") == got.get("high_before"), got

@@ -90,3 +90,32 @@ def test_a_cgroup_left_frozen_by_a_crash_is_thawed_at_start(
         cg.thaw()
         kill_pid(hog.pid)
         hog.wait()
+
+
+def test_a_refused_checkpoint_backs_off_instead_of_looping(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """The guard's memory.high holds a job that cannot be checkpointed (here the store's
+    budget has no room): memory.events wakes the loop again at once, and the guard froze,
+    refused and thawed it ten times a second (the host lane: 597 refusals in 60 s). Now each
+    try that settles nothing is followed by a longer wait (action.backoff), and the job runs
+    on, never left stopped."""
+    cg = cgroups.make("budget", 128 * MiB)
+    config = tmp_path / "budget.toml"
+    config.write_text('[daemon]\nstore_max_size = "1M"\n\n'
+                      f'[[guard]]\ncgroups = ["{cg.path}"]\nthreshold = "70%"\n')
+    hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=110, rate=100,
+                                       count=100_000))
+    try:
+        with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+            backoffs = guard.wait_event("action.backoff", count=3, timeout=120)
+            assert [b["retry_in_s"] for b in backoffs[:3]] == [2.0, 4.0, 8.0], backoffs
+            refused = guard.events("checkpoint.refused")
+            assert refused and all("budget" in r["reason"] for r in refused), refused
+            assert len(refused) <= 4, f"{len(refused)} refusals for 3 waits: a loop"
+            assert hog.poll() is None, "the job was lost"
+            assert not guard.events("checkpoint.done")
+        state = Path(f"/proc/{hog.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state != "T", "the job was left stopped"
+    finally:
+        kill_pid(hog.pid)
+        hog.wait(timeout=30)
