@@ -234,11 +234,14 @@ def play(guard: str, key: str, number: int, work: Path, settle: float) -> Run:
         jobs[pid] = (unit, log)
     sampler = Sampler(cgroup, {pid: cgroup / f"{unit}.service" for pid, (unit, _) in jobs.items()})
     sampler.start()
-    # Until every job has ended, or been left alone `settle` seconds after the first action.
-    def ended() -> bool:
-        return not any(alive(pid) for pid in jobs)
-    wait_for(lambda: ended() or (sampler.action is not None
-                                 and time.monotonic() - sampler.action > settle), 240, 0.1)
+    # Until the sampler has seen the first action (it stops then: a job that ended before
+    # this thread looked is the sampler's to time), and then every job has ended or `settle`
+    # seconds have passed.
+    def over() -> bool:
+        if sampler.action is None:
+            return False
+        return not any(alive(pid) for pid in jobs) or time.monotonic() - sampler.action > settle
+    wait_for(over, 240, 0.1)
     sampler.stop.set()
     sampler.join()
     run.cross_s, run.action_s = sampler.cross, sampler.action

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import CgroupFactory, daemon, last_count, start_in_cgroup, wait_until
+from oomguard.cgroup.base import MemoryCgroup
+from tests.helpers import (
+    CgroupFactory,
+    DaemonProcess,
+    daemon,
+    last_count,
+    start_in_cgroup,
+    wait_until,
+)
 from tests.integration.test_store_budget import cli
 
 pytestmark = pytest.mark.integration
@@ -32,22 +41,35 @@ while True:
 """
 
 
+def auto_restore_config(tmp_path: Path, cgroup: MemoryCgroup, name: str) -> Path:
+    """A rule on `cgroup` that restores its checkpoints itself, RETRY apart, ATTEMPTS times."""
+    config = tmp_path / f"{name}.toml"
+    config.write_text(f'[daemon]\nrescan_interval = "500ms"\n\n[[guard]]\n'
+                      f'cgroups = ["{cgroup.path}"]\nauto_restore = true\nrestore_quiet = "1s"\n'
+                      f'restore_retry = "{RETRY:g}s"\nrestore_attempts = {ATTEMPTS}\n')
+    return config
+
+
+def started_and_checkpointed(guard: DaemonProcess, cgroup: MemoryCgroup, log: Path
+                             ) -> tuple[subprocess.Popen[bytes], str]:
+    """The counting job started in `cgroup` and, once it counts, checkpointed on request: the
+    job (not yet waited for) and its checkpoint's id."""
+    guard.wait_event("guard.armed")
+    assert wait_until(guard.socket.exists, 10)
+    job = start_in_cgroup(cgroup, [sys.executable, "-c", COUNTING_JOB, str(log)])
+    assert wait_until(lambda: last_count(log) > 5, 20)
+    done = cli(guard.socket, "checkpoint", str(job.pid))
+    assert done.returncode == 0, done.stderr
+    return job, done.stdout.strip()
+
+
 def test_an_auto_restore_that_always_fails_ends_stuck(cgroups: CgroupFactory, store: Path,
                                                        tmp_path: Path) -> None:
     cg = cgroups.make("stuck", 512 * MiB)
     log = tmp_path / "job.log"
-    config = tmp_path / "stuck.toml"
-    config.write_text(f'[daemon]\nrescan_interval = "500ms"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n'
-                      f'auto_restore = true\nrestore_quiet = "1s"\nrestore_retry = "{RETRY:g}s"\n'
-                      f"restore_attempts = {ATTEMPTS}\n")
-    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
-        guard.wait_event("guard.armed")
-        assert wait_until(guard.socket.exists, 10)
-        job = start_in_cgroup(cg, [sys.executable, "-c", COUNTING_JOB, str(log)])
-        assert wait_until(lambda: last_count(log) > 5, 20)
-        done = cli(guard.socket, "checkpoint", str(job.pid))
-        assert done.returncode == 0, done.stderr
-        checkpoint_id = done.stdout.strip()
+    with daemon(store, tmp_path / "daemon.log", "--config",
+                str(auto_restore_config(tmp_path, cg, "stuck"))) as guard:
+        job, checkpoint_id = started_and_checkpointed(guard, cg, log)
         assert job.wait(timeout=10) == -signal.SIGKILL
         with log.open("a") as grown:  # the file it had open is no longer the size it had
             grown.write("written after the checkpoint\n")
@@ -88,19 +110,10 @@ def test_auto_restores_that_lose_the_race_to_another_restore_never_make_it_stuck
 
     cg = cgroups.make("raced", 512 * MiB)
     log = tmp_path / "job.log"
-    config = tmp_path / "raced.toml"
-    config.write_text(f'[daemon]\nrescan_interval = "500ms"\n\n[[guard]]\ncgroups = ["{cg.path}"]\n'
-                      f'auto_restore = true\nrestore_quiet = "1s"\nrestore_retry = "{RETRY:g}s"\n'
-                      f"restore_attempts = {ATTEMPTS}\n")
-    with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
-        guard.wait_event("guard.armed")
-        assert wait_until(guard.socket.exists, 10)
-        job = start_in_cgroup(cg, [sys.executable, "-c", COUNTING_JOB, str(log)])
-        assert wait_until(lambda: last_count(log) > 5, 20)
+    with daemon(store, tmp_path / "daemon.log", "--config",
+                str(auto_restore_config(tmp_path, cg, "raced"))) as guard:
         # The lock is taken before the checkpoint exists as such: its directory, once there.
-        done = cli(guard.socket, "checkpoint", str(job.pid))
-        assert done.returncode == 0, done.stderr
-        checkpoint_id = done.stdout.strip()
+        job, checkpoint_id = started_and_checkpointed(guard, cg, log)
         held = os.open(store / checkpoint_id, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
