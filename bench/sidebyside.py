@@ -247,7 +247,6 @@ def play(guard: str, key: str, number: int, work: Path, settle: float) -> Run:
     run.cross_s, run.action_s = sampler.cross, sampler.action
     saved = {int(str(c["pid"])): str(c["id"]) for c in checkpoints()
              if c.get("state") == "checkpointed"}
-    earlyoom_kills = journal_count("earlyoom", "sending SIG", since)
     for pid, (unit, log) in jobs.items():
         result = sh("systemctl", "show", "-p", "Result", "--value", f"{unit}.service")
         text = log.read_text() if log.exists() else ""
@@ -261,7 +260,7 @@ def play(guard: str, key: str, number: int, work: Path, settle: float) -> Run:
             run.outcome.append("running")
         elif oomd:
             run.outcome.append("killed (systemd-oomd)")
-        elif guard == "earlyoom" and earlyoom_kills:
+        elif journal_count("earlyoom", f"to process {pid} ", since):  # "sending SIGTERM to process N"
             run.outcome.append("killed (earlyoom)")
         elif result == "oom-kill":
             run.outcome.append("killed (kernel)")
