@@ -247,10 +247,10 @@ def play(guard: str, key: str, number: int, work: Path, settle: float) -> Run:
     run.cross_s, run.action_s = sampler.cross, sampler.action
     saved = {int(str(c["pid"])): str(c["id"]) for c in checkpoints()
              if c.get("state") == "checkpointed"}
+    oomd = journal_count("systemd-oomd", f"{name}.slice", since)  # its kills in this slice
     for pid, (unit, log) in jobs.items():
         result = sh("systemctl", "show", "-p", "Result", "--value", f"{unit}.service")
         text = log.read_text() if log.exists() else ""
-        oomd = journal_count("systemd-oomd", f"{name}.slice", since)
         if pid in saved:
             run.outcome.append("checkpointed")
             run.restored.append(restore(saved[pid], log, work))

@@ -286,8 +286,7 @@ class Actor:
                 self._unsettled.pop(request.name, None)
                 self._retry_at.pop(request.name, None)
                 return
-            if outcome.result is not ChainResult.GONE:
-                last = outcome
+            last = outcome  # (a victim that exited went on to the next above)
         if last is not None:
             self._back_off(request.name, last.step, last.detail)
 
