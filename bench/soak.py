@@ -33,6 +33,9 @@ from typing import Any
 from bench.harness import machine
 from bench.soakcheck import ending, handlings, last_sign_of_life, restart_gaps
 from bench.soakstore import BudgetWatch, budget_config, loop_store
+from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.mounts import open_cgroup, read_layout
+from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
@@ -93,6 +96,20 @@ class Tally:
     restart_gaps: list[float] = field(default_factory=list)  # SIGKILL -> next guard.ready, s
 
 
+def open_path(path: Path) -> MemoryCgroup:
+    """--parent: a memory cgroup by its directory (v1 or v2), such as a scope systemd
+    delegated to the drill (scripts/soak-host)."""
+    layout = read_layout()
+    mount = layout.memory_mount
+    if mount is None:
+        raise SystemExit("soak: no memory cgroup controller here")
+    try:
+        rel = path.resolve().relative_to(mount)
+    except ValueError:
+        raise SystemExit(f"soak: --parent {path} is not under {mount}") from None
+    return open_cgroup("/" + str(rel), layout)
+
+
 def alive(pid: int | None, reader: ProcReader) -> bool:
     if not pid:
         return False
@@ -104,14 +121,15 @@ def alive(pid: int | None, reader: ProcReader) -> bool:
 
 def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
         restart_every: tuple[float, float] = RESTART_EVERY, small_store: int = 0,
-        auto_restore: bool = False) -> tuple[bool, dict[str, Any]]:
+        auto_restore: bool = False, parent: Path | None = None,
+        min_free_disk: int = MIN_FREE_DISK) -> tuple[bool, dict[str, Any]]:
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(loop_store(workdir, small_store)) / "store" \
             if small_store else workdir / "store"
         watch = BudgetWatch(store.parent, store) if small_store else None
         try:
             return _run(minutes, workdir, seed, per_cgroup, restart_every, store, watch,
-                        auto_restore)
+                        auto_restore, parent, min_free_disk)
         finally:
             if watch is not None:
                 watch.stop()
@@ -120,9 +138,10 @@ def run(minutes: float, workdir: Path, seed: int, per_cgroup: int = PER_CGROUP,
 
 def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
          restart_every: tuple[float, float], store: Path, watch: BudgetWatch | None,
-         auto_restore: bool) -> tuple[bool, dict[str, Any]]:
+         auto_restore: bool, parent_path: Path | None,
+         min_free_disk: int) -> tuple[bool, dict[str, Any]]:
     rng = random.Random(seed)
-    parent = own_memory_cgroup()
+    parent = own_memory_cgroup() if parent_path is None else open_path(parent_path)
     if parent is None:
         raise SystemExit("soak: no memory cgroup controller here")
     factory = CgroupFactory(parent=parent, tag=f"soak{os.getpid()}")
@@ -132,6 +151,8 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
     keep = watch is not None  # restored checkpoints are left for the budget to prune
     try:
         top = factory.make("top", None)
+        if isinstance(top, V2MemoryCgroup):  # cgroup v2: the groups below need the controller
+            (top.path / "cgroup.subtree_control").write_text("+memory")
         groups = []
         for index in range(GROUPS):
             cg = top.child(f"c{index:02d}")
@@ -161,7 +182,7 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
             for j in running:
                 busy[j.cgroup] = busy.get(j.cgroup, 0) + 1
             free = [g for g in groups if busy.get(str(g.path), 0) < per_cgroup]
-            room = shutil.disk_usage(workdir).free >= MIN_FREE_DISK
+            room = shutil.disk_usage(workdir).free >= min_free_disk
             if len(running) < MAX_RUNNING and free and room:
                 # Up to `per_cgroup` jobs in a cgroup at a time, as people share one.
                 cg = rng.choice(free)
@@ -404,6 +425,12 @@ def main() -> int:
                         "with a budget (bench/soakstore.py); 0: beside the work directory")
     parser.add_argument("--auto-restore", action="store_true",
                         help="the daemon restores checkpoints itself, racing the drill's")
+    parser.add_argument("--parent", type=Path, default=None,
+                        help="create the drill's cgroups beneath this one (a directory under "
+                        "the memory controller's mount; default: the drill's own cgroup)")
+    parser.add_argument("--min-free-disk", type=int, default=MIN_FREE_DISK >> 20,
+                        metavar="MIB", help="no new job while the work directory's disk has "
+                        "less free (default 10240)")
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directory (logs, store) instead of deleting it")
     args = parser.parse_args()
@@ -411,7 +438,8 @@ def main() -> int:
         ["mktemp", "-d", "/var/tmp/oomguard-soak.XXXXXX"], text=True).strip())
     try:
         ok, report = run(args.minutes, workdir, args.seed, args.per_cgroup,
-                         tuple(args.restart_every), args.small_store, args.auto_restore)
+                         tuple(args.restart_every), args.small_store, args.auto_restore,
+                         args.parent, args.min_free_disk << 20)
         report["machine"] = machine(workdir)
     finally:
         if not args.keep:

@@ -27,8 +27,9 @@ from oomguard.act.chainstate import (
 from oomguard.act.chainsteps import StepAction, step_actions
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.act.kubelet import ContainerCheckpointer
-from oomguard.act.steps import Step
+from oomguard.act.pageoutstep import PageoutTools
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.config.actions import Step
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import ProcessGone
 from oomguard.observe.events import EventSink, VictimKilled, sink_for
@@ -55,8 +56,11 @@ class ChainRunner:
                  sleep: Callable[[float], None] = time.sleep,
                  free: Callable[[Path], int] = free_space,
                  containers: ContainerCheckpointer | None = None,
-                 events: EventSink | None = None, marks: UnfitMarks | None = None) -> None:
+                 events: EventSink | None = None, marks: UnfitMarks | None = None,
+                 pageout: PageoutTools | None = None) -> None:
         self.checkpointer = checkpointer
+        # The page-out step's record and swap files, in the checkpoints' store.
+        self.pageout = pageout or PageoutTools.for_store(checkpointer.store.root)
         # Trees no checkpoint can take while they live: never chosen again (policy/unfit.py).
         self.marks = marks if marks is not None else UnfitMarks(lambda pid: proc.starttime(pid))
         self.containers = containers

@@ -27,6 +27,7 @@ class ChainResult(enum.StrEnum):
     CHECKPOINTED = "checkpointed"
     SIGNALLED = "signalled"
     VRAM_FREED = "vram-freed"
+    PAGED_OUT = "paged-out"  # in swap, kept stopped until its memory fits (act/pageoutstep.py)
     KILLED = "killed"
     THAWED = "thawed"  # a step failed and the tree runs on
     STOOD_DOWN = "stood-down"  # the pressure passed before a step: thawed, nothing done
@@ -36,7 +37,8 @@ class ChainResult(enum.StrEnum):
 
 
 SETTLED = frozenset({ChainResult.CHECKPOINTED, ChainResult.SIGNALLED, ChainResult.VRAM_FREED,
-                     ChainResult.KILLED, ChainResult.STOOD_DOWN, ChainResult.INCOMPLETE})
+                     ChainResult.KILLED, ChainResult.STOOD_DOWN, ChainResult.INCOMPLETE,
+                     ChainResult.PAGED_OUT})
 # The tree is no longer there to act on (dumped and gone, exited, killed).
 TREE_ENDED = frozenset({ChainResult.CHECKPOINTED, ChainResult.GONE, ChainResult.KILLED,
                         ChainResult.INCOMPLETE})

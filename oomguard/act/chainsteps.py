@@ -1,7 +1,7 @@
 """A chain's steps as objects: each runs one kind of action on the victim and says whether
 that ended the chain (Settled, with the outcome) or the next step runs (Continue).
 
-The registry (`step_actions`) maps each kind of oomguard.act.steps to its object; the runner
+The registry (`step_actions`) maps each kind of oomguard.config.actions to its object; the runner
 (oomguard/act/chain.py) only walks the chain, checks the pressure and the freeze deadline
 between steps, and thaws whatever is still held at the end.
 """
@@ -24,7 +24,8 @@ from oomguard.act.chainstate import (
 )
 from oomguard.act.freezer import USER_STOPPED_STATE
 from oomguard.act.kubelet import KubeletError
-from oomguard.act.steps import CHECKPOINT, FREEZE, KILL, SIGNAL, VRAM, Step
+from oomguard.act.pageoutstep import PageoutAction
+from oomguard.config.actions import CHECKPOINT, FREEZE, KILL, PAGEOUT, SIGNAL, VRAM, Step
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE
 from oomguard.model.errors import (
@@ -286,6 +287,7 @@ class KillAction:
 
 
 def step_actions(tools: ChainRunner) -> dict[str, StepAction]:
-    """Every kind of step (oomguard.act.steps) and the object that runs it."""
+    """Every kind of step (oomguard.config.actions) and the object that runs it."""
     return {FREEZE: FreezeAction(tools), SIGNAL: SignalAction(tools), VRAM: VramAction(tools),
-            CHECKPOINT: CheckpointAction(tools), KILL: KillAction(tools)}
+            CHECKPOINT: CheckpointAction(tools), PAGEOUT: PageoutAction(tools),
+            KILL: KillAction(tools)}

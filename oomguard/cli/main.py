@@ -18,6 +18,7 @@ from oomguard.cli.rendering import (
     event_fields,
     list_text,
     output_width,
+    paged_out_text,
     restore_command,
     restored_line,
     show_text,
@@ -152,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # One daemon per store and per cgroup: a second one refuses here, before the daemon's
     # parts are loaded or anything is written (its settings, socket, ledger, standby).
     with held_for(config, layout) as locks:
-        from oomguard.daemon.app import run_daemon
+        from oomguard.daemon.serve import run_daemon
 
         return run_daemon(config, get_logger(), layout, locks)
 
@@ -227,10 +228,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     for bad in listing.get("skipped") or []:
         print(f"oomguard: warning: store entry {bad['entry']} skipped: {bad['reason']}",
               file=sys.stderr)
+    paged = listing.get("paged_out") or []
     if args.json:
-        print(json.dumps(metas, indent=2))
+        print(json.dumps(metas + paged, indent=2))
         return EXIT_OK
     print(list_text(metas, output_width()))
+    if paged:
+        print(paged_out_text(paged))
     return EXIT_OK
 
 
@@ -302,6 +306,15 @@ def cmd_attach(args: argparse.Namespace) -> int:
 def cmd_forget(args: argparse.Namespace) -> int:
     forgotten = _call(args, "Forget", id=args.id)
     get_logger().info("checkpoint.forgotten", id=forgotten.get("id", args.id))
+    return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    done = _call(args, "Resume", id=args.id)["resumed"]
+    get_logger().info("pageout.resumed", id=done["id"], pid=done["pid"],
+                      continued=done["continued"], gone=done["gone"],
+                      swap_removed=done["swap_removed"], swap_kept=done["swap_kept"] or None)
+    print(done["pid"])
     return EXIT_OK
 
 
@@ -430,6 +443,6 @@ COMMANDS: dict[str, Any] = {
     "status": cmd_status,
     "restore": cmd_restore, "forget": cmd_forget, "exec": cmd_exec, "doctor": cmd_doctor,
     "check-config": cmd_check_config, "install-units": cmd_install_units,
-    "notify-agent": cmd_notify_agent, "gpu-resume": cmd_gpu_resume,
+    "notify-agent": cmd_notify_agent, "gpu-resume": cmd_gpu_resume, "resume": cmd_resume,
     "resume-job": cmd_resume_job, "attach": cmd_attach,
 }

@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     at = sub.add_parser("attach", help="show a terminal job's output and pass it input "
                         "(Ctrl-\\ detaches)")
     at.add_argument("target", metavar="ID|PID")
+    rm = sub.add_parser("resume", help="continue a paged-out tree (after a 'pageout' action), "
+                        "by its id (po-...) or a PID of it")
+    rm.add_argument("id", metavar="ID|PID")
     gr = sub.add_parser("gpu-resume", help="put a process's CUDA state back on the GPU "
                         "(after a 'vram' action)")
     gr.add_argument("pid", type=int)

@@ -265,6 +265,19 @@ def list_text(metas: Sequence[Mapping[str, Any]], width: int = DEFAULT_WIDTH) ->
                      + "  " + command for row, command in zip(rows, commands, strict=True))
 
 
+def paged_out_text(trees: Sequence[Mapping[str, Any]]) -> str:
+    """`oomguard list`'s second part: the trees paged out and kept stopped until their memory
+    fits (or `oomguard resume ID`)."""
+    rows = [("PAGED OUT", "PID", "UID", "PAGED", "SINCE", "COMMAND")]
+    for t in trees:
+        since = time.strftime(LOCAL_TIME_FORMAT, time.localtime(t["since"]))
+        rows.append((str(t["id"]), str(t["root_pid"]), str(t["uid"]),
+                     format_size(t["paged_bytes"]), since, one_line(str(t["command"]), 40)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in rows)
+
+
 def budget_text(store: Mapping[str, Any]) -> str:
     """The store's use against its budget, from `status`'s figures (bytes)."""
     if "error" in store:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.act.steps import Step
+from oomguard.config.actions import Step
 from oomguard.model.checksums import ALGORITHMS, XXH3
 from oomguard.model.errors import ConfigIssue
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from oomguard.act.steps import parse_chain
+from oomguard.config.actions import parse_chain
 from oomguard.config.schema import GPU_PREFERENCES, ON_FAILURE_KILL, ON_FAILURE_THAW
 from oomguard.model.errors import ConfigIssue
 from oomguard.model.patterns import compile_patterns

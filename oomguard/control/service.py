@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from oomguard.act.pageoutstep import PageoutTools
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
@@ -43,6 +44,7 @@ from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, validate_id
 from oomguard.store.ids import names_a_pid, newest_holding, resolve_id
 from oomguard.store.names import PARTIAL_PREFIX
+from oomguard.store.pagedout import PagedOutRecord
 
 ROOT = 0
 
@@ -136,6 +138,31 @@ class Service:
 
     def list(self, uid: int) -> list[dict[str, Any]]:
         return [asdict(m) for m in self.store.list() if uid == ROOT or m.uid == uid]
+
+    def paged_out(self, uid: int) -> builtins.list[dict[str, Any]]:
+        """The trees paged out and kept stopped (the chain's pageout step): root sees all,
+        a user their own."""
+        record = PagedOutRecord(self.store.root)
+        return [{**asdict(t), "tasks": [list(x) for x in t.tasks], "state": "paged-out",
+                 "pid": t.root_pid}
+                for t in record.trees() if uid == ROOT or t.uid == uid]
+
+    def resume(self, uid: int, key: str) -> dict[str, Any]:
+        """Continue a paged-out tree, by its id or the PID of one of its tasks (root, or the
+        tree's owner); it takes its pages back from swap as it touches them."""
+        tools = PageoutTools.for_store(self.store.root)
+        tree = tools.record.find(key)
+        if tree is None or (uid != ROOT and tree.uid != uid):
+            raise UnknownCheckpoint(f"no paged-out tree {key}")
+        done = tools.resumer().resume(tree)
+        if self.on_event is not None:
+            self.on_event("pageout.resumed", paged_out_id=tree.id, pid=tree.root_pid,
+                          uid=tree.uid, requested_by=uid, continued=done.continued,
+                          gone=done.gone, swap_removed=done.swap_removed,
+                          swap_kept=done.swap_kept or None)
+        return {"id": tree.id, "pid": tree.root_pid, "continued": done.continued,
+                "gone": done.gone, "swap_removed": done.swap_removed,
+                "swap_kept": done.swap_kept}
 
     def skipped(self, uid: int) -> builtins.list[dict[str, str]]:
         """Store entries skipped as malformed or symlinks, with why: for root only (another
@@ -245,6 +272,12 @@ class Service:
         if untouchable is not None:
             raise CheckpointFailed(f"checkpoint of {pid} refused before stopping it: "
                                    f"{untouchable}", OUTCOME_UNTOUCHED)
+        paged = next((t for t in PagedOutRecord(self.store.root).trees()
+                      if set(t.pids) & set(tree.pids)), None)
+        if paged is not None:  # its stop is oomguard's: a dump would keep it stopped for good
+            raise CheckpointFailed(f"checkpoint of {pid} refused before touching it: it is "
+                                   f"paged out ({paged.id}); `oomguard resume {paged.id}` "
+                                   "first", OUTCOME_UNTOUCHED)
         try:
             rel = self.proc.memory_cgroup(pid)
         except ProcessGone:

@@ -30,7 +30,8 @@ def _status(service: Service, caller: Caller, p: dict[str, Any]) -> dict[str, An
 
 
 def _list(service: Service, caller: Caller, p: dict[str, Any]) -> dict[str, Any]:
-    return {"checkpoints": service.list(caller.uid), "skipped": service.skipped(caller.uid)}
+    return {"checkpoints": service.list(caller.uid), "skipped": service.skipped(caller.uid),
+            "paged_out": service.paged_out(caller.uid)}
 
 
 def _show(service: Service, caller: Caller, p: dict[str, Any]) -> dict[str, Any]:
@@ -56,11 +57,15 @@ def _checkpoint(service: Service, caller: Caller, p: dict[str, Any]) -> dict[str
                                              requester=caller.pid)}
 
 
+def _resume(service: Service, caller: Caller, p: dict[str, Any]) -> dict[str, Any]:
+    return {"resumed": service.resume(caller.uid, param(p, "id", str))}
+
+
 def _gpu_resume(service: Service, caller: Caller, p: dict[str, Any]) -> dict[str, Any]:
     return service.gpu_resume(caller.uid, param(p, "pid", int))
 
 
 VERBS: dict[str, Verb] = {
     "Status": _status, "List": _list, "Show": _show, "Restore": _restore, "Forget": _forget,
-    "Checkpoint": _checkpoint, "GpuResume": _gpu_resume,
+    "Checkpoint": _checkpoint, "GpuResume": _gpu_resume, "Resume": _resume,
 }

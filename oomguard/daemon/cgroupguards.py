@@ -14,12 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.act.acting import rule_parts
+from oomguard.act.actor import rule_parts
 from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.loading import DaemonConfig, GuardConfig
 from oomguard.daemon.arming import Armer, LaterMarks, Prepared
+from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import (
     CgroupGuard,
     Guard,
@@ -28,7 +29,6 @@ from oomguard.daemon.guards import (
 )
 from oomguard.daemon.parkwatch import ParkWatchdog
 from oomguard.daemon.standby import Standby
-from oomguard.daemon.startup import guard_line
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp

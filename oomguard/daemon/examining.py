@@ -10,14 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.act.acting import Actor, Request
+from oomguard.act.actor import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.v1 import RECLAIM_WINDOW_BYTES
 from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
-from oomguard.daemon.keeper import StoreKeeper
+from oomguard.daemon.storekeeping import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from oomguard.act.acting import Actor, Request
+from oomguard.act.actor import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import psutil
 
-from oomguard.act.acting import Actor, RuleParts, rule_parts
+from oomguard.act.actor import Actor, RuleParts, rule_parts
 from oomguard.act.chain import ChainRunner
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.priority import ThreadPriority
@@ -33,16 +33,17 @@ from oomguard.config.checks import check_config, config_warnings
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.autorestore import AutoRestorer
+from oomguard.daemon.autoresume import AutoResumer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
 from oomguard.daemon.examining import ExaminingMixin
 from oomguard.daemon.gpuwatch import GpuWatch
+from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
-from oomguard.daemon.keeper import StoreKeeper
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.settling import SettlingMixin
 from oomguard.daemon.standby import Standby
-from oomguard.daemon.startup import guard_line
 from oomguard.daemon.status import guard_entries, summary_line
+from oomguard.daemon.storekeeping import StoreKeeper
 from oomguard.daemon.triggers import Trigger, daemon_triggers
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
@@ -123,8 +124,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                                          events=self.events, clock=clock,
                                          restored=self.keeper.forget_listing)
         self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
-        self.actor = Actor(ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
-                                       clock=clock, containers=containers, events=self.events),
+        chains = ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
+                             clock=clock, containers=containers, events=self.events)
+        # Paged-out trees continued once they fit (the chain's pageout step made them).
+        self.auto_resume = AutoResumer(chains.pageout, self.log, clock=clock)
+        self.actor = Actor(chains,
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
                            clock=clock, decisions=self.decisions, on_done=self._action_done,
                            priority=self.priority, events=self.events)
@@ -318,6 +322,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             if left:
                 self.log.warning("restore.lazy_abandoned", keepers=left,
                                  explanation="pages still streaming in at exit")
+        kept = self.auto_resume.kept_at_stop()
+        if kept:  # said, never left silently: `oomguard resume` continues them
+            self.log.warning("pageout.kept", paged_out=kept, explanation="paged out and kept "
+                             "stopped across the stop; the next daemon continues them once they "
+                             "fit, or `oomguard resume ID`")
         self.park_watch.stop()
         self.files.close()
         self.newcomers.close()
@@ -439,7 +448,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
 
     def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
         """The daemon and what it started, among `processes`: cheap whatever the number of
-        the daemon's own threads (one per control connection); and its ancestors (a tree
-        rooted at one holds the daemon)."""
+        the daemon's own threads (one per control connection); its ancestors (a tree
+        rooted at one holds the daemon); and the paged-out trees (stopped until they fit)."""
         return self.proc.descended_from(self.self_pid, processes) | ancestors_of(
-            self.proc, self.self_pid)
+            self.proc, self.self_pid) | self.auto_resume.held()

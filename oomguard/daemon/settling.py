@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.act.acting import Actor
+from oomguard.act.actor import Actor
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.autorestore import AutoRestorer
+from oomguard.daemon.autoresume import AutoResumer
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.daemon.keeper import StoreKeeper
+from oomguard.daemon.storekeeping import StoreKeeper
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.policy.pressure import Verdict, evaluate
@@ -31,6 +32,7 @@ class SettlingMixin:
     checkpointer: Checkpointer
     keeper: StoreKeeper
     auto_restore: AutoRestorer
+    auto_resume: AutoResumer
     actor: Actor
     proc: ProcReader
     clock: Callable[[], float]
@@ -56,6 +58,7 @@ class SettlingMixin:
             self._settle_lifts()
             waiting = waiting or self.checkpointer.lifts.pending() or bool(self._limit_busy)
         waiting = self.keeper.tick() or waiting
+        waiting = self.auto_resume.tick(self._guard_of_rel) or waiting
         restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present] \
             if any(rule.auto_restore for rule in self.config.guards) else []
         if restoring:
@@ -72,6 +75,13 @@ class SettlingMixin:
                 if snap is not None:
                     self.auto_restore.consider(guard, snap)
         self._next_settle = self.clock() + SETTLE_INTERVAL if waiting else None
+
+    def _guard_of_rel(self, rel_path: str) -> CgroupGuard | None:
+        """The guard of a cgroup by its path in the hierarchy (as records keep it)."""
+        for guard in self._cgroup_guards():
+            if guard.present and guard.cgroup.rel_path == rel_path:
+                return guard
+        return None
 
     def _drop_changed_lifts(self) -> None:
         """At the start, before the guards take their own limits from the ledger: an entry a

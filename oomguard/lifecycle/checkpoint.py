@@ -27,8 +27,8 @@ from oomguard.act.lifts import LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import shields_needed
+from oomguard.gpu.offload import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.gpu.runtime import GpuSupport
-from oomguard.gpu.steps import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.jobroot import refuse_partial_job

@@ -17,8 +17,8 @@ from oomguard.act.criu_hook import drop_cache
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.daemon.exitwatch import ExitWatch
+from oomguard.gpu.offload import back_to_gpu, restored_host_pids
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
-from oomguard.gpu.steps import back_to_gpu, restored_host_pids
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
@@ -184,11 +184,13 @@ class Restorer:
                 f"is limited to {snap.limit_bytes >> 20} MiB: it can never fit there, waiting "
                 "would not help. Raise the limit, restore with --cgroup into a bigger one, "
                 "or pass --force")
-        free = snap.limit_bytes - snap.usage_bytes
+        # Page cache is room: the kernel reclaims it as the restore's pages come in.
+        free = snap.limit_bytes - snap.unreclaimable_bytes
         if free < need:
             raise NoRoom(
-                f"target cgroup {target.path} has {free >> 20} MiB free under its limit but the "
-                f"checkpoint needs {need >> 20} MiB: the kernel would OOM-kill it during restore. "
+                f"target cgroup {target.path} has {free >> 20} MiB free under its limit (its "
+                f"page cache counted as free) but the checkpoint needs {need >> 20} MiB: the "
+                "kernel would OOM-kill it during restore. "
                 "Raise the limit, restore with --cgroup into a bigger one, wait until it fits "
                 "with --wait, or pass --force")
 

@@ -132,18 +132,20 @@ def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:
 
 
 def free_under_threshold(snapshot: MemorySnapshot, threshold: float) -> int | None:
-    """Bytes between usage and the rule's threshold (negative when over it); None without a
-    limit (everything fits)."""
+    """Bytes between resident memory and the rule's threshold (negative when over it); None
+    without a limit (everything fits). Page cache is not in the way: the kernel drops it for
+    what comes, and the guard itself acts on resident memory, not on cache (a cgroup whose
+    jobs wrote files sits near its limit in cache for good, and a restore never fitted)."""
     if snapshot.limit_bytes is None:
         return None
-    return int(threshold * snapshot.limit_bytes) - snapshot.usage_bytes
+    return int(threshold * snapshot.limit_bytes) - snapshot.unreclaimable_bytes
 
 
 def restore_fits(snapshot: MemorySnapshot, image_bytes: int, margin: int,
                  threshold: float) -> bool:
     """A checkpoint goes back (auto-restore, or `oomguard restore` into a guarded cgroup) only
-    when it fits with room to spare: usage plus the image plus a margin stays under the
-    threshold, so a restore never lands straight back in the pressure that caused the
-    checkpoint (hysteresis)."""
+    when it fits with room to spare: resident memory (usage less the page cache the kernel
+    reclaims) plus the image plus a margin stays under the threshold, so a restore never lands
+    straight back in the pressure that caused the checkpoint (hysteresis)."""
     free = free_under_threshold(snapshot, threshold)
     return free is None or image_bytes + margin <= free

@@ -2,7 +2,7 @@
 a control answer look like once decoded, the LISTEN/IGNORE messages, and the decoding of a
 datagram, by pyroute2's cn_proc messages and marshal. pyroute2 is imported lazily, at the
 first use, and without running its package `__init__`, which imports every netlink family
-(IPRoute, NDB, conntrack, ...): measured beside `import oomguard.daemon.app`, +9.8 MiB RSS and
+(IPRoute, NDB, conntrack, ...): measured beside `import oomguard.daemon.serve`, +9.8 MiB RSS and
 95 ms, against +1.1 MiB and 14 ms for the connector's own modules. The subscription itself
 (the socket, its reads, who may listen) is procevents.py."""
 

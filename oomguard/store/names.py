@@ -21,5 +21,9 @@ OOM_SHIELD = ".oom-shield.json"  # the tasks' oom_score_adj it set to -1000 (act
 LIFTS_LEDGER = ".lifted.json"  # the limits lifted for a dump's headroom (act.lifts)
 SAVED_HIGH = ".memory-high.json"  # the memory.high values it changed (store.ledger.SavedLimits)
 STANDBY_RECORD = ".standby.json"  # the standby of the daemon that runs: pid, start time
+# The trees paged out and left stopped until their memory fits (oomguard.store.pagedout),
+# and the directory of oomguard's own swap files (oomguard.act.swapfiles).
+PAGED_OUT = ".paged-out.json"
+SWAP_DIR = ".swap"
 # The daemon's recent events of note, for `oomguard status` after a restart (observe.history).
 HISTORY = ".history.jsonl"

@@ -15,7 +15,7 @@ from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import load_config
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
-from oomguard.daemon.wiring import build_checkpointer, build_criu
+from oomguard.daemon.realparts import build_checkpointer, build_criu
 from oomguard.sense.procfs import ProcReader
 from tests.helpers import (
     EMULATION_FACTOR,

@@ -18,7 +18,7 @@ from oomguard.cgroup.watch import RECLAIM
 from oomguard.config.loading import load_config
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
-from oomguard.daemon.wiring import build_checkpointer, build_criu
+from oomguard.daemon.realparts import build_checkpointer, build_criu
 from oomguard.sense.procfs import ProcReader
 from tests.helpers import EMULATION_FACTOR, CgroupFactory, KeptLog, MiB
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.cgroup.base import MemoryCgroup
 from oomguard.control.client import ControlClient, ControlError
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
@@ -405,3 +406,58 @@ def test_a_daemon_inside_its_guarded_cgroup_never_takes_itself_along(
             wait_until(lambda: proc_state(daemon_pid) in (None, "Z"), 30)
         kill_pid(runner.pid)
         runner.wait()
+
+
+def _fill_with_cache(cg: MemoryCgroup, path: Path, mib: int) -> None:
+    """`mib` MiB of clean page cache charged to `cg`: a file written from inside it."""
+    writer = start_in_cgroup(cg, ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}",
+                                  "conv=fsync", "status=none"])
+    assert writer.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("through", ["daemon", "direct"])
+def test_a_cgroup_full_of_page_cache_has_room_for_a_restore(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, through: str) -> None:
+    """Page cache is room: the kernel drops it for the restore's pages, and the guard acts on
+    resident memory, not on cache. A cgroup whose jobs wrote files sits near its limit in
+    cache for good; both the guard's rule (through the daemon) and the limit's (root on the
+    store) counted that cache as used, so no restore into it ever fitted (the 60-minute soak:
+    its restore cgroup at 1.96 of 2 GiB with one 196 MiB job, every restore refused, until the
+    store's budget filled and checkpoints were refused)."""
+    cg = cgroups.make(f"cached-{through}", 400 * MiB)
+    log = tmp_path / "hog.log"
+    hog = start_in_cgroup(cg, hog_argv(log, target=120, rate=400, count=100_000))
+    pid = None
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path),
+                "--threshold", "85%") as guard:
+        try:
+            guard.wait_event("guard.armed")
+            assert wait_until(lambda: _held(log) >= 120, 30)
+            done = cli(guard.socket, "checkpoint", str(hog.pid))
+            assert done.returncode == 0, done.stderr
+            checkpoint_id = done.stdout.strip()
+            hog.wait(timeout=20)
+            mark = last_count(log)
+            _fill_with_cache(cg, tmp_path / "written.dat", 300)
+            snap = cg.snapshot()
+            # Counted as used, the cache leaves no room under 85% of 400 MiB (340 MiB) for a
+            # 120 MiB job and the 64 MiB margin; resident, it leaves plenty.
+            assert snap.usage_bytes + 184 * MiB > 340 * MiB, snap
+            assert snap.unreclaimable_bytes + 184 * MiB < 340 * MiB, snap
+            if through == "daemon":
+                restored = cli(guard.socket, "restore", checkpoint_id)
+            else:
+                restored = subprocess.run(
+                    [sys.executable, "-m", "oomguard", "--store", str(store), "--log-format",
+                     "json", "restore", checkpoint_id], capture_output=True, text=True,
+                    timeout=180, cwd=REPO, stdin=subprocess.DEVNULL)
+            assert restored.returncode == 0, restored.stderr
+            pid = int(restored.stdout.strip())
+            assert wait_until(lambda: last_count(log) > mark + 5, 30)
+            counts = read_counts(log)
+            assert counts == list(range(1, len(counts) + 1))
+            assert cg.snapshot().oom_kills == 0
+        finally:
+            kill_pid(hog.pid)
+            if pid is not None:
+                kill_pid(pid)

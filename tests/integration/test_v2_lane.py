@@ -46,7 +46,7 @@ def test_v2_lane(part: str, capsys: pytest.CaptureFixture[str]) -> None:
     # scratch directory, which is the host's disk shared into the guest.
     # The first import of the package reads it cold over 9p: once, before any test times it.
     tests, least = LANE_PARTS[part]
-    inner = (".venv/bin/python -c 'import oomguard.daemon.app, oomguard.cli.main' && "
+    inner = (".venv/bin/python -c 'import oomguard.daemon.serve, oomguard.cli.main' && "
              ".venv/bin/python -m pytest -p no:cacheprovider -q -s -rfEs -o timeout=900 "
              '--basetemp "$OOMGUARD_VM_SCRATCH/pytest" ' + " ".join(tests)
              + f" -k '{LANE_SELECT}'")

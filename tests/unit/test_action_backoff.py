@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomguard.act.acting import Actor, Request, rule_parts
+from oomguard.act.actor import Actor, Request, rule_parts
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint

@@ -1,4 +1,4 @@
-"""oomguard.act.steps: parsing one action step and a whole action chain."""
+"""oomguard.config.actions: parsing one action step and a whole action chain."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from oomguard.act.steps import (
+from oomguard.config.actions import (
     CHECKPOINT,
     DEFAULT_CHAIN,
     FREEZE,

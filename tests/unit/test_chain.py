@@ -22,7 +22,7 @@ import pytest
 
 from oomguard.act.chain import ChainOutcome, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
-from oomguard.act.steps import CHECKPOINT, KILL, Step, parse_step
+from oomguard.config.actions import CHECKPOINT, KILL, Step, parse_step
 from oomguard.model.errors import CheckpointFailed, ProcessGone
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
@@ -921,9 +921,10 @@ def test_kubelet_refusal_falls_through_to_the_next_action(tmp_path: Path) -> Non
 # -- the steps as objects (oomguard.act.chainsteps) ----------------------------------------------
 
 def test_every_kind_of_step_has_its_object(tmp_path: Path) -> None:
-    from oomguard.act import steps
+    from oomguard.config import actions as steps
 
-    kinds = {steps.FREEZE, steps.CHECKPOINT, steps.SIGNAL, steps.KILL, steps.VRAM}
+    kinds = {steps.FREEZE, steps.CHECKPOINT, steps.SIGNAL, steps.KILL, steps.VRAM,
+             steps.PAGEOUT}
     assert set(make_rig(tmp_path).runner.actions) == kinds
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.steps import Step
+from oomguard.config.actions import Step
 from oomguard.config.loading import (
     EMBEDDED_CONFIG,
     CriuConfig,

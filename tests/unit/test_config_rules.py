@@ -1,6 +1,6 @@
 """oomguard.config.loading, the rule keys (actions, preferences, timing, store, system rules, daemon
 socket and store keeping): each parses to its internal unit, each bad value is reported with the
-file and the dotted key. And oomguard.act.acting.rule_parts: a rule's compiled pieces."""
+file and the dotted key. And oomguard.act.actor.rule_parts: a rule's compiled pieces."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.acting import RuleParts, rule_parts
+from oomguard.act.actor import RuleParts, rule_parts
 from oomguard.act.chain import ChainSettings
-from oomguard.act.steps import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
+from oomguard.config.actions import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config, load_config_text
 from oomguard.model.errors import ConfigError
 from oomguard.policy.preferences import Preferences
@@ -243,9 +243,9 @@ BAD_GUARD = [
      "'kill' can only be the last action: nothing runs after it"),
     ('actions = ["checkpoint", "freeze"]', "actions", "'freeze' can only be the first action"),
     ('actions = ["reboot"]', "actions",
-     "unknown action 'reboot': expected freeze, checkpoint, signal:SIG:GRACE, vram or kill"),
+     "unknown action 'reboot': expected freeze, checkpoint, signal:SIG:GRACE, vram, pageout or kill"),
     ('actions = ["checkpoint", "oom-kill"]', "actions",
-     "unknown action 'oom-kill': expected freeze, checkpoint, signal:SIG:GRACE, vram or kill"),
+     "unknown action 'oom-kill': expected freeze, checkpoint, signal:SIG:GRACE, vram, pageout or kill"),
     ('actions = ["signal:SIGNOPE:5s"]', "actions",
      "unknown signal 'SIGNOPE' in 'signal:SIGNOPE:5s'"),
     ('actions = ["signal:SIGKILL:5s"]', "actions",

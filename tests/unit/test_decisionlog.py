@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomguard.act.acting import Actor, Request, rule_parts
+from oomguard.act.actor import Actor, Request, rule_parts
 from oomguard.config.loading import GuardConfig
 from oomguard.observe.decisionlog import REPEAT_EVERY, DecisionLog
 from oomguard.policy.victims import ProcessTree

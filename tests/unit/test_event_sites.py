@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.acting import Actor, Request, rule_parts
+from oomguard.act.actor import Actor, Request, rule_parts
 from oomguard.act.chain import ChainOutcome, ChainResult
 from oomguard.act.criu import Criu
 from oomguard.act.freezer import BY_EVENTS, Frozen, SigstopFreezer

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.steps import VRAM, parse_chain
+from oomguard.config.actions import VRAM, parse_chain
 from oomguard.config.loading import GpuConfig, parse_config
 from oomguard.daemon.gpuwatch import GpuWatch, on_devices, pressure_reason
 from oomguard.daemon.guards import SystemGuard
 from oomguard.gpu.nvml import NvmlSensor
+from oomguard.gpu.offload import GpuRefused, move_off_gpu, restored_host_pids
 from oomguard.gpu.runtime import (
     ENGINE_CRIU_PLUGIN,
     ENGINE_CUDA_CHECKPOINT,
@@ -21,7 +22,6 @@ from oomguard.gpu.runtime import (
     GpuSupport,
     detect_gpu,
 )
-from oomguard.gpu.steps import GpuRefused, move_off_gpu, restored_host_pids
 from oomguard.model.errors import ConfigError
 from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.victims import ProcessTree, rank_victims, with_vram

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-# oomguard.act.steps is the steps' grammar (the config parses chains with it): not acting.
+# oomguard.config.actions is the steps' grammar (the config parses chains with it): not acting.
 ACTING = ("oomguard.lifecycle", "oomguard.act.criu", "oomguard.act.freezer", "oomguard.act.chain",
-          "oomguard.act.acting", "oomguard.act.runner", "oomguard.store.checkpoints",
+          "oomguard.act.actor", "oomguard.act.runner", "oomguard.store.checkpoints",
           "oomguard.daemon", "oomguard.control.service", "oomguard.terminal")
 
 
@@ -49,9 +49,9 @@ def test_the_policy_loads_only_the_model_and_the_types_it_decides_on(name: str) 
 
 
 # What loading a config may load: the model and the config itself (the chain's grammar is
-# oomguard.act.steps, which loads only the model). Not its checks against the machine, which
+# oomguard.config.actions, which loads only the model). Not its checks against the machine, which
 # read the cgroup tree. The CLI finds the daemon's socket in the config before anything else.
-CONFIG_MAY_LOAD = ("oomguard.model", "oomguard.config", "oomguard.act.steps")
+CONFIG_MAY_LOAD = ("oomguard.model", "oomguard.config", "oomguard.config.actions")
 
 
 def test_the_config_is_at_the_bottom_of_the_import_graph() -> None:

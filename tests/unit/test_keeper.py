@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.config.loading import DaemonConfig
-from oomguard.daemon.keeper import PRUNE_INTERVAL, StoreKeeper
+from oomguard.daemon.storekeeping import PRUNE_INTERVAL, StoreKeeper
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
 from oomguard.store.names import FROZEN_LEDGER

@@ -1,4 +1,5 @@
-"""oomguard.policy.restore_fits: auto-restore only when usage + image + margin stays under the mark."""
+"""oomguard.policy.restore_fits: auto-restore only when resident memory + image + margin stays under
+the mark (page cache is room)."""
 
 from __future__ import annotations
 
@@ -55,12 +56,19 @@ def test_restore_fits(usage: int, limit: int | None, image: int, margin: int, th
     assert restore_fits(snap(usage, limit), image, margin, threshold) is fits
 
 
-def test_only_usage_and_limit_count() -> None:
-    """anon memory and OOM state do not enter the sum (usage already holds both)."""
-    plain = snap(512 * MiB, GiB)
-    busy = snap(512 * MiB, GiB, anon=1000 * MiB, under_oom=True)
-    for image in (0, 256 * MiB, 256 * MiB + 1):
-        assert restore_fits(plain, image, 0, 0.75) == restore_fits(busy, image, 0, 0.75)
+def test_page_cache_is_room_resident_memory_is_not() -> None:
+    """The guard acts on resident memory (usage less page cache), and the kernel drops cache
+    for the restore's pages: a cgroup full of its jobs' written files has room (the soak's
+    restore cgroup sat at 1.96 of 2 GiB in cache with one 196 MiB job, and every restore into
+    it was refused until the store's budget filled)."""
+    cached = MemorySnapshot(usage_bytes=900 * MiB, limit_bytes=GiB, anon_bytes=100 * MiB,
+                            file_bytes=800 * MiB, oom_kills=0, under_oom=False)
+    assert restore_fits(cached, 600 * MiB, 64 * MiB, 0.75)  # 100 + 600 + 64 <= 768
+    assert not restore_fits(cached, 605 * MiB, 64 * MiB, 0.75)
+    # Kernel memory (usage beyond anon and cache) is not reclaimable: it counts.
+    kernel = MemorySnapshot(usage_bytes=900 * MiB, limit_bytes=GiB, anon_bytes=100 * MiB,
+                            file_bytes=300 * MiB, oom_kills=0, under_oom=False)
+    assert restore_fits(kernel, 168 * MiB, 0, 0.75) and not restore_fits(kernel, 169 * MiB, 0, 0.75)
 
 
 @pytest.mark.parametrize("limit", [1 * MiB, 100 * MiB, GiB, 16 * GiB])

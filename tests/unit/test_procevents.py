@@ -292,7 +292,7 @@ CHECK = f"""
 def test_importing_oomguard_imports_no_pyroute2() -> None:
     assert fresh("""
         import sys
-        import oomguard.daemon.exitwatch, oomguard.act.freezer, oomguard.daemon.app, oomguard.cli.doctor
+        import oomguard.daemon.exitwatch, oomguard.act.freezer, oomguard.daemon.serve, oomguard.cli.doctor
         import oomguard.sense.procevents
         print("pyroute2" in sys.modules)
     """) == "False"
@@ -325,7 +325,7 @@ def test_the_light_import_costs_a_fraction_of_the_whole() -> None:
     """RSS added beside oomguard's own imports (measured: +1.1 MiB against +9.8 MiB)."""
     measure = """
         import sys
-        import oomguard.daemon.app
+        import oomguard.daemon.serve
         from oomguard.sense import procevents
         def rss():
             return int(next(l for l in open("/proc/self/status")

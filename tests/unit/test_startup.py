@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from oomguard.act.steps import parse_chain
+from oomguard.config.actions import parse_chain
 from oomguard.config.loading import GuardConfig
+from oomguard.daemon.guardlines import gpu_summary, guard_line, size_text
 from oomguard.daemon.guards import CgroupGuard, SystemGuard
-from oomguard.daemon.startup import gpu_summary, guard_line, size_text
 from oomguard.gpu.runtime import GpuSupport
 
 MiB = 1 << 20

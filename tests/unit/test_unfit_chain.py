@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from oomguard.act.acting import Actor, Request, rule_parts
+from oomguard.act.actor import Actor, Request, rule_parts
 from oomguard.act.chain import ChainResult
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError

@@ -14,11 +14,10 @@ from oomguard.config.loading import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
 from oomguard.control.server import ControlServer
 from oomguard.daemon.exitwatch import ExitWatch, record_exit, rewatch_restored
+from oomguard.daemon.guardlines import gpu_summary
 from oomguard.daemon.locks import cgroup_keys
 from oomguard.daemon.loop import Daemon
-from oomguard.daemon.standby import Standby
-from oomguard.daemon.startup import gpu_summary
-from oomguard.daemon.wiring import (
+from oomguard.daemon.realparts import (
     build_checkpointer,
     build_containers,
     build_criu,
@@ -27,6 +26,7 @@ from oomguard.daemon.wiring import (
     build_service,
     remove_criu_cgroup,
 )
+from oomguard.daemon.standby import Standby
 from oomguard.lifecycle.restorefit import daemon_lookup
 from oomguard.model.errors import StoreError
 from oomguard.observe.dbus import SignalEmitter

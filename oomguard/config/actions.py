@@ -4,6 +4,7 @@
     actions = ["freeze", "checkpoint", "kill"]    # stop growth at once, then decide
     actions = ["signal:SIGUSR1:30s", "checkpoint"] # cooperative: let the trainer save itself
     actions = ["vram", "checkpoint"]              # GPU pressure: free the GPU, keep it running
+    actions = ["checkpoint", "pageout", "kill"]   # what CRIU cannot dump goes to swap, stopped
 
 Parsing is pure; the executor lives in oomguard/act/chain.py.
 """
@@ -17,12 +18,13 @@ from oomguard.model.units import MAX_WAIT, parse_duration
 
 FREEZE, CHECKPOINT, SIGNAL, KILL = "freeze", "checkpoint", "signal", "kill"
 VRAM = "vram"  # cuda-checkpoint alone: CUDA state into host memory, the process stays alive
+PAGEOUT = "pageout"  # the tree's memory into swap, the tree kept stopped until it fits again
 DEFAULT_CHAIN = (CHECKPOINT,)
 
 
 @dataclass(frozen=True)
 class Step:
-    kind: str  # freeze | checkpoint | signal | vram | kill
+    kind: str  # freeze | checkpoint | signal | vram | pageout | kill
     signal: int = 0  # for signal steps
     grace: float = 0.0  # for signal steps: how long to wait for the process to exit or shrink
 
@@ -37,7 +39,7 @@ def parse_step(text: str) -> Step:
         raise ValueError(f"expected an action such as 'checkpoint', got {text!r}")
     parts = text.strip().split(":")
     kind = parts[0].lower()
-    if kind in (FREEZE, CHECKPOINT, KILL, VRAM):
+    if kind in (FREEZE, CHECKPOINT, KILL, VRAM, PAGEOUT):
         if len(parts) != 1:
             raise ValueError(f"{kind!r} takes no arguments, got {text!r}")
         return Step(kind)
@@ -60,7 +62,7 @@ def parse_step(text: str) -> Step:
             raise ValueError(f"the grace period must be at most 1d, got {parts[2]!r}")
         return Step(SIGNAL, number, grace)
     raise ValueError(f"unknown action {parts[0]!r}: expected freeze, checkpoint, "
-                     "signal:SIG:GRACE, vram or kill")
+                     "signal:SIG:GRACE, vram, pageout or kill")
 
 
 def parse_chain(value: object) -> tuple[Step, ...]:

@@ -15,8 +15,8 @@ from typing import Any
 from oomguard.act.chain import ChainOutcome, ChainResult, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
-from oomguard.act.steps import CHECKPOINT, KILL, Step
 from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
+from oomguard.config.actions import CHECKPOINT, KILL, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from oomguard.act.acting import RuleParts, rule_parts
+from oomguard.act.actor import RuleParts, rule_parts
 from oomguard.daemon.guards import CgroupGuard, Guard
 from oomguard.gpu.runtime import GpuSupport
 

@@ -1,0 +1,161 @@
+"""The chain's `pageout` step: what CRIU cannot checkpoint is moved out of RAM instead, and
+kept stopped until its memory fits again (issue 29).
+
+The tree is held stopped (frozen again if the failed checkpoint thawed it), swap is found for
+its resident memory (the machine's own areas first; else oomguard's own swap file in the
+store's file system, within the store's budget), and every task's private memory is paged
+out (process_madvise MADV_PAGEOUT). The step settles once the cgroup is back under its
+threshold: the tree is then recorded as paged out (STORE/.paged-out.json) and left stopped,
+its frozen-ledger entries cleared (a crash must not continue it into memory that is not
+there). `oomguard resume ID|PID`, or the daemon once the tree fits by the auto-restore rule,
+continues it (oomguard.lifecycle.pagedresume). Anything that keeps the step from working (no
+rights, no room for a swap file, swapon refused, nothing taken) lets the next step run, and
+the event says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from oomguard.act.chainstate import CONTINUE, ChainOutcome, ChainResult, ChainRun, Settled, StepResult
+from oomguard.act.pageout import PageoutError, ProcessPager
+from oomguard.act.swapfiles import SwapFiles
+from oomguard.config.actions import Step
+from oomguard.lifecycle.pagedresume import Resumer
+from oomguard.model.errors import ProcessGone, StoreError
+from oomguard.model.units import format_size
+from oomguard.sense.swaps import SwapReader
+from oomguard.store.names import SWAP_DIR
+from oomguard.store.pagedout import PagedOutRecord, PagedOutTree
+
+if TYPE_CHECKING:
+    from oomguard.act.chain import ChainRunner
+
+SWAP_SLACK = 32 << 20  # a swap file is made this much larger than the tree's memory
+PASSES = 5  # page-out passes at most (see PageoutAction._page_out)
+PASS_WAIT = 0.1  # seconds between passes: the swap writes of the last one finish meanwhile
+
+
+@dataclass
+class PageoutTools:
+    """What the step works with, each replaceable by a test."""
+
+    record: PagedOutRecord
+    swap: SwapFiles
+    pager: ProcessPager = field(default_factory=ProcessPager)
+    swaps: SwapReader = field(default_factory=SwapReader)
+    wall_clock: Callable[[], float] = time.time
+
+    @classmethod
+    def for_store(cls, root: Path) -> PageoutTools:
+        return cls(PagedOutRecord(root), SwapFiles(root / SWAP_DIR))
+
+    def resumer(self) -> Resumer:
+        return Resumer(self.record, self.swap)
+
+
+class PageoutAction:
+    def __init__(self, tools: ChainRunner) -> None:
+        self.tools = tools
+
+    def run(self, step: Step, run: ChainRun) -> StepResult:
+        from oomguard.act.chainsteps import FreezeAction  # the freeze is that step's
+
+        tools, po = self.tools, self.tools.pageout
+        if not run.frozen:  # a failed checkpoint thawed it: stopped again
+            FreezeAction(tools).run(step, run)
+        if not run.frozen:
+            return self._failed(run, "every task of the tree was stopped by its user")
+        need = sum(self._resident(pid) for pid in run.frozen)
+        made: list[str] = []
+        try:
+            free = po.swaps.free()
+            if free < need:
+                size = need - free + SWAP_SLACK
+                self._room_on_disk(size)
+                made.append(str(po.swap.make(size)))
+            advised = self._page_out(run)
+        except ProcessGone:
+            self._give_back(made)
+            raise
+        except PageoutError as exc:
+            self._give_back(made)
+            return self._failed(run, exc.reason)
+        if run.still_pressing():
+            self._give_back(made)
+            return self._failed(run, f"{format_size(advised)} paged out, and the cgroup is "
+                                "still over its threshold")
+        tree = self._record(run, advised, made)
+        with contextlib.suppress(OSError):
+            tools.checkpointer.ledger.clear(run.frozen)
+        held = set(run.frozen)
+        run.recorded = [pid for pid in run.recorded if pid not in held]
+        run.frozen = []
+        tools.log.warning("victim.paged_out", paged_out_id=tree.id,
+                          paged_bytes=advised, swap_files=list(made),
+                          explanation="kept stopped until its memory fits again, or "
+                          f"`oomguard resume {tree.id}`", **run.fields)
+        return Settled(ChainOutcome(ChainResult.PAGED_OUT, str(step),
+                                    f"{format_size(advised)} paged out ({tree.id})"))
+
+    def _page_out(self, run: ChainRun) -> int:
+        """Every task's private memory advised out; again while the cgroup stays over its
+        threshold, a few times: the first pass starts the pages' writes to swap, and a page
+        still being written stays charged to the cgroup until a later pass (or reclaim)
+        frees it. Returns what the first pass advised."""
+        pager = self.tools.pageout.pager
+        first = sum(pager.page_out(pid).advised_bytes for pid in run.frozen)
+        for _ in range(PASSES - 1):
+            if not run.still_pressing():
+                break
+            self.tools.sleep(PASS_WAIT)
+            for pid in run.frozen:
+                pager.page_out(pid)
+        return first
+
+    def _resident(self, pid: int) -> int:
+        try:
+            return self.tools.proc.status(pid).rss_bytes
+        except ProcessGone:
+            return 0
+
+    def _room_on_disk(self, size: int) -> None:
+        """A swap file counts against the store's budget (it lives in the store's file
+        system): refused where it would take the store over it."""
+        budget = self.tools.checkpointer.budget
+        if budget is None:
+            return
+        try:
+            reading = budget.reading()
+        except StoreError as exc:
+            raise PageoutError(str(exc)) from exc
+        if not reading.fits(size):
+            raise PageoutError(f"no room for a {format_size(size)} swap file within the "
+                               f"store's budget ({format_size(reading.excess(size))} over)")
+
+    def _give_back(self, made: list[str]) -> None:
+        if made:
+            with contextlib.suppress(PageoutError):
+                self.tools.pageout.resumer().release_swap()
+
+    def _record(self, run: ChainRun, advised: int, made: list[str]) -> PagedOutTree:
+        po, tree = self.tools.pageout, run.tree
+        now = po.wall_clock()
+        tasks = tuple((pid, self.tools.proc.starttime(pid)) for pid in run.frozen)
+        entry = PagedOutTree(
+            id=f"po-{tree.root.pid}-{int(now * 1000)}", root_pid=tree.root.pid, tasks=tasks,
+            uid=tree.root.uid, cgroup=run.cgroup.rel_path if run.cgroup is not None else "",
+            since=now, paged_bytes=advised, resident_bytes=tree.rss_bytes,
+            command=tree.root.comm, swap_files=tuple(made))
+        po.record.add(entry)
+        return entry
+
+    def _failed(self, run: ChainRun, reason: str) -> StepResult:
+        then = run.next_step or "nothing more: the tree is continued"
+        self.tools.log.error("pageout.failed", reason=reason, then=then, **run.fields)
+        return CONTINUE

@@ -1,0 +1,94 @@
+"""Resuming a paged-out tree: its tasks continued (only the same processes, still stopped),
+its entry gone from the record, and the swap files made for it switched off and deleted once
+no other paged-out tree needs them. The tree takes its pages back from swap as it touches
+them; a swap file's swapoff reads what is left back in (charged to the tree's cgroup)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from oomguard.act.freezer import USER_STOPPED_STATE
+from oomguard.act.pageout import PageoutError
+from oomguard.act.swapfiles import SwapFiles
+from oomguard.model.errors import ProcessGone
+from oomguard.sense.procfs import ProcReader
+from oomguard.store.pagedout import PagedOutRecord, PagedOutTree
+
+
+@dataclass
+class Resumed:
+    tree: PagedOutTree
+    continued: list[int] = field(default_factory=list)
+    gone: list[int] = field(default_factory=list)  # ended meanwhile (killed, or its PID reused)
+    swap_removed: list[str] = field(default_factory=list)
+    swap_kept: str = ""  # why a swap file of it could not be removed yet (tried again later)
+
+
+class Resumer:
+    def __init__(self, record: PagedOutRecord, swap: SwapFiles,
+                 proc: ProcReader | None = None) -> None:
+        self.record = record
+        self.swap = swap
+        self.proc = proc or ProcReader()
+
+    def resume(self, tree: PagedOutTree) -> Resumed:
+        done = Resumed(tree)
+        for pid, started in tree.tasks:
+            try:
+                stat = self.proc.stat(pid)
+            except ProcessGone:
+                done.gone.append(pid)
+                continue
+            if stat.starttime != started or stat.state in ("Z", "X"):
+                done.gone.append(pid)
+                continue
+            if stat.state == USER_STOPPED_STATE:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                    done.continued.append(pid)
+        self.record.remove(tree.id)
+        self.release_swap(done)
+        return done
+
+    def ended(self) -> list[Resumed]:
+        """Trees every task of which has ended (killed while paged out): their entries gone,
+        their swap freed."""
+        over = []
+        for tree in self.record.trees():
+            if all(self._gone(pid, started) for pid, started in tree.tasks):
+                over.append(self.resume(tree))
+        return over
+
+    def release_swap(self, done: Resumed | None = None) -> list[str]:
+        """Switch off and delete oomguard's swap files that no paged-out tree needs (and any
+        a crash left switched off). Returns the ones removed; a failed swapoff (no room for
+        its pages yet) keeps the file, said in `done.swap_kept`."""
+        needed = self.record.swap_in_use()
+        removed = []
+        for area in self.swap.ours():
+            if area.path in needed:
+                continue
+            try:
+                self.swap.remove(Path(area.path))
+                removed.append(area.path)
+            except PageoutError as exc:
+                if done is not None:
+                    done.swap_kept = str(exc)
+        for path in self.swap.leftovers():
+            if str(path) not in needed:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        if done is not None:
+            done.swap_removed = removed
+        return removed
+
+    def _gone(self, pid: int, started: int) -> bool:
+        try:
+            stat = self.proc.stat(pid)
+        except ProcessGone:
+            return True
+        return stat.starttime != started or stat.state in ("Z", "X")
