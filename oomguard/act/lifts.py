@@ -15,6 +15,7 @@ dropped ("changed").
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import mmap
@@ -123,6 +124,36 @@ class LimitLifts:
         if current is not None and current < new_limit:
             try:
                 cgroup.raise_limit(new_limit)  # its own undo is not used: the ledger's is
+            except BaseException:
+                self._release(cgroup, token)
+                raise
+        return lambda: self._release(cgroup, token)
+
+    def lower(self, cgroup: MemoryCgroup, new_limit: int) -> Callable[[], str | None]:
+        """cgroup v1's way to make the kernel reclaim `usage - new_limit` bytes of a cgroup now
+        (v2 has memory.reclaim): the limit set below usage for a moment, recorded first like a
+        lift (a crash puts the own limit back at the next start), and put back by the
+        release. The kernel reclaims before the write returns, or fails it with EBUSY where it
+        cannot get under (nothing changed then). Returns the release."""
+        key = str(cgroup.path)
+        token = secrets.token_hex(4)
+        with self._locked() as entries:
+            entry = entries.get(key)
+            if entry is None:
+                entry = {"state": cgroup.limits_state(), "holders": [], "pending": False}
+                entries[key] = entry
+            entry["holders"].append([self.owner, self._owner_start, token])
+            current = cgroup.limit()
+            lowering = current is None or new_limit < current
+            if lowering:
+                entry["lifted"] = [*entry.get("lifted", []), _page(new_limit)]
+        if lowering:
+            try:
+                cgroup.set_limit(new_limit)
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    self._release(cgroup, token)
+                    raise
             except BaseException:
                 self._release(cgroup, token)
                 raise

@@ -27,7 +27,7 @@ from oomguard.act.pageout import PageoutError, ProcessPager
 from oomguard.act.swapfiles import SwapFiles
 from oomguard.config.actions import Step
 from oomguard.lifecycle.pagedresume import Resumer
-from oomguard.model.errors import ProcessGone, StoreError
+from oomguard.model.errors import CgroupGone, ProcessGone, StoreError
 from oomguard.model.units import format_size
 from oomguard.sense.swaps import SwapReader
 from oomguard.store.names import SWAP_DIR
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from oomguard.act.chain import ChainRunner
 
 SWAP_SLACK = 32 << 20  # a swap file is made this much larger than the tree's memory
-PASSES = 5  # page-out passes at most (see PageoutAction._page_out)
-PASS_WAIT = 0.1  # seconds between passes: the swap writes of the last one finish meanwhile
 
 
 @dataclass
@@ -79,7 +77,7 @@ class PageoutAction:
                 size = need - free + SWAP_SLACK
                 self._room_on_disk(size)
                 made.append(str(po.swap.make(size)))
-            advised = self._page_out(run)
+            advised = self._page_out_within_swap_limit(run, need)
         except ProcessGone:
             self._give_back(made)
             raise
@@ -103,20 +101,63 @@ class PageoutAction:
         return Settled(ChainOutcome(ChainResult.PAGED_OUT, str(step),
                                     f"{format_size(advised)} paged out ({tree.id})"))
 
+    def _page_out_within_swap_limit(self, run: ChainRun, need: int) -> int:
+        """cgroup v2: a memory.swap.max with too little room lifted for the page-out only."""
+        undo = None
+        if run.cgroup is not None:
+            try:
+                undo = run.cgroup.lift_swap(need)
+            except (OSError, CgroupGone) as exc:
+                raise PageoutError(f"cannot make room under memory.swap.max: {exc}") from exc
+        try:
+            return self._page_out(run)
+        finally:
+            if undo is not None:
+                with contextlib.suppress(OSError, CgroupGone):
+                    undo()
+
     def _page_out(self, run: ChainRun) -> int:
-        """Every task's private memory advised out; again while the cgroup stays over its
-        threshold, a few times: the first pass starts the pages' writes to swap, and a page
-        still being written stays charged to the cgroup until a later pass (or reclaim)
-        frees it. Returns what the first pass advised."""
-        pager = self.tools.pageout.pager
-        first = sum(pager.page_out(pid).advised_bytes for pid in run.frozen)
-        for _ in range(PASSES - 1):
-            if not run.still_pressing():
-                break
-            self.tools.sleep(PASS_WAIT)
-            for pid in run.frozen:
-                pager.page_out(pid)
-        return first
+        """Every task's private memory advised out, then the cgroup's charge for it freed:
+        a page whose write to swap has not ended when process_madvise returns (a swap file's
+        writes are asynchronous) stays in the swap cache, unmapped and clean but charged to
+        the cgroup, until reclaim takes it. So the cgroup is made to reclaim that much now,
+        the coldest pages first, which are these: v2 through memory.reclaim, v1 by its limit
+        set below usage for a moment (recorded first: oomguard.act.lifts.LimitLifts.lower).
+        Returns what process_madvise took the advice for."""
+        pager, cgroup = self.tools.pageout.pager, run.cgroup
+        before = self._usage(run)
+        advised = sum(pager.page_out(pid).advised_bytes for pid in run.frozen)
+        if cgroup is None or not run.still_pressing():
+            return advised
+        swapped = sum(self._swapped(pid) for pid in run.frozen)
+        charged = swapped - max(0, before - self._usage(run))  # still in the swap cache
+        if charged <= 0:
+            return advised
+        with contextlib.suppress(OSError, CgroupGone):
+            if not cgroup.reclaim(charged):
+                target = self._usage(run) - charged
+                if target > 0:
+                    release = self.tools.checkpointer.lifts.lower(cgroup, target)
+                    release()
+        return advised
+
+    def _usage(self, run: ChainRun) -> int:
+        try:
+            return run.cgroup.usage() if run.cgroup is not None else 0
+        except (OSError, CgroupGone):
+            return 0
+
+    def _swapped(self, pid: int) -> int:
+        """/proc/PID/status VmSwap: the task's pages with a swap entry (freed, or still in
+        the swap cache)."""
+        try:
+            text = (self.tools.proc.root / str(pid) / "status").read_text()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            if line.startswith("VmSwap:"):
+                return int(line.split()[1]) << 10
+        return 0
 
     def _resident(self, pid: int) -> int:
         try:

@@ -119,6 +119,16 @@ class V1MemoryCgroup:
         self.set_limit(new_limit)
         return lambda: self.set_limit(old)
 
+    def lift_swap(self, need: int) -> Callable[[], None] | None:
+        """cgroup v1 counts swap with memory (memory.memsw.*): a page-out moves a page from
+        one to the other within the same sum, so there is nothing to lift."""
+        return None
+
+    def reclaim(self, amount: int) -> bool:
+        """cgroup v1 has no memory.reclaim: False (the caller lowers the limit for a moment,
+        recorded: oomguard.act.lifts.LimitLifts.lower)."""
+        return False
+
     def limits_state(self) -> dict[str, int | None]:
         """What raise_limit changes, to be recorded and put back (even by another process)."""
         return {"max": self.limit()}

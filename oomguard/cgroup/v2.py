@@ -97,6 +97,34 @@ class V2MemoryCgroup:
         """What raise_limit changes, to be recorded and put back (even by another process)."""
         return {"max": self.limit(), "high": self.high()}
 
+    def lift_swap(self, need: int) -> Callable[[], None] | None:
+        """Room for `need` more bytes in swap under memory.swap.max (a unit's MemorySwapMax=):
+        lifted where there is less, for a page-out; returns the undo (None: nothing lifted).
+        Putting it back below what is in swap then only keeps more from being swapped: the
+        kernel swaps nothing in for it."""
+        try:
+            limit = parse_max(self._read("memory.swap.max"))
+            current = int(self._read("memory.swap.current"))
+        except FileNotFoundError:  # no swap accounting here
+            return None
+        if limit is None or limit - current >= need:
+            return None
+        self._write("memory.swap.max", str(current + need))
+        return lambda: self._write("memory.swap.max", str(limit))
+
+    def reclaim(self, amount: int) -> bool:
+        """memory.reclaim (Linux >= 5.19): the kernel reclaims about `amount` bytes of the
+        cgroup now, the coldest first. True where it could be asked (EAGAIN: it reclaimed less
+        than asked, which is no error here); False on a kernel without it."""
+        try:
+            self._write("memory.reclaim", str(max(amount, 0)))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+        return True
+
     def put_back_limits(self, state: dict[str, int | None]) -> None:
         """memory.max written below usage would make the kernel OOM-kill in the cgroup: reclaim
         first (memory.reclaim), and with usage still above it raise LimitBusy instead."""

@@ -354,6 +354,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     cps = status.get("checkpoints", {})
     print(f"checkpoints: {cps.get('count', 0)} ({cps.get('checkpointed', 0)} not restored), "
           f"{format_size(cps.get('bytes', 0))}")
+    paged = status.get("paged_out") or {}
+    if paged.get("count"):
+        print(f"paged out: {paged['count']} tree(s) stopped until they fit, "
+              f"{format_size(paged.get('bytes', 0))} in swap ({', '.join(paged.get('ids', []))}; "
+              "`oomguard resume ID`)")
     store = status.get("store")
     if store:
         print(f"store: {budget_text(store)}")

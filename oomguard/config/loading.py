@@ -97,6 +97,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     keep_free = read.take(daemon, "daemon.", "store_keep_free", SIZE_SHARE_OR_NONE,
                           base.store_keep_free)
     max_age = read.take(daemon, "daemon.", "store_max_age", DURATION_OR_NONE, base.store_max_age)
+    at_stop = read.take(daemon, "daemon.", "pageout_at_stop",
+                        lambda v: choice(v, ("keep", "resume")), base.pageout_at_stop)
     textfile = read.take(daemon, "daemon.", "metrics_textfile_dir",
                          lambda v: Path(nonempty_str(v)) if v != "" else None, None)
     metrics_port = read.take(daemon, "daemon.", "metrics_port", port, 0)
@@ -187,7 +189,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                         dry_run=dry_run, nice=nice, socket=socket, control_idle_timeout=idle,
                         control_call_rate=call_rate, store_max_size=max_size,
                         store_keep_free=keep_free, store_max_age=max_age,
-                        metrics_textfile_dir=textfile, metrics_port=metrics_port,
+                        pageout_at_stop=at_stop, metrics_textfile_dir=textfile, metrics_port=metrics_port,
                         metrics_address=address, oomd_prekill_dir=prekill,
                         dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
                         hook_timeout=hook_timeout,

@@ -126,6 +126,9 @@ class DaemonConfig:
     store_max_size: int | float | None = 0.10
     store_keep_free: int | float | None = 0.15
     store_max_age: float | None = 30 * 86400.0  # restored checkpoints older than this go
+    # What a clean stop does with paged-out trees (the pageout action): "keep" them stopped
+    # and recorded (the next daemon continues them once they fit), or "resume" them all.
+    pageout_at_stop: str = "keep"
     metrics_textfile_dir: Path | None = None  # node_exporter textfile collector directory
     metrics_port: int = 0  # serve /metrics on this local port (0: off)
     metrics_address: str = "127.0.0.1"

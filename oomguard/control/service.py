@@ -353,6 +353,10 @@ class Service:
             "checkpointed": sum(1 for m in mine if m.state == "checkpointed"),
             "bytes": sum(m.image_bytes for m in mine),
         }
+        paged = self.paged_out(uid)
+        status["paged_out"] = {"count": len(paged),
+                               "bytes": sum(int(t["paged_bytes"]) for t in paged),
+                               "ids": [str(t["id"]) for t in paged]}
         budget = self.budget
         if budget is not None:  # the store's use against its budget (oomguard.policy.budget)
             try:

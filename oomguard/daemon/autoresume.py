@@ -13,6 +13,7 @@ from typing import Any
 
 from oomguard.act.pageoutstep import PageoutTools
 from oomguard.daemon.guards import CgroupGuard
+from oomguard.lifecycle.pagedresume import Resumed
 from oomguard.policy.pressure import restore_fits
 
 
@@ -28,6 +29,11 @@ class AutoResumer:
         """The tasks of every paged-out tree: never victims while they are paged out (a
         checkpoint would take their stop for their user's)."""
         return frozenset(pid for tree in self.tools.record.trees() for pid in tree.pids)
+
+    def resume_all(self) -> list[Resumed]:
+        """Every paged-out tree continued (pageout_at_stop = "resume")."""
+        resumer = self.tools.resumer()
+        return [resumer.resume(tree) for tree in self.tools.record.trees()]
 
     def kept_at_stop(self) -> list[str]:
         """The paged-out trees a stopping daemon leaves stopped (their ids)."""

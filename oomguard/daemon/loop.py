@@ -322,11 +322,17 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             if left:
                 self.log.warning("restore.lazy_abandoned", keepers=left,
                                  explanation="pages still streaming in at exit")
+        if self.config.pageout_at_stop == "resume":
+            for done in self.auto_resume.resume_all():
+                self.log.warning("pageout.resumed", paged_out_id=done.tree.id,
+                                 pid=done.tree.root_pid, at_stop=True, continued=done.continued,
+                                 gone=done.gone, swap_removed=done.swap_removed,
+                                 swap_kept=done.swap_kept or None)
         kept = self.auto_resume.kept_at_stop()
         if kept:  # said, never left silently: `oomguard resume` continues them
             self.log.warning("pageout.kept", paged_out=kept, explanation="paged out and kept "
-                             "stopped across the stop; the next daemon continues them once they "
-                             "fit, or `oomguard resume ID`")
+                             "stopped across the stop (pageout_at_stop = \"keep\"); the next "
+                             "daemon continues them once they fit, or `oomguard resume ID`")
         self.park_watch.stop()
         self.files.close()
         self.newcomers.close()

@@ -89,6 +89,8 @@ def gauge_reader(metrics: Metrics, daemon: Daemon) -> Callable[[], None]:
     usage and limits now, and the store; nothing is read on a timer."""
     def refresh() -> None:
         publish_gauges(metrics, list(daemon.guards), daemon.keeper.listed())
+        trees = daemon.auto_resume.tools.record.trees()
+        metrics.set_paged_out(len(trees), sum(t.paged_bytes for t in trees))
     return refresh
 
 

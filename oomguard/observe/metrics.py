@@ -140,6 +140,11 @@ class Metrics:
         self._store_checkpoints = Gauge(
             "oomguard_store_checkpoints", "Checkpoints held in the store.", registry=r
         )
+        self._paged_out = Gauge(
+            "oomguard_paged_out_trees", "Process trees paged out and kept stopped until they "
+            "fit (the pageout action).", registry=r)
+        self._paged_out_bytes = Gauge(
+            "oomguard_paged_out_bytes", "Bytes those trees have in swap.", registry=r)
         self._guards = Gauge("oomguard_guards", "Configured guards.", registry=r)
         self._cgroups_watched = Gauge(
             "oomguard_cgroups_watched", "Memory cgroups currently watched.", registry=r
@@ -207,6 +212,10 @@ class Metrics:
     def set_store(self, bytes_: int, count: int) -> None:
         self._store_bytes.set(bytes_)
         self._store_checkpoints.set(count)
+
+    def set_paged_out(self, trees: int, bytes_: int) -> None:
+        self._paged_out.set(trees)
+        self._paged_out_bytes.set(bytes_)
 
     def set_guards(self, guards: int, cgroups: int) -> None:
         self._guards.set(guards)

@@ -143,3 +143,52 @@ def test_a_grower_in_the_lifted_room_is_acted_on_until_the_limit_is_back(
         assert json.loads((store / LIFTS_LEDGER).read_text()) == {}
     finally:
         kill_pid(grower.pid)
+
+
+# A process that lowers the limit through the ledger and dies holding it (SIGKILL).
+DIE_HOLDING_LOWER = r"""
+import os, signal, sys
+from pathlib import Path
+from oomguard.act.lifts import LimitLifts
+from oomguard.cgroup.v1 import V1MemoryCgroup
+cg = V1MemoryCgroup(sys.argv[2], sys.argv[3])
+LimitLifts(Path(sys.argv[1])).lower(cg, int(sys.argv[4]))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_limit_lowered_for_a_reclaim_is_recorded_and_always_comes_back(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """cgroup v1's reclaim for the pageout step (LimitLifts.lower): the limit set below usage
+    for a moment makes the kernel reclaim (here clean page cache) before the write returns;
+    it is recorded before it is written, the release puts the own limit back, and a holder
+    that dies with it leaves it to the next daemon's start, which puts it back."""
+    from oomguard.act.lifts import LimitLifts
+    from oomguard.cgroup.v1 import V1MemoryCgroup
+
+    cg = cgroups.make("lower", 400 * MiB)
+    if not isinstance(cg, V1MemoryCgroup):
+        pytest.skip("cgroup v1's way (v2 has memory.reclaim)")
+    writer = start_in_cgroup(cg, ["dd", "if=/dev/zero", f"of={tmp_path / 'cache.dat'}",
+                                  "bs=1M", "count=150", "conv=fsync", "status=none"])
+    assert writer.wait(timeout=60) == 0
+    before = cg.usage()
+    assert before >= 140 * MiB
+    ledger = store / LIFTS_LEDGER
+    store.mkdir(parents=True, exist_ok=True)
+    lifts = LimitLifts(ledger)
+    release = lifts.lower(cg, before - 100 * MiB)
+    assert cg.limit() == (before - 100 * MiB) // 4096 * 4096
+    assert cg.usage() <= before - 100 * MiB  # reclaimed before the write returned
+    assert lifts.lifted(cg.path) and lifts.own_limit(cg.path) == (True, 400 * MiB)
+    assert release() is None
+    assert cg.limit() == 400 * MiB and json.loads(ledger.read_text()) == {}
+
+    # A holder that dies with the limit lowered: the next daemon puts it back at its start.
+    subprocess.run([sys.executable, "-c", DIE_HOLDING_LOWER, str(ledger), str(cg.path),
+                    str(cg.mount), str(64 * MiB)], check=False, timeout=30)
+    assert cg.limit() == 64 * MiB
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+        guard.wait_event("guard.ready")
+        assert wait_until(lambda: cg.limit() == 400 * MiB, 10), cg.limit()
+    assert json.loads(ledger.read_text()) == {}

@@ -249,3 +249,13 @@ def test_serve_releases_port_on_close() -> None:
         assert port != 0
     with m.serve(port) as again:  # the socket was released, the port can be bound again
         assert again.port == port
+
+
+def test_paged_out_trees_are_counted() -> None:
+    from oomguard.observe.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set_paged_out(2, 300 << 20)
+    text = metrics.render().decode()
+    assert "oomguard_paged_out_trees 2.0" in text
+    assert "oomguard_paged_out_bytes 3.145728e+08" in text

@@ -14,6 +14,7 @@ import pytest
 from oomguard.act.pageout import PageoutError, _after, pageout_ranges, parse_maps
 from oomguard.act.runner import CommandResult
 from oomguard.act.swapfiles import MIN_SIZE, PREFIX, SwapFiles
+from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.sense.swaps import SwapReader, parse_swaps
 
 MAPS = """\
@@ -108,3 +109,30 @@ def test_a_swap_file_that_cannot_be_switched_on_is_not_left_behind(tmp_path: Pat
     with pytest.raises(PageoutError, match=f"{step} .* failed: .*Invalid argument"):
         files.make(20 << 20)
     assert list((tmp_path / ".swap").iterdir()) == []
+
+
+def _v2(tmp_path: Path, swap_max: str, swap_current: int) -> V2MemoryCgroup:
+    cg = tmp_path / "job.scope"
+    cg.mkdir()
+    (cg / "memory.swap.max").write_text(swap_max + "\n")
+    (cg / "memory.swap.current").write_text(f"{swap_current}\n")
+    return V2MemoryCgroup(cg, tmp_path)
+
+
+def test_a_v2_swap_limit_with_too_little_room_is_lifted_for_the_page_out_only(
+        tmp_path: Path) -> None:
+    """memory.swap.max (MemorySwapMax=) in a fake cgroupfs: the real one is the v2 lane's."""
+    cg = _v2(tmp_path, str(100 << 20), 90 << 20)
+    undo = cg.lift_swap(50 << 20)
+    assert undo is not None
+    assert (cg.path / "memory.swap.max").read_text() == str(140 << 20)
+    undo()
+    assert (cg.path / "memory.swap.max").read_text() == str(100 << 20)
+
+
+@pytest.mark.parametrize(("swap_max", "current"), [("max", 0), (str(200 << 20), 90 << 20)])
+def test_a_v2_swap_limit_with_room_is_left_alone(tmp_path: Path, swap_max: str,
+                                                 current: int) -> None:
+    cg = _v2(tmp_path, swap_max, current)
+    assert cg.lift_swap(50 << 20) is None
+    assert (cg.path / "memory.swap.max").read_text().strip() == swap_max
