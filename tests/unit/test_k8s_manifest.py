@@ -1,12 +1,15 @@
-"""The Kubernetes DaemonSet and RBAC shipped in deploy/kubernetes: parsed and checked field by
-field (no kubeconform here: its releases are not on the package registries this machine
-reaches), and the embedded oomguard config validated by oomguard's own parser."""
+"""The Kubernetes DaemonSet and RBAC shipped in deploy/kubernetes: validated against Kubernetes'
+own OpenAPI schemas (kubernetes-validate, from PyPI: kubeconform's releases are not on the
+package registries this machine reaches), checked field by field for what the schema cannot
+know (the kubelet reached on the node's network, the mounts), and the embedded oomguard config
+validated by oomguard's own parser."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from oomguard.config.loading import load_config_text
@@ -21,6 +24,22 @@ def documents() -> dict[str, dict[str, Any]]:
         assert {"apiVersion", "kind", "metadata"} <= set(doc), doc
         assert doc["metadata"].get("name"), doc
     return {d["kind"]: d for d in docs}
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "1.30.0", "1.31.0"])
+def test_the_manifest_validates_against_the_kubernetes_schemas(version: str) -> None:
+    """Strict: an unknown field anywhere (a misspelt hostNetwork) fails."""
+    validate = pytest.importorskip("kubernetes_validate", reason="pip install -e .[dev]")
+    for doc in (d for d in yaml.safe_load_all(MANIFEST.read_text()) if d):
+        validate.validate(doc, version, strict=True)
+
+
+def test_a_misspelt_field_fails_the_schema_check() -> None:
+    validate = pytest.importorskip("kubernetes_validate", reason="pip install -e .[dev]")
+    ds = documents()["DaemonSet"]
+    ds["spec"]["template"]["spec"]["hostNetwrk"] = True
+    with pytest.raises(validate.ValidationError, match="hostNetwrk"):
+        validate.validate(ds, "1.30.0", strict=True)
 
 
 def test_every_object_is_there_once() -> None:
@@ -53,6 +72,8 @@ def test_daemonset_runs_privileged_in_the_hosts_pid_namespace_with_its_mounts() 
     assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
     pod = spec["template"]["spec"]
     assert pod["hostPID"] is True and pod["serviceAccountName"] == "oomguard"
+    # kubelet_url's default, https://127.0.0.1:10250, is the node's own: its network namespace.
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["tolerations"] == [{"operator": "Exists"}]
     (container,) = pod["containers"]
     assert container["securityContext"]["privileged"] is True
@@ -64,6 +85,7 @@ def test_daemonset_runs_privileged_in_the_hosts_pid_namespace_with_its_mounts() 
     assert volumes["store"]["hostPath"]["path"] == mounts["store"] == "/var/lib/oomguard"
     assert volumes["config"]["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
     assert container["args"][:3] == ["run", "--config", "/etc/oomguard/oomguard.toml"]
+    assert "env" not in container  # nothing reads NODE_NAME
     for doc in (docs["ServiceAccount"], docs["ConfigMap"], ds):
         assert doc["metadata"]["namespace"] == docs["Namespace"]["metadata"]["name"]
 
