@@ -23,15 +23,18 @@ from bench.lazy import lazy_restore
 from bench.report import write_report
 from bench.saverate import UNTHROTTLED, save_rate
 from bench.throughput import throughput
+from bench.undumpable import undumpable
 from bench.victims import victim_choice
 
-PARTS = ("latency", "contended", "saverate", "throughput", "lazy", "compress", "idle", "scale", "victims")
+PARTS = ("latency", "contended", "saverate", "throughput", "lazy", "compress", "idle", "scale",
+         "victims", "undumpable")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--earlyoom", type=Path, help="earlyoom binary for the idle comparison")
+    parser.add_argument("--earlyoom", type=Path,
+                        help="earlyoom binary for the idle and undumpable comparisons")
     parser.add_argument("--quick", action="store_true", help="few runs: checks the harness")
     parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts")
     parser.add_argument("--work", type=Path, default=Path("/var/tmp"),
@@ -84,6 +87,7 @@ def main() -> int:
               10.0 if quick else 60.0, args.earlyoom)
         timed("scale", scale_latency, [100, 500, 2000], latency_runs, 100 if quick else 1000)
         timed("victims", victim_choice, 1000 if quick else 10_000, runs)
+        timed("undumpable", undumpable, 2 if quick else 5, args.earlyoom)
     results.setdefault("seconds", {})["total"] = round(time.monotonic() - began, 1)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_report(results, args.out)

@@ -238,6 +238,41 @@ def _plots(results: dict[str, Any], out: Path) -> list[str]:
     return made
 
 
+def _undumpable(found: dict[str, Any] | None) -> list[str]:
+    if not found:
+        return []
+    lines = ["## 7. Victims CRIU cannot dump", "",
+             f"Jobs holding a Unix connection to a server outside their tree (CRIU refuses "
+             f"it) grow to {found['target_mib']} MiB in a {found['limit_mib']} MiB cgroup, one "
+             "at a time, under each guard. `saved`: the job ran to its end with every chunk of "
+             "its memory intact (paged out, then continued once the limit was raised).", ""]
+    rows = []
+    for key, label in (("kernel", "kernel OOM killer alone"),
+                       ("earlyoom", "earlyoom -m 10"),
+                       ("oomguard_checkpoint_kill", 'oomguard ["checkpoint", "kill"]'),
+                       ("oomguard_checkpoint_pageout", 'oomguard ["checkpoint", "pageout"]')):
+        if key in found:
+            outcomes = found[key]["outcomes"]
+            rows.append([label, str(found[key]["jobs"]), str(outcomes.get("saved", 0)),
+                         ", ".join(f"{v} {k}" for k, v in outcomes.items() if k != "saved")
+                         or "-"])
+    lines += _table(["guard", "jobs", "saved", "lost"], rows)
+    page = found.get("oomguard_checkpoint_pageout", {}).get("pageout")
+    base = found.get("checkpoint_baseline")
+    if page and base:
+        lines += ["RAM given back per second: the page-out (from the checkpoint's refusal to "
+                  "`victim.paged_out`, the swap file made included) against a checkpoint of "
+                  "a dumpable job of the same size (frozen to committed), the baseline, in the "
+                  "same run.", ""]
+        lines += _table(["how", "median MiB/s", "min", "max", "median s", "runs"],
+                        [[label, _f(v["mib_per_s"]["median"]), _f(v["mib_per_s"]["min"]),
+                          _f(v["mib_per_s"]["max"]), _f(v["seconds"]["median"], 2),
+                          str(v["mib_per_s"]["n"])]
+                         for label, v in (("checkpoint (baseline)", base), ("page-out", page))])
+        lines += [f"Page-out / checkpoint: {found.get('pageout_vs_checkpoint')}x", ""]
+    return lines
+
+
 def write_report(results: dict[str, Any], out: Path) -> None:
     lines = ["# oomguard benchmarks", "",
              "Written by `scripts/bench` (`python -m bench`); the raw figures are in "
@@ -421,5 +456,6 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             rows.append(["one parent of them all: system rule (its family is a candidate)",
                          _f(row["median"], 2), _f(row["p95"], 2), str(row["n"])])
         lines += _table(["how", "median ms", "p95 ms", "runs"], rows)
+    lines += _undumpable(results.get("undumpable"))
     lines += [f"Run time per part (s): {results.get('seconds')}", ""]
     (out / "results.md").write_text("\n".join(lines))

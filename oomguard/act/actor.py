@@ -16,7 +16,7 @@ from oomguard.act.chain import ChainOutcome, ChainResult, ChainRunner, ChainSett
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
-from oomguard.config.actions import CHECKPOINT, KILL, Step
+from oomguard.config.actions import CHECKPOINT, KILL, PAGEOUT, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone
@@ -215,8 +215,15 @@ class Actor:
         marks = None if self.dry_run else self.runner.marks  # a dry run refuses nothing
         if marks is not None and not request.limit_busy:
             # Trees no checkpoint can take while they live were refused once: never again.
+            # A chain that pages out takes them last instead (its checkpoint step refuses
+            # them at once): paged out and resumed, such a tree that grows again is paged
+            # out again, not left to the kernel's OOM killer.
             marks.forget_gone()
-            ranked, unfit = marks.split(ranked, fresh=request.refresh is None)
+            everyone = ranked
+            ranked, unfit = marks.split(everyone, fresh=request.refresh is None)
+            if PAGEOUT in (step.kind for step in request.parts.chain):
+                kept = {id(tree) for tree in ranked}
+                ranked, unfit = ranked + [t for t in everyone if id(t) not in kept], []
         choose_ms = round((self.clock() - began) * 1000, 2)  # reading and ranking the trees
         if not ranked:
             if unfit:
@@ -236,7 +243,8 @@ class Actor:
             if tree is None:
                 continue  # gone since it was ranked
             if request.refresh is not None and marks is not None and marks.reason(tree) \
-                    and not request.limit_busy:
+                    and not request.limit_busy \
+                    and PAGEOUT not in (step.kind for step in request.parts.chain):
                 continue  # refused for good before (it was a ranking's stand-ins until now)
             fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
                                       "comm": tree.root.comm, "rss": tree.rss_bytes,

@@ -175,6 +175,13 @@ class CheckpointAction:
         container = self._container_of(run)
         if container is not None:
             return self._checkpoint_container(step, run, container)
+        marked = tools.marks.reason(tree)
+        if marked is not None:  # refused for good before: taken again only to page it out
+            said = {**fields, "lasting": True, "then": run.next_step or "nothing more"}
+            tools.events.publish(events.CheckpointRefused(
+                f"refused before, for as long as it lives: {marked}", said))
+            run.why_not = marked
+            return ChainOutcome(ChainResult.REFUSED, str(step), marked)
         store = tools.checkpointer.store.root
         need = tree.rss_bytes + run.settings.store_margin
         free = tools.free(store)

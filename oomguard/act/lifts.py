@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import mmap
 import os
 import secrets
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +52,6 @@ class LimitLifts:
         self.proc = proc or ProcReader()
         self.owner = owner if owner is not None else os.getpid()
         self._owner_start = self.proc.starttime(self.owner)
-        self._lock = threading.Lock()
         self._cache: tuple[tuple[int, int, int], dict[str, dict[str, Any]]] | None = None
 
 
@@ -64,19 +61,12 @@ class LimitLifts:
     def _locked(self) -> Iterator[dict[str, dict[str, Any]]]:
         """The ledger, read and written under an flock (other oomguard processes) and a
         thread lock (this one's workers); written back when the block ends."""
-        with self._lock:
-            self.ledger.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.ledger.with_name(self.ledger.name + ".lock"),
-                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                entries = self._load()
-                before = json.dumps(entries, sort_keys=True)
-                yield entries
-                if json.dumps(entries, sort_keys=True) != before:
-                    self._save(entries)
-            finally:
-                os.close(fd)
+        with self.record.locked():
+            entries = self._load()
+            before = json.dumps(entries, sort_keys=True)
+            yield entries
+            if json.dumps(entries, sort_keys=True) != before:
+                self._save(entries)
 
     def _load(self) -> dict[str, dict[str, Any]]:
         data = self.record.read()

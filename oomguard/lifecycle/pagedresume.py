@@ -46,7 +46,9 @@ class Resumer:
             if stat.starttime != started or stat.state in ("Z", "X"):
                 done.gone.append(pid)
                 continue
-            if stat.state == USER_STOPPED_STATE:
+            # T: stopped by oomguard's SIGSTOP; t: a traced task stopped by it (its tracer,
+            # stopped too, is continued with it and lets it run on)
+            if stat.state in (USER_STOPPED_STATE, "t"):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
                     done.continued.append(pid)

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from oomguard.model.atomicfile import write_atomically
 from oomguard.store.names import HISTORY
 
 HISTORY_NAME = HISTORY
@@ -63,10 +64,6 @@ class EventHistory:
             pass
 
     def _rewrite(self, entries: list[dict[str, Any]]) -> None:
-        temp = self.path.with_name(f"{HISTORY_NAME}.{os.getpid()}.tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join((json.dumps(e, default=str) + "\n").encode() for e in entries))
-        os.replace(temp, self.path)
+        write_atomically(self.path, b"".join((json.dumps(e, default=str) + "\n").encode()
+                                             for e in entries), 0o600, sync=False)
         self._lines = len(entries)

@@ -42,12 +42,29 @@ class JsonRecord:
     frozen ledger is written in place instead, see FrozenLedger._update): read as JSON (None
     from a missing, unreadable or malformed file: nothing recorded), written whole with
     write_atomically (a reader sees the old record or the new one), `sync` and `mode` as its
-    owner needs them. Each owner checks the shape of what it reads and keeps its own lock."""
+    owner needs them. Each owner checks the shape of what it reads; a read-change-write holds
+    `locked()`."""
 
     def __init__(self, path: Path, *, sync: bool, mode: int = 0o600) -> None:
         self.path = path
         self.sync = sync
         self.mode = mode
+        self._thread_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Held across a read, change and write of the record: a thread lock (this process's
+        workers) and an flock on PATH.lock beside it (the daemon and the CLI's processes),
+        made root-only with its directory if need be."""
+        with self._thread_lock:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path.with_name(self.path.name + ".lock"),
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
 
     def read(self) -> object:
         try:

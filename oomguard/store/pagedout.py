@@ -10,11 +10,7 @@ fsync'd (a lost entry would leave a tree stopped with nobody to continue it).
 
 from __future__ import annotations
 
-import fcntl
-import os
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,20 +62,6 @@ class PagedOutRecord:
 
     def __init__(self, store_root: Path) -> None:
         self.record = JsonRecord(store_root / PAGED_OUT, sync=True)
-        self._lock_path = store_root / (PAGED_OUT + ".lock")
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with self._lock:
-            self._lock_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)
 
     def trees(self) -> list[PagedOutTree]:
         data = self.record.read()
@@ -103,7 +85,7 @@ class PagedOutRecord:
         return {path for tree in self.trees() for path in tree.swap_files}
 
     def _change(self, change: Callable[[list[PagedOutTree]], list[PagedOutTree]]) -> None:
-        with self._locked():
+        with self.record.locked():
             trees = change(self.trees())
             if trees:
                 self.record.write([_as_json(t) for t in trees])

@@ -8,7 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from oomguard.act.actor import Actor, Request, rule_parts
-from oomguard.act.chain import ChainResult
+from oomguard.act.chain import ChainOutcome, ChainResult
+from oomguard.act.chainstate import ChainRun, Settled, StepResult
+from oomguard.config.actions import Step
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint
@@ -122,3 +124,47 @@ def test_the_actor_never_chooses_a_marked_tree_again_and_says_so_once(tmp_path: 
     actor._run(request, lambda: None)
     assert [c["tree"].root.pid for c in rig.checkpointer.calls] == [ROOT, ROOT + 50]
     assert not actor.left_alone("/jobs")
+
+
+class PagesOut:
+    """The pageout step, recording what it was given (its real parts: test_pageout_real.py)."""
+
+    def __init__(self) -> None:
+        self.trees: list[int] = []
+
+    def run(self, step: Step, chain_run: ChainRun) -> StepResult:
+        self.trees.append(chain_run.tree.root.pid)
+        return Settled(ChainOutcome(ChainResult.PAGED_OUT, str(step), "paged out"))
+
+
+def test_a_chain_that_pages_out_takes_a_marked_tree_again_past_its_checkpoint(
+        tmp_path: Path) -> None:
+    """Paged out, then continued, a tree CRIU cannot dump that grows again is paged out
+    again: never left to the kernel's OOM killer for having been refused once. Its
+    checkpoint step refuses it at once, without asking CRIU again; unmarked trees still
+    come first."""
+    rig, sink = refused(tmp_path)
+    pager = PagesOut()
+    rig.runner.actions["pageout"] = pager
+    actor = Actor(rig.runner, LogRecorder(), dry_run=False, clock=lambda: 10.0)
+    trees = [unfit_tree()]
+    config = GuardConfig(cgroups=("/jobs",), actions=chain("checkpoint", "pageout"))
+    request = Request(name="/jobs", parts=rule_parts(config), woke=10.0, reason=REASON,
+                      candidates=lambda: list(trees), cgroup_for=lambda t: None,
+                      still_pressing=lambda: True)
+    for _ in range(3):
+        actor._run(request, lambda: None)
+    assert pager.trees == [ROOT] * 3
+    assert len(rig.checkpointer.calls) == 1  # CRIU was asked once
+    refusals = [e for e in sink.events if isinstance(e, CheckpointRefused)]
+    assert [(r.victim["pid"], r.victim["then"]) for r in refusals] == [(ROOT, "pageout")] * 3
+    assert refusals[0].reason == TRACED
+    assert [r.reason for r in refusals[1:]] == \
+        [f"refused before, for as long as it lives: {TRACED}"] * 2
+    assert not actor.left_alone("/jobs")
+    other = make_tree(ROOT + 50)
+    trees.append(other)
+    rig.checkpointer.error = CheckpointError("criu dump timed out", FailedCheckpoint.THAWED)
+    actor._run(request, lambda: None)  # a tree CRIU may take comes before the marked one
+    assert [c["tree"].root.pid for c in rig.checkpointer.calls] == [ROOT, ROOT + 50]
+    assert pager.trees == [ROOT, ROOT, ROOT, ROOT + 50]
