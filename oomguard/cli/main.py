@@ -18,6 +18,7 @@ from oomguard.cli.rendering import (
     event_fields,
     list_text,
     output_width,
+    paged_out_detail,
     paged_out_text,
     restore_command,
     restored_line,
@@ -240,8 +241,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     meta = _call(args, "Show", id=args.id)["checkpoint"]
+    text = paged_out_detail if meta.get("state") == "paged-out" else show_text
     print(json.dumps(meta, indent=2, sort_keys=True) if args.json
-          else show_text(meta, output_width()))
+          else text(meta, output_width()))
     return EXIT_OK
 
 

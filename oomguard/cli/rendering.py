@@ -278,6 +278,22 @@ def paged_out_text(trees: Sequence[Mapping[str, Any]]) -> str:
                      for row in rows)
 
 
+def paged_out_detail(tree: Mapping[str, Any], width: int = DEFAULT_WIDTH) -> str:
+    """`oomguard show ID|PID` of a paged-out tree: one aligned 'label  value' line per row."""
+    since = time.strftime(LOCAL_TIME_FORMAT, time.localtime(tree["since"]))
+    rows = [("id", str(tree["id"])), ("state", "paged out: stopped until its memory fits, or "
+                                       f"`oomguard resume {tree['id']}`"),
+            ("pid", str(tree["root_pid"])), ("uid", str(tree["uid"])),
+            ("cgroup", str(tree["cgroup"]) or "-"),
+            ("tasks", " ".join(str(task[0]) for task in tree["tasks"])),
+            ("paged out", format_size(tree["paged_bytes"])),
+            ("resident before", format_size(tree["resident_bytes"])),
+            ("since", since), ("command", one_line(str(tree["command"]), max(width - 18, 20))),
+            ("swap files", ", ".join(tree["swap_files"]) or "the machine's own swap")]
+    labels = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label.ljust(labels)}  {value}" for label, value in rows)
+
+
 def budget_text(store: Mapping[str, Any]) -> str:
     """The store's use against its budget, from `status`'s figures (bytes)."""
     if "error" in store:

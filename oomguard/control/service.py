@@ -44,7 +44,7 @@ from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, validate_id
 from oomguard.store.ids import names_a_pid, newest_holding, resolve_id
 from oomguard.store.names import PARTIAL_PREFIX
-from oomguard.store.pagedout import PagedOutRecord
+from oomguard.store.pagedout import PagedOutRecord, PagedOutTree
 
 ROOT = 0
 
@@ -143,9 +143,7 @@ class Service:
         """The trees paged out and kept stopped (the chain's pageout step): root sees all,
         a user their own."""
         record = PagedOutRecord(self.store.root)
-        return [{**asdict(t), "tasks": [list(x) for x in t.tasks], "state": "paged-out",
-                 "pid": t.root_pid}
-                for t in record.trees() if uid == ROOT or t.uid == uid]
+        return [_paged_out_fields(t) for t in record.trees() if uid == ROOT or t.uid == uid]
 
     def resume(self, uid: int, key: str) -> dict[str, Any]:
         """Continue a paged-out tree, by its id or the PID of one of its tasks (root, or the
@@ -175,6 +173,9 @@ class Service:
         """A checkpoint by id (or prefix, `last`), or by a PID: the newest checkpoint of the
         caller's whose tree held that process (the one a person saw in `ps`), or whose restore
         is the live job that process is in."""
+        paged = PagedOutRecord(self.store.root).find(checkpoint_id)  # by its id or a PID
+        if paged is not None and (uid == ROOT or paged.uid == uid):
+            return _paged_out_fields(paged)  # a live stopped process: what `ps` shows now
         if names_a_pid(checkpoint_id):
             pid = int(checkpoint_id)
             visible = [m for m in self.store.list() if uid == ROOT or m.uid == uid]
@@ -368,3 +369,9 @@ class Service:
         if uid != ROOT:
             status.pop("recent_events", None)
         return status
+
+
+def _paged_out_fields(tree: PagedOutTree) -> dict[str, Any]:
+    """A paged-out tree as `list` and `show` answer it (`state`: paged-out)."""
+    return {**asdict(tree), "tasks": [list(x) for x in tree.tasks], "state": "paged-out",
+            "pid": tree.root_pid}

@@ -24,6 +24,7 @@ import pytest
 
 from oomguard import __version__
 from oomguard.cgroup.mounts import CgroupLayout
+from oomguard.cli.rendering import paged_out_detail
 from oomguard.control.client import ControlClient, ControlError, DaemonUnavailable
 from oomguard.control.limits import ConnectionLimiter
 from oomguard.control.protocol import (
@@ -37,6 +38,7 @@ from oomguard.control.server import ControlServer, dispatch
 from oomguard.control.service import Service
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import CheckpointMeta, Store
+from oomguard.store.pagedout import PagedOutRecord, PagedOutTree
 from tests.unit._support import FakeProc, fake_proc_tree
 
 NO_CGROUPS = CgroupLayout(memory_v1=None, unified=None, unified_controllers=())
@@ -663,3 +665,34 @@ def test_a_refused_connection_is_a_control_error_with_the_daemons_reason(
                     refused.call("Status")
                 assert caught.value.name == "io.oomguard.TooManyConnections"
                 assert "1 connections" in str(caught.value)
+
+
+# -- a paged-out tree: Show -----------------------------------------------------------------------
+
+
+def _paged_out_of_bob(store: Store) -> PagedOutTree:
+    tree = PagedOutTree(id=f"po-{BOB_PID}-1700000000000", root_pid=BOB_PID,
+                        tasks=((BOB_PID, 1), (BOB_CHILD, 2)), uid=BOB, cgroup="/jobs/a",
+                        since=1700000000.0, paged_bytes=200 << 20, resident_bytes=230 << 20,
+                        command="bobjob", swap_files=())
+    PagedOutRecord(store.root).add(tree)
+    return tree
+
+
+@pytest.mark.parametrize("uid", [BOB, 0])
+@pytest.mark.parametrize("key", ["id", "root", "child"])
+def test_show_a_paged_out_tree_by_its_id_or_a_pid_to_its_owner_or_root(
+        service: Service, store: Store, uid: int, key: str) -> None:
+    tree = _paged_out_of_bob(store)
+    asked = {"id": tree.id, "root": str(BOB_PID), "child": str(BOB_CHILD)}[key]
+    shown = call(service, uid, "io.oomguard.Show", id=asked)["parameters"]["checkpoint"]
+    assert shown["state"] == "paged-out" and shown["id"] == tree.id
+    assert shown["pid"] == BOB_PID and shown["paged_bytes"] == 200 << 20
+    text = paged_out_detail(shown)
+    assert f"oomguard resume {tree.id}" in text and "200.0MiB" in text.replace(" ", "")
+
+
+def test_another_user_is_not_shown_a_paged_out_tree(service: Service, store: Store) -> None:
+    tree = _paged_out_of_bob(store)
+    code, message = err(call(service, ALICE, "io.oomguard.Show", id=tree.id))
+    assert code == NOT_FOUND and "bobjob" not in message and "200" not in message
