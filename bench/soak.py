@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import machine
-from bench.soakcheck import ending, handlings, last_sign_of_life, restart_gaps
+from bench.soakcheck import ending, evidence, handlings, last_sign_of_life, restart_gaps
 from bench.soakstore import BudgetWatch, budget_config, loop_store
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import open_cgroup, read_layout
@@ -94,6 +94,7 @@ class Tally:
     refusals: list[str] = field(default_factory=list)  # why restores were refused
     losses: dict[str, int] = field(default_factory=dict)  # cause -> jobs
     restart_gaps: list[float] = field(default_factory=list)  # SIGKILL -> next guard.ready, s
+    evidence: dict[str, list[str]] = field(default_factory=dict)  # lost job -> daemon events
 
 
 def open_path(path: Path) -> MemoryCgroup:
@@ -349,6 +350,8 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
         writes = ", writing a file" if job.writes else ""
         problems.append(f"{job.name} (pid {job.pid}, {job.target_mib} MiB at {job.rate} MB/s"
                         f"{writes} in {Path(job.cgroup).name}) is lost: {why.words()}")
+        tally.evidence[job.name] = evidence(events, job.cgroup, job.pid,
+                                            last_sign_of_life(job.log, err))
     for cg in [*groups, big]:
         if cg.limit() != limits[str(cg.path)]:
             problems.append(f"{cg.path.name}: limit {cg.limit()} != {limits[str(cg.path)]}")
@@ -406,6 +409,9 @@ def markdown(report: dict[str, Any]) -> str:
                   *[f"| {k} | {v} |" for k, v in report["machine"].items()]]
     if report["problems"]:
         lines += ["", "Broken:", *[f"- {p}" for p in report["problems"]]]
+    for name, trail in t.get("evidence", {}).items():
+        lines += ["", f"The daemon's events around {name}'s end (its cgroup or its pid):", "",
+                  "```", *trail, "```"]
     return "\n".join(lines) + "\n"
 
 

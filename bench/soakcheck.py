@@ -130,3 +130,29 @@ def restart_gaps(restarts: list[float], events: list[dict[str, Any]]) -> list[fl
         if after:
             gaps.append(round(after[0] - killed, 3))
     return gaps
+
+
+EVIDENCE_BEFORE = 30.0  # seconds of the daemon's events before a lost job's end that are kept
+EVIDENCE_AFTER = 5.0
+EVIDENCE_FIELDS = ("pid", "step", "then", "outcome", "reason", "error", "detail", "limit_busy",
+                   "usage", "limit", "explanation")
+
+
+def evidence(events: list[dict[str, Any]], cgroup: str, pid: int, ended_at: float,
+             most: int = 40) -> list[str]:
+    """The daemon's events about a lost job's cgroup or its pid around its end, one line each
+    (seconds from its end, the event, its telling fields): what the drill's table shows
+    under the loss, so that a run whose logs are gone (the lane's disk) still says why."""
+    lines = []
+    for event in events:
+        if event.get("cgroup") != cgroup and event.get("pid") != pid:
+            continue
+        try:
+            at = event_time(event) - ended_at
+        except (KeyError, ValueError):
+            continue
+        if -EVIDENCE_BEFORE <= at <= EVIDENCE_AFTER:
+            said = ", ".join(f"{k}={str(event[k])[:160]}" for k in EVIDENCE_FIELDS
+                             if event.get(k) not in (None, ""))
+            lines.append(f"{at:+.2f}s {event.get('event')}: {said}")
+    return lines[-most:]
