@@ -127,8 +127,8 @@ class PageoutAction:
         pager, cgroup = self.tools.pageout.pager, run.cgroup
         before = self._usage(run)
         advised = sum(pager.page_out(pid).advised_bytes for pid in run.frozen)
-        if cgroup is None or not run.still_pressing():
-            return advised
+        if cgroup is None:  # (even where the pressure reads as passed: swap cache is not
+            return advised  # resident memory, but it is charged, and a resume must fit it)
         swapped = sum(self._swapped(pid) for pid in run.frozen)
         charged = swapped - max(0, before - self._usage(run))  # still in the swap cache
         if charged <= 0:
