@@ -41,26 +41,12 @@ LIMIT = 256 * MiB
 TARGET_MIB = 320  # over the limit: with no room made, the kernel kills every one
 STEPS = 200  # a 4 MiB step every 20 ms to TARGET_MIB, then on to STEPS
 
-# Connected to a Unix server outside its tree, it grows 4 MiB a step, each chunk its own byte,
-# counting a line a step; at the end it checks every chunk and writes "done N ok" (or CORRUPT).
-LINKED_JOB = r"""
-import socket, sys, time
-link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-link.connect(sys.argv[1])
-log, target, total = open(sys.argv[2], "a", buffering=1), int(sys.argv[3]), int(sys.argv[4])
-chunks = []
-for count in range(1, total + 1):
-    if len(chunks) * 4 < target:
-        chunks.append(bytes([len(chunks) % 251]) * (4 << 20))
-    log.write(f"{count} {len(chunks) * 4}\n")
-    time.sleep(0.02)
-ok = all(c == bytes([i % 251]) * (4 << 20) for i, c in enumerate(chunks))
-log.write(f"done {total} {'ok' if ok else 'CORRUPT'}\n")
-"""
+CHUNKS = Path(__file__).resolve().parents[1] / "tests" / "workloads" / "chunks.py"
 
 
 def _start_job(cgroup: V1MemoryCgroup, peer: Path, log: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-c", LINKED_JOB, str(peer), str(log), str(TARGET_MIB), str(STEPS)]
+    argv = [sys.executable, str(CHUNKS), "--log", str(log), "--target", str(TARGET_MIB),
+            "--count", str(STEPS), "--link", str(peer)]
     return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"',
                              str(cgroup.path / "cgroup.procs"), *argv],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

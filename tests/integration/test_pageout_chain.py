@@ -45,23 +45,14 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 LIMIT = 256 * MiB  # the threshold, 85%, is 217 MiB
 
-# Connected to a Unix server outside its tree (CRIU cannot dump that), it grows 4 MiB a step
-# to TARGET MiB, each chunk filled with its own byte, counting a line a step; at COUNT it
-# checks every chunk and writes "done COUNT ok" (or CORRUPT).
-LINKED_COUNTER = r"""
-import socket, sys, time
-link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-link.connect(sys.argv[1])
-log, target, total = open(sys.argv[2], "a", buffering=1), int(sys.argv[3]), int(sys.argv[4])
-chunks = []
-for count in range(1, total + 1):
-    if len(chunks) * 4 < target:
-        chunks.append(bytes([len(chunks) % 251]) * (4 << 20))
-    log.write(f"{count} {len(chunks) * 4}\n")
-    time.sleep(0.02)
-ok = all(c == bytes([i % 251]) * (4 << 20) for i, c in enumerate(chunks))
-log.write(f"done {total} {'ok' if ok else 'CORRUPT'}\n")
-"""
+CHUNKS = Path(__file__).resolve().parents[1] / "workloads" / "chunks.py"
+
+
+def chunks_job(log: Path, target: int, count: int, link: Path | None = None) -> list[str]:
+    """tests/workloads/chunks.py: grows 4 MiB a step to `target` MiB, counting; at `count`
+    checks its memory ("done COUNT ok"); with `link`, connected to a Unix server there."""
+    return [sys.executable, str(CHUNKS), "--log", str(log), "--target", str(target),
+            "--count", str(count), *(["--link", str(link)] if link is not None else [])]
 
 
 def _counts(log: Path) -> list[int]:
@@ -111,8 +102,7 @@ def test_an_undumpable_job_is_paged_out_and_auto_resumed_once_it_fits(
                               config=_config(tmp_path, store, cg.path, socket), socket=socket)
         try:
             guard.wait_event("guard.ready")
-            job = start_in_cgroup(cg, [sys.executable, "-c", LINKED_COUNTER, str(peer),
-                                       str(log), "232", "400"])
+            job = start_in_cgroup(cg, chunks_job(log, 232, 400, peer))
             paged = _paged_out(guard, job.pid, cg)
             swap_files = paged["swap_files"]
             assert isinstance(swap_files, list) and len(swap_files) == 1
@@ -160,8 +150,7 @@ def test_a_paged_out_job_outlives_a_daemon_kill_and_resumes_on_request(
     guard = DaemonProcess(store, tmp_path / "daemon.log", config=config, socket=socket)
     try:
         guard.wait_event("guard.ready")
-        job = start_in_cgroup(cg, [sys.executable, "-c", LINKED_COUNTER, str(peer), str(log),
-                                   "232", "300"])
+        job = start_in_cgroup(cg, chunks_job(log, 232, 300, peer))
         paged = _paged_out(guard, job.pid, cg)
         stopped_at = _counts(log)[-1]
         guard.handle.send_signal(signal.SIGKILL)
@@ -290,20 +279,6 @@ def test_a_tk_window_is_paged_out_not_killed_and_runs_on_with_its_display(
             SwapFiles(store / SWAP_DIR).remove(Path(area.path))
 
 
-# Counts a line a step and grows 4 MiB a step to TARGET MiB (each chunk its own byte); at
-# COUNT it checks every chunk and writes "done COUNT ok" (or CORRUPT). Run under strace -f.
-COUNTER = r"""
-import sys, time
-log, target, total = open(sys.argv[1], "a", buffering=1), int(sys.argv[2]), int(sys.argv[3])
-chunks = []
-for count in range(1, total + 1):
-    if len(chunks) * 4 < target:
-        chunks.append(bytes([len(chunks) % 251]) * (4 << 20))
-    log.write(f"{count} {len(chunks) * 4}\n")
-    time.sleep(0.02)
-ok = all(c == bytes([i % 251]) * (4 << 20) for i, c in enumerate(chunks))
-log.write(f"done {total} {'ok' if ok else 'CORRUPT'}\n")
-"""
 
 
 def test_a_traced_job_is_paged_out_each_time_it_outgrows_its_room(
@@ -322,8 +297,8 @@ def test_a_traced_job_is_paged_out_each_time_it_outgrows_its_room(
                           config=_config(tmp_path, store, cg.path, socket), socket=socket)
     try:
         guard.wait_event("guard.ready")
-        job = start_in_cgroup(cg, ["strace", "-f", "-o", "/dev/null", sys.executable, "-c",
-                                   COUNTER, str(log), "400", "400"], log=tmp_path / "job.err")
+        job = start_in_cgroup(cg, ["strace", "-f", "-o", "/dev/null",
+                                   *chunks_job(log, 400, 400)], log=tmp_path / "job.err")
         refused = guard.wait_event("checkpoint.refused", timeout=60)[0]
         assert "traced" in refused["reason"] and refused["then"] == "pageout", refused
         first = guard.wait_event("victim.paged_out", timeout=60)[0]

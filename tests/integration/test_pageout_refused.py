@@ -16,7 +16,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from tests.helpers import (
     short_socket_path,
     start_in_cgroup,
 )
-from tests.integration.test_pageout_chain import LINKED_COUNTER
+from tests.integration.test_pageout_chain import chunks_job
 
 pytestmark = pytest.mark.integration
 LIMIT = 256 * MiB
@@ -69,8 +68,7 @@ def _refused_then_killed(cgroups: CgroupFactory, tmp_path: Path, store: Path, ex
     job = None
     try:
         guard.wait_event("guard.ready")
-        job = start_in_cgroup(cg, [sys.executable, "-c", LINKED_COUNTER, str(peer),
-                                   str(tmp_path / "job.log"), "232", "100000"])
+        job = start_in_cgroup(cg, chunks_job(tmp_path / "job.log", 232, 100000, peer))
         failed = guard.wait_event("pageout.failed", timeout=60)[0]
         assert failed["pid"] == job.pid and failed["then"] == "kill", failed
         killed = guard.wait_event("victim.killed", timeout=60)[0]
