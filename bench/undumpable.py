@@ -89,10 +89,11 @@ def one_job(cgroup: V1MemoryCgroup, work: Path, name: str, peer: Path,
     if _ended(log):
         return _ended(log), figures
     if events is not None:
-        events.poll()
-        if any(e.get("event") == "victim.killed" and e.get("pid") == job.pid
-               for e in events.seen[mark:]):
+        try:  # said once the kill step has seen the tree end, a moment after the job's end
+            events.wait("victim.killed", 15, {"pid": job.pid}, after=mark)
             return "killed by oomguard", figures
+        except TimeoutError:
+            pass
     if cgroup.snapshot().oom_kills > before:
         return "killed by the kernel", figures
     return "other", figures
