@@ -213,6 +213,7 @@ class Actor:
         ranked = apply_preferences(request.candidates(), request.parts.prefs)
         unfit: list[str] = []
         marks = None if self.dry_run else self.runner.marks  # a dry run refuses nothing
+        pages_out = any(step.kind == PAGEOUT for step in request.parts.chain)
         if marks is not None and not request.limit_busy:
             # Trees no checkpoint can take while they live were refused once: never again.
             # A chain that pages out takes them last instead (its checkpoint step refuses
@@ -221,7 +222,7 @@ class Actor:
             marks.forget_gone()
             everyone = ranked
             ranked, unfit = marks.split(everyone, fresh=request.refresh is None)
-            if PAGEOUT in (step.kind for step in request.parts.chain):
+            if pages_out:
                 kept = {id(tree) for tree in ranked}
                 ranked, unfit = ranked + [t for t in everyone if id(t) not in kept], []
         choose_ms = round((self.clock() - began) * 1000, 2)  # reading and ranking the trees
@@ -243,8 +244,7 @@ class Actor:
             if tree is None:
                 continue  # gone since it was ranked
             if request.refresh is not None and marks is not None and marks.reason(tree) \
-                    and not request.limit_busy \
-                    and PAGEOUT not in (step.kind for step in request.parts.chain):
+                    and not request.limit_busy and not pages_out:
                 continue  # refused for good before (it was a ranking's stand-ins until now)
             fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
                                       "comm": tree.root.comm, "rss": tree.rss_bytes,
