@@ -31,7 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import machine
-from bench.soakcheck import ending, evidence, handlings, last_sign_of_life, restart_gaps
+from bench.soakcheck import (
+    ending,
+    evidence,
+    handlings,
+    last_sign_of_life,
+    oom_evidence,
+    restart_gaps,
+)
 from bench.soakstore import BudgetWatch, budget_config, loop_store
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import open_cgroup, read_layout
@@ -358,6 +365,7 @@ def _check(jobs: list[Job], store: Path, groups: list[Any], big: Any,
         snap = cg.snapshot()
         if snap.oom_kills:
             problems.append(f"{cg.path.name}: {snap.oom_kills} OOM kill(s)")
+            tally.evidence[f"{cg.path.name}'s OOM kill"] = oom_evidence(events, str(cg.path))
         for pid in cg.procs():
             if reader.state(pid) == "T":
                 problems.append(f"{cg.path.name}: process {pid} left stopped")
@@ -410,7 +418,9 @@ def markdown(report: dict[str, Any]) -> str:
     if report["problems"]:
         lines += ["", "Broken:", *[f"- {p}" for p in report["problems"]]]
     for name, trail in t.get("evidence", {}).items():
-        lines += ["", f"The daemon's events around {name}'s end (its cgroup or its pid):", "",
+        lines += ["", f"The daemon's events around {name}'s end (its cgroup or its pid):"
+                  if not name.endswith("OOM kill") else
+                  f"The daemon's events around {name} (its cgroup):", "",
                   "```", *trail, "```"]
     return "\n".join(lines) + "\n"
 

@@ -156,3 +156,18 @@ def evidence(events: list[dict[str, Any]], cgroup: str, pid: int, ended_at: floa
                              if event.get(k) not in (None, ""))
             lines.append(f"{at:+.2f}s {event.get('event')}: {said}")
     return lines[-most:]
+
+
+def oom_evidence(events: list[dict[str, Any]], cgroup: str) -> list[str]:
+    """The daemon's events about a cgroup where the kernel's OOM killer acted, around the
+    daemon's last `oom.kill_seen` there (or its last event there, where it saw none): which
+    process went is not in the cgroup's counter, so the drill keeps what led to it."""
+    own = [e for e in events if e.get("cgroup") == cgroup]
+    seen = [e for e in own if e.get("event") == "oom.kill_seen"] or own[-1:]
+    if not seen:
+        return []
+    try:
+        at = event_time(seen[-1])
+    except (KeyError, ValueError):
+        return []
+    return evidence(events, cgroup, -1, at)

@@ -43,7 +43,7 @@ from oomguard.model.errors import (
     StoreOverBudget,
     TreeNotYours,
 )
-from oomguard.policy.budget import BudgetReading
+from oomguard.policy.budget import BudgetReading, image_estimate
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.retention import Prune
@@ -171,18 +171,21 @@ class Checkpointer:
             if problem is not None:  # lasting: the tree is not chosen again while it lives
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
                                        f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
-        with self._room_for(tree):
+        with self._room_for(tree, cgroup):
             return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
                                              after_signal, requester, held, start, rights_of)
 
     @contextlib.contextmanager
-    def _room_for(self, tree: ProcessTree) -> Iterator[None]:
-        """Room in the store's budget for the tree's image (its resident memory), held while
-        it is dumped; refused, untouched, where there is none (oomguard.store.budget)."""
+    def _room_for(self, tree: ProcessTree, cgroup: MemoryCgroup | None) -> Iterator[None]:
+        """Room in the store's budget for the tree's image (its memory, what it may still grow
+        by under its cgroup's limit before its stop, and CRIU's metadata and logs: see
+        image_estimate), held while it is dumped; refused, untouched, where there is none
+        (oomguard.store.budget)."""
         with contextlib.ExitStack() as reserved:
             try:
                 if self.budget is not None:
-                    reserved.enter_context(self.budget.reserve(tree.rss_bytes, self.on_pruned))
+                    need = image_estimate(tree.footprint, _room_under_limit(cgroup))
+                    reserved.enter_context(self.budget.reserve(need, self.on_pruned))
             except BudgetExceeded as exc:
                 raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping "
                                       f"it: {exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
@@ -547,6 +550,17 @@ def _out_of_space(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return "No space left on device" in text or "Disk quota exceeded" in text
+
+
+def _room_under_limit(cgroup: MemoryCgroup | None) -> int:
+    """What the cgroup's processes may still take before its limit (0: no limit, or gone)."""
+    if cgroup is None:
+        return 0
+    try:
+        limit = cgroup.limit()
+        return 0 if limit is None else max(0, limit - cgroup.usage())
+    except (OSError, CgroupGone):
+        return 0
 
 
 def _limited(cgroup: MemoryCgroup) -> bool:

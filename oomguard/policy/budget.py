@@ -11,6 +11,18 @@ from oomguard.model.units import format_size
 
 Limit = int | float | None  # bytes, a share of the file system (a float below 1), or none
 
+# What a checkpoint writes beside its memory pages: CRIU's metadata images, its dump.log at -v4
+# and the restore.log a restore adds to the same directory later, outside any reservation.
+IMAGE_OVERHEAD = 4 << 20
+
+
+def image_estimate(resident: int, growth: int = 0) -> int:
+    """The room a checkpoint of a tree with `resident` bytes (RAM and VRAM) takes in the store:
+    its pages, what it may still grow by before it is stopped (`growth`: the room left under its
+    cgroup's limit, where there is one), a 1/32 share for page maps and their kin, and the
+    fixed IMAGE_OVERHEAD. An over-estimate, so that the store never goes over its cap."""
+    return resident + max(growth, 0) + resident // 32 + IMAGE_OVERHEAD
+
 
 def resolve(limit: Limit, total: int) -> int | None:
     """A configured limit in bytes on a file system of `total` bytes (None: no limit)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from bench.soakcheck import ending, evidence
+from bench.soakcheck import ending, evidence, oom_evidence
 
 CG = "/sys/fs/cgroup/soak/c03"
 END = 1_800_000_000.0
@@ -35,6 +35,14 @@ def test_a_lost_jobs_evidence_is_its_cgroups_and_its_pids_events_around_its_end(
     assert trail[0] == "-3.00s checkpoint.failed: pid=633, error=criu dump timed out"
     assert "usage=146800640, limit=134217728" in trail[1]
     assert trail[3].startswith("+0.20s oom.kill_seen")
+
+
+def test_an_oom_kill_with_no_job_lost_keeps_the_cgroups_events_around_it() -> None:
+    trail = oom_evidence(EVENTS, CG)  # centred on oom.kill_seen, 0.2 s after END
+    assert [line.split(" ")[1] for line in trail] == [
+        "checkpoint.failed:", "limit.restore_failed:", "victim.killed:", "oom.kill_seen:"]
+    assert trail[-1].startswith("+0.00s oom.kill_seen")
+    assert oom_evidence(EVENTS, "/sys/fs/cgroup/soak/c99") == []
 
 
 def test_a_sigkill_with_an_oom_kill_in_its_cgroup_reads_as_oom_killed() -> None:

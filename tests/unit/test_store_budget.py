@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.policy.budget import BudgetReading, resolve
+from oomguard.policy.budget import IMAGE_OVERHEAD, BudgetReading, image_estimate, resolve
 from oomguard.store.budget import BudgetExceeded, StoreBudget, disk_used
 from oomguard.store.checkpoints import Store
 from tests.unit.test_store import make_meta
@@ -146,3 +146,12 @@ def test_the_usage_cache_walks_a_committed_checkpoint_once(
     assert grown > first + MiB and [p.name for p in walked] == ["c"]
     store.forget("a")
     assert cache.used(store.root) < grown - MiB
+
+
+def test_a_checkpoints_estimate_covers_its_growth_metadata_and_logs() -> None:
+    """The reservation is an over-estimate: a 100 MiB tree in a cgroup with 40 MiB left under
+    its limit may be 140 MiB when stopped, plus its page maps and CRIU's logs (the soak's store
+    went 6 MiB over its cap when only the resident memory was reserved)."""
+    assert image_estimate(100 * MiB, 40 * MiB) == 140 * MiB + 100 * MiB // 32 + IMAGE_OVERHEAD
+    assert image_estimate(100 * MiB) == 100 * MiB + 100 * MiB // 32 + IMAGE_OVERHEAD
+    assert image_estimate(0, -5) == IMAGE_OVERHEAD  # usage above a limit: no negative growth
