@@ -30,6 +30,10 @@ LANE_PARTS = {
                "tests/integration/test_holder_deadlines.py::"
                "test_a_trickling_holder_socket_holds_a_checkpoint_no_longer_than_its_deadline"],
               4),
+    # what CRIU refuses, paged out instead (issue 29): a Unix-connected job, a Tk window on
+    # Xvfb, a job under strace -f; memory.swap.max and the swap file on the scratch's ext4
+    "pageout": (["tests/integration/test_pageout_real.py", "tests/integration/test_pageout_chain.py",
+                 "tests/integration/test_pageout_refused.py"], 8),
 }
 # The page-cache test relies on usage crossing the threshold; under v2 memory.high the kernel
 # reclaims the cache before it gets there, so it proves nothing in the lane.
