@@ -60,7 +60,7 @@ class ChainRunner:
                  pageout: PageoutTools | None = None) -> None:
         self.checkpointer = checkpointer
         # The page-out step's record and swap files, in the checkpoints' store.
-        self.pageout = pageout or PageoutTools.for_store(checkpointer.store.root)
+        self.pageout = pageout or PageoutTools.for_store(checkpointer.store.state)
         # Trees no checkpoint can take while they live: never chosen again (policy/unfit.py).
         self.marks = marks if marks is not None else UnfitMarks(lambda pid: proc.starttime(pid))
         self.containers = containers

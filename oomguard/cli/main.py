@@ -149,6 +149,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.socket is not None:
         config = replace(config, socket=args.socket)
     _need_root("oomguard run")
+    # This node's records: in the store, unless other nodes share it (store/nodestate.py).
+    from oomguard.store.nodestate import node_state
+
+    config = replace(config, state_dir=node_state(config.store, config.state_dir).path)
     layout = read_layout()
     check_cgroup_paths(config, layout, "--cgroup" if args.cgroup else None)
     # One daemon per store and per cgroup: a second one refuses here, before the daemon's

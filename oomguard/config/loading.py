@@ -33,6 +33,7 @@ from oomguard.config.values import (
     SIZE_OR_SHARE,
     SIZE_SHARE_OR_NONE,
     ConfigReader,
+    absolute_path,
     boolean,
     call_rate_value,
     cgroup_list,
@@ -81,6 +82,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
 
     base = DaemonConfig(source=source)
     store = read.take(daemon, "daemon.", "store", lambda v: Path(nonempty_str(v)), base.store)
+    state_dir = read.take(daemon, "daemon.", "state_dir",
+                          lambda v: Path(absolute_path(v)) if v != "" else None, None)
     poll = read.take(daemon, "daemon.", "poll_interval", wait(positive=True, high=HOUR),
                      base.poll_interval)
     rescan = read.take(daemon, "daemon.", "rescan_interval", wait(positive=True),
@@ -185,7 +188,8 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
 
     if issues:
         raise ConfigError(issues)
-    return DaemonConfig(source=source, store=store, poll_interval=poll, rescan_interval=rescan,
+    return DaemonConfig(source=source, store=store, state_dir=state_dir, poll_interval=poll,
+                        rescan_interval=rescan,
                         dry_run=dry_run, nice=nice, socket=socket, control_idle_timeout=idle,
                         control_call_rate=call_rate, store_max_size=max_size,
                         store_keep_free=keep_free, store_max_age=max_age,

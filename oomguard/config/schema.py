@@ -114,6 +114,9 @@ DEFAULT_STORE = Path("/var/lib/oomguard")  # the checkpoint store, in one place
 class DaemonConfig:
     source: str
     store: Path = DEFAULT_STORE
+    # This node's records (crash ledgers, lock, swap files): None, where the store is (or, for
+    # a store on a file system other nodes share, /run/oomguard/state/...: store.nodestate).
+    state_dir: Path | None = None
     poll_interval: float = 0.1
     rescan_interval: float = 60.0  # the safety rescan: inotify and the kernel's events tell the rest
     dry_run: bool = False
@@ -145,3 +148,8 @@ class DaemonConfig:
     # What parsed but looks like a mistake (a size of 64 bytes): check-config prints these,
     # the daemon logs them. Not part of the configuration's value.
     warnings: tuple[ConfigIssue, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def node_state_dir(self) -> Path:
+        """Where this node's records live once resolved (the store where none was set)."""
+        return self.store if self.state_dir is None else self.state_dir

@@ -158,6 +158,14 @@ def nonempty_str(value: Any) -> str:
     return value
 
 
+def absolute_path(value: Any) -> str:
+    """A non-empty string naming an absolute path."""
+    text = nonempty_str(value)
+    if not text.startswith("/"):
+        raise ValueError(f"expected an absolute path, got {value!r}")
+    return text
+
+
 def mount_namespace_value(value: Any) -> str:
     """criu.mount_namespace: "auto", "off", or an absolute path (a namespace file)."""
     if value in ("auto", "off"):

@@ -142,13 +142,13 @@ class Service:
     def paged_out(self, uid: int) -> builtins.list[dict[str, Any]]:
         """The trees paged out and kept stopped (the chain's pageout step): root sees all,
         a user their own."""
-        record = PagedOutRecord(self.store.root)
+        record = PagedOutRecord(self.store.state)
         return [_paged_out_fields(t) for t in record.trees() if uid == ROOT or t.uid == uid]
 
     def resume(self, uid: int, key: str) -> dict[str, Any]:
         """Continue a paged-out tree, by its id or the PID of one of its tasks (root, or the
         tree's owner); it takes its pages back from swap as it touches them."""
-        tools = PageoutTools.for_store(self.store.root)
+        tools = PageoutTools.for_store(self.store.state)
         tree = tools.record.find(key)
         if tree is None or (uid != ROOT and tree.uid != uid):
             raise UnknownCheckpoint(f"no paged-out tree {key}")
@@ -173,7 +173,7 @@ class Service:
         """A checkpoint by id (or prefix, `last`), or by a PID: the newest checkpoint of the
         caller's whose tree held that process (the one a person saw in `ps`), or whose restore
         is the live job that process is in."""
-        paged = PagedOutRecord(self.store.root).find(checkpoint_id)  # by its id or a PID
+        paged = PagedOutRecord(self.store.state).find(checkpoint_id)  # by its id or a PID
         if paged is not None and (uid == ROOT or paged.uid == uid):
             return _paged_out_fields(paged)  # a live stopped process: what `ps` shows now
         if names_a_pid(checkpoint_id):
@@ -273,7 +273,7 @@ class Service:
         if untouchable is not None:
             raise CheckpointFailed(f"checkpoint of {pid} refused before stopping it: "
                                    f"{untouchable}", OUTCOME_UNTOUCHED)
-        paged = next((t for t in PagedOutRecord(self.store.root).trees()
+        paged = next((t for t in PagedOutRecord(self.store.state).trees()
                       if set(t.pids) & set(tree.pids)), None)
         if paged is not None:  # its stop is oomguard's: a dump would keep it stopped for good
             raise CheckpointFailed(f"checkpoint of {pid} refused before touching it: it is "

@@ -4,7 +4,10 @@ Two daemons on one store race on its ledger and its checkpoints; two daemons on 
 undo each other's settings (the second "puts back" the first's oom_kill_disable under it)
 and run two CRIUs on one victim. So `oomguard run` takes, before it touches anything:
 
-- the store's lock, `STORE/.daemon.lock`;
+- the store's lock, `STORE/.daemon.lock`; for a store that other nodes share (NFS...: see
+  oomguard.store.nodestate), one daemon per store *per node*: the lock goes into this node's
+  state directory, and a second one into LOCK_DIR named by a hash of the store's path, so
+  that two daemons of one node meet even with different state directories;
 - a lock per guarded cgroup, in LOCK_DIR (/run/oomguard/locks), named by a hash of the
   cgroup's full path (a pattern: of the pattern as written, made absolute), so that two
   daemons with *different* stores still meet there; a system-wide rule takes the lock
@@ -122,9 +125,17 @@ class DaemonLocks:
 
     lock_dir: Path = LOCK_DIR
     store: HeldLock | None = None
+    node_store: HeldLock | None = None  # a shared store's lock on this node (LOCK_DIR)
     cgroups: dict[str, HeldLock] = field(default_factory=dict)
 
-    def take_store(self, store: Path) -> None:
+    def take_store(self, store: Path, state: Path | None = None) -> None:
+        """`state`: this node's state directory, where that is not the store (a shared one)."""
+        if state is not None and state != store:
+            self.lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+            digest = hashlib.sha256(os.path.abspath(store).encode()).hexdigest()[:32]
+            self.node_store = take_lock(self.lock_dir / f"store-{digest}.lock",
+                                        f"store {store} on this node")
+            store = state
         store.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.store = take_lock(store / STORE_LOCK, f"store {store}")
 
@@ -155,6 +166,9 @@ class DaemonLocks:
         if self.store is not None:
             self.store.release()
             self.store = None
+        if self.node_store is not None:
+            self.node_store.release()
+            self.node_store = None
 
 
 @contextlib.contextmanager
@@ -164,7 +178,7 @@ def held_for(config: DaemonConfig, layout: CgroupLayout) -> Iterator[DaemonLocks
     try:
         try:
             locks.take_cgroups(cgroup_keys(config, layout))  # first: no store made for a refusal
-            locks.take_store(config.store)
+            locks.take_store(config.store, config.state_dir)
         except OSError as exc:  # a read-only /run, a store path through a file
             raise OomguardError(f"cannot take the daemon's lock in "
                                 f"{exc.filename or locks.lock_dir}: {exc.strerror or exc}"

@@ -109,7 +109,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._next_rescan = 0.0
         self._next_system_poll = 0.0
         self._next_settle: float | None = None  # None: nothing waits to be settled
-        self.saved_high = SavedLimits(config.store / SAVED_HIGH)
+        self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
         self.armer = Armer(checkpointer.own_snapshot, self.saved_high, self.psi_trigger,
                            dry_run=config.dry_run)
@@ -280,7 +280,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._timed = {}
         self._globs = []
         self._rule_parts = {}
-        self.config = replace(new, store=self.config.store, socket=self.config.socket,
+        self.config = replace(new, store=self.config.store, state_dir=self.config.state_dir,
+                              socket=self.config.socket,
                               criu=self.config.criu, nice=self.config.nice)
         self.keeper.config = self.config  # the store's budget as the new config says
         budget = self.checkpointer.budget  # shared with the control service: changed in place

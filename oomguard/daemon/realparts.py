@@ -28,6 +28,7 @@ from oomguard.sense.procevents import Subscriber
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import Store
+from oomguard.store.nodestate import node_state
 
 CRIU_CGROUP_NAME = "oomguard-criu"
 
@@ -100,12 +101,19 @@ def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
                 host_ns=host_mount_prefix(binary, criu_config.mount_namespace))
 
 
+def open_store(config: DaemonConfig, algorithm: str | None = None) -> Store:
+    """The store, with this node's state directory (oomguard.store.nodestate): the daemon's
+    config has it resolved already; a verb run without the daemon resolves it here."""
+    state = config.state_dir if config.state_dir is not None else node_state(config.store).path
+    return Store(config.store, algorithm=algorithm, state=state)
+
+
 def build_checkpointer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = None,
                        events: Subscriber | None = None) -> Checkpointer:
     """`events`: the process-event subscriptions the freeze uses (one is made if not given;
     the daemon passes its own, probed at start)."""
     proc = proc or ProcReader()
-    store = Store(config.store, algorithm=config.criu.checksum)
+    store = open_store(config, algorithm=config.criu.checksum)
     checkpointer = Checkpointer(criu, store, SigstopFreezer(proc, events=events), proc,
                                 gpu=build_gpu(config.gpu),
                                 gpu_margin=config.gpu.host_margin,
@@ -122,7 +130,7 @@ def build_restorer(config: DaemonConfig, criu: Criu, proc: ProcReader | None = N
     """On a systemd host with the unified hierarchy, a unit's job is restored into a new
     scope (oomguard/act/systemdscope.py)."""
     proc = proc or ProcReader()
-    return Restorer(criu, Store(config.store), SigstopFreezer(proc, events=events), proc,
+    return Restorer(criu, open_store(config), SigstopFreezer(proc, events=events), proc,
                     gpu=build_gpu(config.gpu), scopes=systemd_scopes(layout))
 
 
@@ -152,7 +160,7 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
                 else Criu(binary="criu", version=()))
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc, layout=layout)
-    service = Service(Store(config.store), restorer, checkpointer, layout, proc, status)
+    service = Service(open_store(config), restorer, checkpointer, layout, proc, status)
     service.budget = checkpointer.budget
     if user_headroom is not None:
         service.user_headroom = user_headroom

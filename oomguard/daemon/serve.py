@@ -192,7 +192,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
     tap = EventTap(metrics, None, emitter, slurm=build_slurm(config.slurm))
     # also the daemon's EventSink; its events of note are kept in the store for `status`
-    log = RecordingLogger(base_log, tap=tap.tell, history=EventHistory(config.store))
+    log = RecordingLogger(base_log, tap=tap.tell, history=EventHistory(config.node_state_dir))
     tap.log = log
     apply_hooks(tap, config)
     notifier = Notifier.from_env()
@@ -209,7 +209,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes), after_arming=settle_heap,
-                    events=log, standby=None if config.dry_run else Standby(config.store, log,
+                    events=log, standby=None if config.dry_run else Standby(config.node_state_dir, log,
                                                                              proc))
     daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
     daemon.on_reload = lambda new: apply_hooks(tap, new)
@@ -271,7 +271,9 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
              guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
              gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}),
              process_events=process_events_words(no_events),
-             nice=daemon.priority.nice if daemon.priority.enabled else 0)
+             nice=daemon.priority.nice if daemon.priority.enabled else 0,
+             **({"node_state": str(config.node_state_dir)}
+                if config.node_state_dir != config.store else {}))
     if daemon.priority.error is not None:
         log.warning("guard.priority_unavailable", error=daemon.priority.error,
                     explanation="the guard runs at the ordinary priority: on busy CPUs a "

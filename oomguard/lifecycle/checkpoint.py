@@ -111,17 +111,17 @@ class Checkpointer:
         self.headroom = headroom
         self.freeze_timeout = freeze_timeout
         self.hook_dir = hook_dir
-        self.ledger = ledger or FrozenLedger(store.root / FROZEN_LEDGER, self.proc)
+        self.ledger = ledger or FrozenLedger(store.state / FROZEN_LEDGER, self.proc)
         if isinstance(freezer, SigstopFreezer) and freezer.before_stop is None:
             # Record-before-act for the tasks the freeze finds on its way (forks).
             freezer.before_stop = self.ledger.note
-        self.shield = shield or OomShield(store.root / OOM_SHIELD, self.proc)
+        self.shield = shield or OomShield(store.state / OOM_SHIELD, self.proc)
         # Victims are stopped at once, whatever else is going on; their dumps then share the
         # disk two at a time (the daemon's own and those asked for on the control socket).
         self.dump_slots = threading.BoundedSemaphore(DUMP_SLOTS)
         # Limits lifted for a dump's headroom: recorded durably first, bounded, put back by
         # whoever can; the daemon never takes a lifted limit for the cgroup's own.
-        self.lifts = lifts or LimitLifts(store.root / LIFTS_LEDGER, self.proc)
+        self.lifts = lifts or LimitLifts(store.state / LIFTS_LEDGER, self.proc)
         # The other processes of the victim's cgroup, held stopped while it is dumped.
         self.bystanders = Bystanders(self.proc, self.ledger)
         self.clock = clock
@@ -315,7 +315,7 @@ class Checkpointer:
                 # What the stopped tree has open, to be checked again before a restore.
                 self.store.write_private(images.parent / FILES_RECORD,
                                          fileids.to_json(fileids.record(pids)))
-                hook = self.criu.install_hook(self.hook_dir or self.store.root / HOOKS_DIR)
+                hook = self.criu.install_hook(self.hook_dir or self.store.state / HOOKS_DIR)
                 # Checksums taken as CRIU writes, finished in its post-dump action; the pages
                 # compressed alongside where asked (never waited for before the memory is free).
                 packer = self._packer(images)

@@ -352,7 +352,7 @@ class Restorer:
         """CRIU's restore; its post-restore action waits for the pages' verdict (eagerly).
         Returns the restored root's pid."""
         try:
-            hook = self.criu.install_hook(self.store.root / HOOKS_DIR)
+            hook = self.criu.install_hook(self.store.state / HOOKS_DIR)
             pid = self.criu.restore(images, work_dir,
                                     cgroup_root_arg(target) if target is not None else None,
                                     hook, ttys.args, ttys.pass_fds(),

@@ -74,8 +74,12 @@ class Store:
     """`algorithm`: what new checkpoints are checksummed with (default: XXH3-128 where the
     xxhash module is installed, else SHA-256); existing ones are verified with their own."""
 
-    def __init__(self, root: Path | str = DEFAULT_STORE, algorithm: str | None = None) -> None:
+    def __init__(self, root: Path | str = DEFAULT_STORE, algorithm: str | None = None, *,
+                 state: Path | None = None) -> None:
         self.root = Path(root)
+        # This node's records (ledgers, lock, CRIU's action script): the store itself unless
+        # the store is shared with other nodes (oomguard.store.nodestate).
+        self.state = self.root if state is None else Path(state)
         self._algorithm = algorithm
 
     @property
@@ -85,13 +89,15 @@ class Store:
         return self._algorithm
 
     def ensure(self) -> None:
-        """Create the root (0700, images hold every secret of a process) or tighten it."""
-        try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if self.root.stat().st_mode & 0o077:
-                self.root.chmod(0o700)
-        except OSError as exc:
-            raise StoreError(f"cannot use store {self.root}: {exc.strerror}") from exc
+        """Create the root (0700, images hold every secret of a process) or tighten it; and
+        the node's state directory, where that is elsewhere (0700 too)."""
+        for directory in dict.fromkeys((self.root, self.state)):
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                if directory.stat().st_mode & 0o077:
+                    directory.chmod(0o700)
+            except OSError as exc:
+                raise StoreError(f"cannot use store {directory}: {exc.strerror}") from exc
 
     def path_of(self, checkpoint_id: str) -> Path:
         return self.root / validate_id(checkpoint_id)
@@ -197,7 +203,7 @@ class Store:
         log = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id)) / IMAGES / "dump.log"
         with contextlib.suppress(OSError):
             if log.is_file() and not log.is_symlink():
-                write_atomically(self.root / LAST_FAILED_LOG, log.read_text(errors="replace"))
+                write_atomically(self.state / LAST_FAILED_LOG, log.read_text(errors="replace"))
 
     def abort(self, checkpoint_id: str) -> None:
         partial = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id))

@@ -166,6 +166,10 @@ class FakeLedger:
 class FakeStore:
     root: Path
 
+    @property
+    def state(self) -> Path:  # this node's records: in the store (store/nodestate.py)
+        return self.root
+
 
 class FakeCheckpointer:
     """`.checkpoint()` returns RESULT, or raises `error`; `advance` moves the clock first (a
