@@ -1,0 +1,40 @@
+#!/bin/bash
+# A store on NFS, inside the cgroup v2 VM lane (run by tests/integration/test_nfs_lane.py):
+#   scripts/vm-lane run --timeout 1500 -- bash tests/vmlane_nfs.sh
+# The guest's kernel serves NFS (nfsd; this machine's nfs-kernel-server programs, which the
+# guest sees through its read-only root) from a directory of the lane's scratch disk (ext4)
+# and mounts it over 127.0.0.1 as NFSv4.2 with the options a cluster node would use (hard,
+# the server's locks). Then tests/integration/test_nfs_store.py runs against that mount
+# ($OOMGUARD_NFS_STORE): real daemons, CRIU writing its images over NFS, restores from it.
+# Exit 3: no NFS programs on this machine (scripts/setup installs them): a skip.
+set -euo pipefail
+scratch=${OOMGUARD_VM_SCRATCH:?run inside scripts/vm-lane}
+export_dir=$scratch/nfs-export
+mnt=/mnt/og-nfs
+say() { printf '[nfs-lane] %s\n' "$*" >&2; }
+
+for p in rpc.nfsd exportfs rpc.mountd mount.nfs rpcbind; do
+  command -v "$p" >/dev/null || { say "SKIP: $p not installed (scripts/setup installs it)"; exit 3; }
+done
+modprobe nfsd && modprobe nfsv4 || { say "FAIL: the guest kernel has no nfsd/nfsv4"; exit 1; }
+mountpoint -q /proc/fs/nfsd || mount -t nfsd nfsd /proc/fs/nfsd
+mkdir -p /var/lib/nfs/rpc_pipefs /var/lib/nfs/v4recovery /run/rpcbind "$export_dir" "$mnt"
+mountpoint -q /var/lib/nfs/rpc_pipefs || mount -t rpc_pipefs sunrpc /var/lib/nfs/rpc_pipefs
+: > /var/lib/nfs/etab; : > /var/lib/nfs/rmtab
+ip link set lo up
+rpcbind -w 2>/dev/null || rpcbind
+# no_root_squash: the daemon and CRIU write the store as root, as on a cluster's store export.
+echo "$export_dir 127.0.0.1(rw,sync,no_subtree_check,no_root_squash,fsid=0)" > /etc/exports
+exportfs -ra
+rpc.mountd
+rpc.nfsd 2
+mount -t nfs4 -o vers=4.2,hard,timeo=600 127.0.0.1:/ "$mnt" || { say "FAIL: cannot mount the export"; exit 1; }
+say "store file system: $(findmnt -n -o FSTYPE,SOURCE,OPTIONS "$mnt" | cut -c1-120)"
+export OOMGUARD_NFS_STORE=$mnt
+set +e
+.venv/bin/python -m pytest -p no:cacheprovider -q -rfEs -o timeout=900 \
+  --basetemp "$scratch/pytest" tests/integration/test_nfs_store.py
+rc=$?
+umount "$mnt" 2>/dev/null
+rpc.nfsd 0 2>/dev/null
+exit $rc
