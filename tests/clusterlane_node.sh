@@ -1,0 +1,220 @@
+#!/bin/bash
+# One node of scripts/cluster-lane, inside a VM of the v2 lane: `bash tests/clusterlane_node.sh a|b`.
+# Node A (10.91.0.1): NFS server of the shared store, slurmctld, slurmd, oomguard, and the
+# scenario's driver. Node B (10.91.0.2): slurmd and oomguard; it waits for A to finish.
+# $OOMGUARD_CLUSTER_DIR is a host directory both VMs share (9p): the munge key, the Slurm
+# configuration, the logs, the handshakes and the result line.
+set -euo pipefail
+role=${1:?a or b}
+dir=${OOMGUARD_CLUSTER_DIR:?run by scripts/cluster-lane}
+scratch=${OOMGUARD_VM_SCRATCH:?run inside scripts/vm-lane}
+repo=$(pwd)
+py=$repo/.venv/bin/python
+local_dir=/run/cluster-lane
+mkdir -p "$local_dir"/{state,spool} /shared
+me=node$role
+if [ "$role" = a ]; then addr=10.91.0.1; peer=10.91.0.2; else addr=10.91.0.2; peer=10.91.0.1; fi
+say() { printf '[cluster-lane %s] %s\n' "$me" "$*" >&2; }
+fail() {
+  say "FAIL: $*"
+  [ "$role" = a ] && echo "FAIL: $*" > "$dir/result"
+  touch "$dir/finished.$role"
+  for f in "$dir"/log/*-"$me".log /shared/out/*; do
+    [ -f "$f" ] && { echo "== $f" >&2; tail -n 30 "$f" >&2; }
+  done
+  exit 1
+}
+wait_file() {  # wait_file PATH SECS
+  local i
+  for i in $(seq 1 "$2"); do [ -e "$1" ] && return 0; sleep 1; done
+  return 1
+}
+
+# -- the link: one Ethernet segment between the two VMs, nothing else --------------------------
+modprobe virtio_net 2>/dev/null || true
+ip link set lo up
+nic=""
+for _ in $(seq 1 50); do
+  nic=$(ls /sys/class/net | grep -v '^lo$' | head -n1 || true)
+  [ -n "$nic" ] && break
+  sleep 0.2
+done
+[ -n "$nic" ] || fail "no network interface (virtio_net)"
+ip addr add "$addr/24" dev "$nic"
+ip link set "$nic" up
+hostname "$me"
+printf '10.91.0.1 nodea\n10.91.0.2 nodeb\n' >> /etc/hosts
+# No ping on this machine: a UDP datagram makes the kernel resolve the peer's address (ARP);
+# its answer, the peer's MAC in the neighbour table, says the link works.
+for i in $(seq 1 120); do
+  "$py" -I -c "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('$peer', 9))" \
+    2>/dev/null || true
+  sleep 1
+  ip neigh show "$peer" | grep -q lladdr && break
+  [ "$i" = 120 ] && fail "the other node ($peer) never answered ARP"
+done
+say "link up: $nic $addr, $peer is $(ip neigh show "$peer" | grep -o 'lladdr [^ ]*')"
+
+# -- the shared store: NFS from node A, mounted by both at /shared ----------------------------
+if [ "$role" = a ]; then
+  export_dir=$scratch/shared
+  mkdir -p "$export_dir"/{store,out,work}
+  chmod 755 "$export_dir" "$export_dir/out" "$export_dir/work"
+  modprobe nfsd && modprobe nfsv4 || fail "no nfsd in the guest kernel"
+  mountpoint -q /proc/fs/nfsd || mount -t nfsd nfsd /proc/fs/nfsd
+  mkdir -p /var/lib/nfs/rpc_pipefs /var/lib/nfs/v4recovery /run/rpcbind
+  mountpoint -q /var/lib/nfs/rpc_pipefs || mount -t rpc_pipefs sunrpc /var/lib/nfs/rpc_pipefs
+  : > /var/lib/nfs/etab; : > /var/lib/nfs/rmtab
+  rpcbind -w 2>/dev/null || rpcbind
+  echo "$export_dir 10.91.0.0/24(rw,sync,no_subtree_check,no_root_squash,fsid=0)" > /etc/exports
+  exportfs -ra
+  rpc.mountd
+  rpc.nfsd 4
+  touch "$dir/nfs-ready"
+else
+  modprobe nfsv4 || fail "no nfsv4 in the guest kernel"
+  wait_file "$dir/nfs-ready" 300 || fail "node A never exported the store"
+fi
+mount -t nfs4 -o vers=4.2,hard,timeo=600 nodea:/ /shared || fail "cannot mount nodea:/ at /shared"
+say "store: $(findmnt -n -o FSTYPE,SOURCE /shared)"
+
+# -- munge and Slurm ----------------------------------------------------------------------------
+mkdir -p /run/munge /var/lib/munge /var/log/munge /etc/munge
+cp "$dir/munge.key" /etc/munge/og.key && chmod 400 /etc/munge/og.key
+munged --force --key-file=/etc/munge/og.key --socket=/run/munge/munge.socket.2 \
+  --log-file="$dir/log/munged-$me.log" --pid-file=/run/munge/munged.pid --num-threads=2
+export SLURM_CONF=$dir/slurm.conf
+if [ "$role" = a ]; then
+  # Node A is too small for the job once it asks for 3 x 256M: only node B can take it then.
+  cat > "$dir/slurm.conf.tmp" <<EOF
+ClusterName=oomguard2
+SlurmctldHost=nodea(10.91.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$local_dir/state
+SlurmdSpoolDir=$local_dir/spool
+SlurmctldPidFile=$local_dir/slurmctld.pid
+SlurmdPidFile=$local_dir/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld-nodea.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/cgroup
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+JobRequeue=1
+ReturnToService=2
+MpiDefault=none
+SchedulerType=sched/backfill
+NodeName=nodea NodeAddr=10.91.0.1 CPUs=1 RealMemory=600 State=UNKNOWN
+NodeName=nodeb NodeAddr=10.91.0.2 CPUs=1 RealMemory=1200 State=UNKNOWN
+PartitionName=lane Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+  cat > "$dir/cgroup.conf" <<EOF
+CgroupPlugin=cgroup/v2
+IgnoreSystemd=yes
+ConstrainRAMSpace=yes
+ConstrainSwapSpace=no
+AllowedRAMSpace=100
+EOF
+  mv "$dir/slurm.conf.tmp" "$dir/slurm.conf"
+else
+  wait_file "$dir/slurm.conf" 300 || fail "node A never wrote slurm.conf"
+fi
+mkdir -p /sys/fs/cgroup/system.slice
+for c in memory pids cpu; do
+  echo "+$c" > /sys/fs/cgroup/system.slice/cgroup.subtree_control 2>/dev/null || true
+done
+if [ "$role" = a ]; then slurmctld -i || fail "slurmctld did not start"; fi
+slurmd -N "$me" || fail "slurmd did not start"
+
+# -- oomguard on this node: the store shared, this node's records in /run ----------------------
+sock=/run/oomguard-lane.sock
+cat > "$local_dir/oomguard.toml" <<EOF
+[daemon]
+store = "/shared/store"
+socket = "$sock"
+rescan_interval = "1s"
+store_max_size = "50%"
+store_keep_free = "5%"
+
+[slurm]
+after_checkpoint = "requeue"
+grow_memory = 3.0
+
+[[guard]]
+cgroups = ["/system.slice/*slurmstepd.scope/job_*"]
+threshold = "80%"
+EOF
+"$py" -m oomguard --log-format json run --config "$local_dir/oomguard.toml" \
+  > "$dir/log/oomguard-$me.log" 2>&1 &
+guard=$!
+for _ in $(seq 1 120); do grep -q '"guard.started"' "$dir/log/oomguard-$me.log" && break; sleep 1; done
+sleep 2
+kill -0 "$guard" 2>/dev/null || fail "oomguard exited at start"
+grep -o '"node_state": "[^"]*"' "$dir/log/oomguard-$me.log" | head -n1 | sed 's/^/[cluster-lane '"$me"'] /' >&2
+touch "$dir/ready.$role"
+
+if [ "$role" = b ]; then
+  wait_file "$dir/finished.a" 1400 || say "node A never finished"
+  kill "$guard" 2>/dev/null || true
+  exit 0
+fi
+
+# -- node A: the scenario ------------------------------------------------------------------------
+wait_file "$dir/ready.b" 600 || fail "node B never came up"
+for _ in $(seq 1 180); do
+  [ "$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed)$')" = 2 ] && break
+  sleep 1
+done
+sinfo -h -N -o '%N %T %m' | sed 's/^/[cluster-lane nodea] sinfo: /' >&2
+[ "$(sinfo -h -N -o '%N %T' | grep -cE ' (idle|mixed)$')" = 2 ] || fail "the two nodes are not both up"
+# The first run must land on A: B is drained until it runs there.
+scontrol update NodeName=nodeb State=DRAIN Reason=cluster-lane
+# A job's PIDs must be free on the node it is restored on: start A's far above B's (a real
+# cluster runs jobs with `oomguard exec`, PID 1 of a namespace of their own: docs/cluster.md).
+echo 40000 > /proc/sys/kernel/ns_last_pid
+cat > /shared/work/job.sh <<EOF
+#!/bin/bash
+if [ "\${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+  exec "$py" -m oomguard --store /shared/store --socket "$sock" --log-format json resume-job
+fi
+sleep 3
+exec "$py" "$repo/tests/workloads/hog.py" --log /shared/out/hog.log --target 320 --rate 20 \
+  --count 400 --tick 0.02
+EOF
+chmod 755 /shared/work/job.sh
+job=$(sbatch --parsable --mem=256M --requeue -D /shared/work -o "/shared/out/job-%j.out" \
+  /shared/work/job.sh) || fail "sbatch failed"
+say "submitted job $job"
+for _ in $(seq 1 300); do
+  scontrol show job "$job" | grep -q "JobState=RUNNING" && break
+  sleep 1
+done
+first=$(scontrol show job "$job" | grep -o ' NodeList=[^ ]*' | head -n1)
+say "first run:$first"
+echo "$first" | grep -q nodea || fail "the first run is not on nodea ($first)"
+scontrol update NodeName=nodeb State=RESUME
+for _ in $(seq 1 1200); do
+  grep -q "^done " /shared/out/hog.log 2>/dev/null && break
+  sleep 1
+done
+info=$(scontrol show job "$job")
+second=$(echo "$info" | grep -o ' NodeList=[^ ]*' | head -n1)
+restarts=$(echo "$info" | grep -o 'Restarts=[0-9]*' | head -n1)
+say "then:$second $restarts"
+grep -q '"checkpoint.done"' "$dir/log/oomguard-nodea.log" || fail "no checkpoint on nodea"
+grep -q '"slurm.notified"' "$dir/log/oomguard-nodea.log" || fail "Slurm was not told on nodea"
+grep -q "^done 400 ok" /shared/out/hog.log || fail "the job did not finish intact ($second $restarts)"
+echo "$second" | grep -q nodeb || fail "the job did not finish on nodeb ($second)"
+counts=$(grep -E '^[0-9]+ ' /shared/out/hog.log | cut -d' ' -f1 | tr '\n' ' ')
+[ "$counts" = "$(seq -s ' ' 1 400) " ] || fail "counts out of order or missing"
+grep -q '"restore.done"\|"restore.exited"' "$dir/log/oomguard-nodeb.log" ||
+  say "note: no restore event in nodeb's daemon log"
+echo "PASS: job $job checkpointed on nodea, resumed on nodeb" > "$dir/result"
+say "$(cat "$dir/result")"
+touch "$dir/finished.a"
+kill "$guard" 2>/dev/null || true
