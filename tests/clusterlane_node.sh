@@ -176,7 +176,7 @@ sinfo -h -N -o '%N %T %m' | sed 's/^/[cluster-lane nodea] sinfo: /' >&2
 scontrol update NodeName=nodeb State=DRAIN Reason=cluster-lane
 # A job's PIDs must be free on the node it is restored on: start A's far above B's (a real
 # cluster runs jobs with `oomguard exec`, PID 1 of a namespace of their own: docs/cluster.md).
-echo 40000 > /proc/sys/kernel/ns_last_pid
+echo 30000 > /proc/sys/kernel/ns_last_pid  # pid_max: 32768 on a 1-CPU guest
 cat > /shared/work/job.sh <<EOF
 #!/bin/bash
 if [ "\${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then

@@ -1,6 +1,7 @@
 """Action chains: what a rule does to its victim, in order, until one step settles it.
 
-    actions = ["checkpoint", "kill"]              # the default: checkpoint, else kill
+    actions = ["checkpoint"]                      # the default (on_failure = "thaw")
+    actions = ["checkpoint", "kill"]              # checkpoint, else kill (on_failure = "kill")
     actions = ["freeze", "checkpoint", "kill"]    # stop growth at once, then decide
     actions = ["signal:SIGUSR1:30s", "checkpoint"] # cooperative: let the trainer save itself
     actions = ["vram", "checkpoint"]              # GPU pressure: free the GPU, keep it running
