@@ -68,6 +68,8 @@ if [ "$role" = a ]; then
   rpcbind -w 2>/dev/null || rpcbind
   echo "$export_dir 10.91.0.0/24(rw,sync,no_subtree_check,no_root_squash,fsid=0)" > /etc/exports
   exportfs -ra
+  echo 10 > /proc/fs/nfsd/nfsv4gracetime  # a dead node's locks go in seconds (lease: 10 s)
+  echo 10 > /proc/fs/nfsd/nfsv4leasetime
   rpc.mountd
   rpc.nfsd 4
   touch "$dir/nfs-ready"

@@ -4,7 +4,7 @@
 # The guest's kernel serves NFS (nfsd; this machine's nfs-kernel-server programs, which the
 # guest sees through its read-only root) from a directory of the lane's scratch disk (ext4)
 # and mounts it over 127.0.0.1 as NFSv4.2 with the options a cluster node would use (hard,
-# the server's locks). Then tests/integration/test_nfs_store.py runs against that mount
+# the server's locks); "another node" mounts it again in a mount namespace with nosharecache. Then tests/integration/test_nfs_store.py runs against that mount
 # ($OOMGUARD_NFS_STORE): real daemons, CRIU writing its images over NFS, restores from it.
 # Exit 3: no NFS programs on this machine (scripts/setup installs them): a skip.
 set -euo pipefail
@@ -26,6 +26,10 @@ rpcbind -w 2>/dev/null || rpcbind
 # no_root_squash: the daemon and CRIU write the store as root, as on a cluster's store export.
 echo "$export_dir 127.0.0.1(rw,sync,no_subtree_check,no_root_squash,fsid=0)" > /etc/exports
 exportfs -ra
+# A short grace period and lease (the minimum, 10 s): a lock of a node that died (its lease not
+# renewed) is let go in seconds, and the server accepts new opens and locks soon after it starts.
+echo 10 > /proc/fs/nfsd/nfsv4gracetime
+echo 10 > /proc/fs/nfsd/nfsv4leasetime
 rpc.mountd
 rpc.nfsd 2
 mount -t nfs4 -o vers=4.2,hard,timeo=600 127.0.0.1:/ "$mnt" || { say "FAIL: cannot mount the export"; exit 1; }

@@ -176,7 +176,7 @@ class Criu:
 
     def dump(self, pid: int, images_dir: Path, hook: Path | None, lock_fd: int | None = None,
              extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> None:
-        """`lock_fd` (an flock'd fd on the checkpoint directory) is inherited by CRIU, so the
+        """`lock_fd` (an flock'd fd on the checkpoint's lock file) is inherited by CRIU, so the
         lock says "a dump is writing here" for as long as CRIU lives, even if we die.
         `extra_args`: this dump's own (e.g. `--external tty[...]`); `env`: for the action
         script (its digest gate)."""

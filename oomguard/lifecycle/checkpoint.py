@@ -359,7 +359,8 @@ class Checkpointer:
             full = self._disk_full(exc)  # before the partial goes: what the dump met
             if began:
                 self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
-                self.store.abort(checkpoint_id)
+                self.store.abort(checkpoint_id, lock_fd)  # closes the lock, as it goes
+                lock_fd = None
             busy = ""  # the limit back before anything else (the tree cannot grow meanwhile)
             if undo_limit is not None:
                 try:

@@ -42,7 +42,7 @@ from oomguard.store.integrity import (
     sums_name,
     verify,
 )
-from oomguard.store.names import LAST_FAILED_LOG, PARTIAL_PREFIX
+from oomguard.store.names import CHECKPOINT_LOCK, LAST_FAILED_LOG, PARTIAL_PREFIX
 
 __all__ = ["COMPRESSED", "DEFAULT_STORE", "DUMP_SUCCESS", "ID_RE", "IMAGES",
            "META", "META_MAX", "STATE_CHECKPOINTED", "STATE_DUMPING",
@@ -62,6 +62,42 @@ def _reason(exc: BaseException) -> str:
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def open_lock(directory: Path) -> int:
+    """The fd to flock for a checkpoint directory (partial or whole): its lock file, made where
+    it is missing (a checkpoint from before there was one), never through a symlink (the
+    directory is refused if it is one). A file, not the directory: on NFS an flock on a file
+    is a lock of the server's, seen by every node (and let go when its node's lease runs out);
+    an flock on a directory is the client's alone. Close it when done; CRIU and a lazy
+    restore's keeper hold it by inheriting it. Raises OSError."""
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.open(CHECKPOINT_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def remove_checkpoint_dir(directory: Path, lock_fd: int | None = None) -> None:
+    """Remove a checkpoint directory whose lock its caller holds (`lock_fd`, closed here) or
+    takes no more: everything but the lock file first, then the lock, closed, then its file
+    and the directory. On NFS a file still open is only renamed (.nfsXXXX) when removed, and
+    its directory cannot go until it is closed. Raises OSError (FileNotFoundError: gone)."""
+    try:
+        for entry in os.scandir(directory):
+            if entry.name == CHECKPOINT_LOCK:
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(directory / CHECKPOINT_LOCK)
+    os.rmdir(directory)
 
 
 @dataclass(frozen=True)
@@ -114,7 +150,7 @@ class Store:
         try:
             partial.mkdir(mode=0o700)
             (partial / IMAGES).mkdir(mode=0o700)
-            lock_fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)  # inheritable on purpose
+            lock_fd = open_lock(partial)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             meta.state = STATE_DUMPING
             write_atomically(partial / META, meta.to_json())
@@ -166,9 +202,10 @@ class Store:
         for partial in self.partials():
             checkpoint_id = partial.name[len(PARTIAL_PREFIX):]
             try:
-                fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                fd: int | None = open_lock(partial)
             except OSError:
                 continue
+            assert fd is not None
             try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -191,10 +228,13 @@ class Store:
                         continue
                     done.append((checkpoint_id, "completed"))
                 else:
-                    shutil.rmtree(partial, ignore_errors=True)
+                    held, fd = fd, None
+                    with contextlib.suppress(OSError):
+                        remove_checkpoint_dir(partial, held)
                     done.append((checkpoint_id, "removed"))
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
         return done
 
     def keep_failed_log(self, checkpoint_id: str) -> None:
@@ -205,9 +245,17 @@ class Store:
             if log.is_file() and not log.is_symlink():
                 write_atomically(self.state / LAST_FAILED_LOG, log.read_text(errors="replace"))
 
-    def abort(self, checkpoint_id: str) -> None:
+    def abort(self, checkpoint_id: str, lock_fd: int | None = None) -> None:
+        """Remove a failed dump's partial. `lock_fd`: the lock begin() returned, closed here
+        (after the rest of the partial is gone, before its lock file is: see
+        remove_checkpoint_dir)."""
         partial = self.root / (PARTIAL_PREFIX + validate_id(checkpoint_id))
-        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            remove_checkpoint_dir(partial, lock_fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            shutil.rmtree(partial, ignore_errors=True)  # what is left: recover_partials' then
 
     def partials(self) -> list[Path]:
         if not self.root.is_dir():
@@ -225,7 +273,11 @@ class Store:
         if meta is None:
             raise StoreError(f"checkpoint {checkpoint_id} has no finished dump to complete")
         partial = self.root / (PARTIAL_PREFIX + checkpoint_id)
-        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = open_lock(partial)
+        except OSError as exc:
+            raise StoreError(f"checkpoint {checkpoint_id} cannot be completed: "
+                             f"{_reason(exc)}") from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -247,7 +299,7 @@ class Store:
         process is gone) and that no CRIU or oomguard holds now, as state "incomplete"."""
         partial = self.root / (PARTIAL_PREFIX + checkpoint_id)
         try:
-            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_lock(partial)
         except OSError:
             return None
         try:
@@ -337,24 +389,29 @@ class Store:
     @contextlib.contextmanager
     def restore_lock(self, checkpoint_id: str) -> Iterator[int]:
         """Held while a checkpoint is restored, by whichever path (the daemon's socket, its
-        auto-restore, the CLI without a daemon): a second restore at the same time is refused
-        instead of running the process twice. An flock: it dies with its holder, and with
-        whatever inherited the yielded fd (a lazy restore's keeper, until every page is in)."""
-        path = self.path_of(checkpoint_id)
+        auto-restore, the CLI without a daemon, on this node or another sharing the store): a
+        second restore at the same time is refused instead of running the process twice. An
+        flock on its lock file: it dies with its holder, and with whatever inherited the
+        yielded fd (a lazy restore's keeper, until every page is in)."""
+        fd = self._take_restore_lock(checkpoint_id)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from exc
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise RestoreInProgress(f"checkpoint {checkpoint_id} is being restored right now "
-                                 "(by the daemon or another oomguard, or its pages are still "
-                                 "streaming in after a lazy restore)") from None
             yield fd
         finally:
             os.close(fd)
+
+    def _take_restore_lock(self, checkpoint_id: str) -> int:
+        try:
+            fd = open_lock(self.path_of(checkpoint_id))
+        except OSError as exc:
+            raise StoreError(f"no checkpoint {checkpoint_id!r} in {self.root}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RestoreInProgress(f"checkpoint {checkpoint_id} is being restored right now "
+                                    "(by the daemon or another oomguard, or its pages are "
+                                    "still streaming in after a lazy restore)") from None
+        return fd
 
     def write_private(self, path: Path, text: str) -> None:
         """A file of oomguard's own inside a checkpoint directory: made anew (O_EXCL, never
@@ -369,8 +426,9 @@ class Store:
         is one being restored (its images are being read: by CRIU, or a lazy restore's
         lazy-pages daemon)."""
         self._read_meta(validate_id(checkpoint_id))
-        with self.restore_lock(checkpoint_id):
-            shutil.rmtree(self.path_of(checkpoint_id))
+        # Removed under its lock, which goes last (remove_checkpoint_dir: NFS keeps an open
+        # file's directory until it is closed).
+        remove_checkpoint_dir(self.path_of(checkpoint_id), self._take_restore_lock(checkpoint_id))
         # Durably gone: the journal's commit is what hands the blocks back to the file system
         # (ext4 counts them free only then: the store's budget reads it right after).
         with contextlib.suppress(OSError):

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 # A checkpoint being built: renamed to `<id>` once its images are durable.
 PARTIAL_PREFIX = ".partial-"
+# Inside a checkpoint directory (partial or whole): the file its dump, its commit and its
+# restores flock. A file, not the directory: on NFS an flock on a file is a lock of the server's,
+# which every node sees; on a directory it is the client's alone.
+CHECKPOINT_LOCK = ".lock"
 # CRIU's log of the last failed dump (the event holds only its tail).
 LAST_FAILED_LOG = ".last-failed-dump.log"
 # The daemon's lock on the store: one daemon per store.

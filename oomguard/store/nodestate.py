@@ -10,7 +10,8 @@ cgroups it does not have, and wait on the other node's lock. There the node's re
 `/run/oomguard/state/<hash of the store's path>` (they describe processes and cgroups, which a
 reboot ends anyway), or to `[daemon] state_dir` where one is configured. The checkpoints stay in
 the shared store: their ids are unique across nodes, a dump in progress is a `.partial-` that
-no node lists, and its flock is seen by every node (NFS locks are the server's)."""
+no node lists, and the flock on its lock file is seen by every node (on NFS an flock on a
+file is a lock of the server's; on a directory it would be the client's alone)."""
 
 from __future__ import annotations
 

@@ -28,5 +28,5 @@ def test_a_store_on_nfs_in_the_v2_lane(capsys: pytest.CaptureFixture[str]) -> No
                 print(f"[nfs lane] {line}")
     assert result.returncode == 0, output[-8000:]
     counts = re.search(r"(\d+) passed", output)
-    assert counts and int(counts.group(1)) == 5, output[-3000:]
+    assert counts and int(counts.group(1)) == 6, output[-3000:]
     assert not re.search(r"\d+ (failed|error|skipped)", output), output[-3000:]

@@ -11,14 +11,17 @@ What holds there, each checked below:
 - two nodes, each a daemon with a /run of its own (a mount namespace: its own locks and
   records), write into one store at once, and both checkpoints commit and restore; a second
   daemon on one node is refused;
-- a dump in progress on another node (its partial directory flock'ed over NFS) is left alone;
-  once its holder is gone, the half checkpoint is removed, never listed as restorable;
+- a dump in progress on another node (the flock on its partial's lock file, a lock of the
+  server's) is left alone, once its holder is gone, the half checkpoint is removed, never listed
+  as restorable; an flock on the directory itself would not be seen (it is the client's);
+- a restore lock held on another node refuses a restore and a forget here;
 - a daemon SIGKILLed in the middle of its dump leaves nothing listed that does not verify,
   and its next start loses nothing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -32,7 +35,13 @@ import pytest
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.store.checkpoints import Store
-from oomguard.store.names import FROZEN_LEDGER, HOOKS_DIR, PARTIAL_PREFIX, STORE_LOCK
+from oomguard.store.names import (
+    CHECKPOINT_LOCK,
+    FROZEN_LEDGER,
+    HOOKS_DIR,
+    PARTIAL_PREFIX,
+    STORE_LOCK,
+)
 from oomguard.store.nodestate import NODE_STATE_ROOT, node_state
 from tests.helpers import (
     REPO,
@@ -67,11 +76,16 @@ def cli(socket: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300, cwd=REPO, stdin=subprocess.DEVNULL)
 
 
-def own_run() -> tuple[str, ...]:
-    """A wrapper that gives the daemon a /run/oomguard of its own (another node's)."""
+def other_node() -> tuple[str, ...]:
+    """A wrapper that runs a command as on another node: a mount namespace with a
+    /run/oomguard of its own (its locks and records) and the export mounted again at the same
+    path with `nosharecache`, a superblock of its own: its own inodes, page cache and local
+    lock table, so that what it sees of the store, and of the locks in it, comes from the
+    server, as another machine's would."""
     return ("unshare", "-m", "--propagation", "private", "sh", "-c",
             'mkdir -p /run/oomguard && mount -t tmpfs -o mode=0755 og-node /run/oomguard '
-            '&& exec "$@"', "own-run")
+            f'&& mount -t nfs4 -o vers=4.2,hard,nosharecache 127.0.0.1:/ {NFS} '
+            '&& exec "$@"', "other-node")
 
 
 def grown_job(cgroups: CgroupFactory, tmp_path: Path,
@@ -132,7 +146,7 @@ def test_two_nodes_write_into_one_store_at_once_and_one_node_runs_one_daemon(
     log_b, cg_b, job_b = grown_job(cgroups, tmp_path, "nodeb")
     node_a = DaemonProcess(shared, tmp_path / "a.log", "--cgroup", str(cg_a.path))
     node_b = DaemonProcess(shared, tmp_path / "b.log", "--cgroup", str(cg_b.path),
-                           wrapper=own_run())
+                           wrapper=other_node())
     second = None
     try:
         node_a.wait_event("guard.started")
@@ -163,27 +177,71 @@ def test_two_nodes_write_into_one_store_at_once_and_one_node_runs_one_daemon(
         kill_pid(job_b.pid)
 
 
-def test_a_dump_under_way_elsewhere_is_left_alone_and_a_dead_ones_half_is_removed(
+def test_a_dump_under_way_on_another_node_is_left_alone_and_a_dead_ones_half_is_removed(
         shared: Path) -> None:
     store = Store(shared)
     store.ensure()
     partial = shared / f"{PARTIAL_PREFIX}20261205-120000-4242-beef"
     (partial / "images").mkdir(parents=True)
     (partial / "images" / "pages-1.img").write_bytes(b"x" * 65536)
-    holder = subprocess.Popen(  # another node's dump: its flock on the partial, over NFS
-        [sys.executable, "-I", "-c", "import fcntl, os, sys; "
-         f"fd = os.open({str(partial)!r}, os.O_RDONLY | os.O_DIRECTORY); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"],
+    # Another node's dump: the lock on its lock file, taken through that node's superblock.
+    holder = subprocess.Popen(
+        [*other_node(), sys.executable, "-I", "-c", "import fcntl, os, sys; "
+         f"fd = os.open({str(partial / CHECKPOINT_LOCK)!r}, os.O_RDWR | os.O_CREAT, 0o600); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); "
+         f"dfd = os.open({str(partial)!r}, os.O_RDONLY | os.O_DIRECTORY); "
+         "fcntl.flock(dfd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         assert store.recover_partials() == [("20261205-120000-4242-beef", "in progress")]
         assert partial.is_dir() and store.list() == []
+        # Why a file: the other node's flock on the directory is not seen here at all.
+        dfd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # granted: the client's lock only
+        finally:
+            os.close(dfd)
     finally:
         holder.kill()
         holder.wait()
     assert store.recover_partials() == [("20261205-120000-4242-beef", "removed")]
     assert not partial.exists() and store.list() == []
+
+
+def test_a_restore_on_one_node_refuses_a_second_on_another(
+        shared: Path, cgroups: CgroupFactory, tmp_path: Path) -> None:
+    """The restore lock over NFS: node B holds a checkpoint's restore lock (a restore under way
+    there, or a lazy restore's keeper); node A's daemon refuses to restore it or delete it."""
+    log, cg, job = grown_job(cgroups, tmp_path, "nfsrl")
+    guard = DaemonProcess(shared, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    holder = None
+    try:
+        [done] = guard.wait_event("checkpoint.done", timeout=180)
+        assert job.wait(timeout=60) == -signal.SIGKILL
+        lock = shared / done["id"] / CHECKPOINT_LOCK
+        holder = subprocess.Popen(
+            [*other_node(), sys.executable, "-I", "-c", "import fcntl, os, sys; "
+             f"fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+             "print('held', flush=True); sys.stdin.read()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        big = cgroups.make("nfsrlbig", 512 * MiB)
+        refused = cli(guard.socket, "restore", done["id"], "--cgroup", str(big.path))
+        assert refused.returncode != 0 and "being restored" in refused.stderr, refused
+        gone = cli(guard.socket, "forget", done["id"])
+        assert gone.returncode != 0, gone
+        assert [m.id for m in Store(shared).list()] == [done["id"]]
+        holder.kill()
+        holder.wait()
+        holder = None
+        restore_and_finish(guard.socket, done["id"], cgroups, log, "nfsrlbig2")
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        guard.stop()
+        kill_pid(job.pid)
 
 
 def test_a_daemon_killed_mid_dump_leaves_nothing_listed_that_does_not_verify(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.store.checkpoints import open_lock
 from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
@@ -112,9 +113,9 @@ def test_auto_restores_that_lose_the_race_to_another_restore_never_make_it_stuck
     log = tmp_path / "job.log"
     with daemon(store, tmp_path / "daemon.log", "--config",
                 str(auto_restore_config(tmp_path, cg, "raced"))) as guard:
-        # The lock is taken before the checkpoint exists as such: its directory, once there.
+        # The lock is taken before the checkpoint exists as such: its lock file, once there.
         job, checkpoint_id = started_and_checkpointed(guard, cg, log)
-        held = os.open(store / checkpoint_id, os.O_RDONLY | os.O_DIRECTORY)
+        held = open_lock(store / checkpoint_id)
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             assert job.wait(timeout=10) == -signal.SIGKILL

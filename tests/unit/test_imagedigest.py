@@ -21,6 +21,7 @@ from oomguard.store import integrity
 from oomguard.store.checkpoints import IMAGES, PARTIAL_PREFIX, Store
 from oomguard.store.digest import GATE_NAME, Digests, FileDigest, ImageDigester
 from oomguard.store.integrity import SHA256, XXH3, digest_file, find_sums, read_sums
+from oomguard.store.names import CHECKPOINT_LOCK
 from tests.unit.test_store import make_meta
 
 ALGORITHMS = [SHA256, XXH3]
@@ -253,7 +254,8 @@ def test_commit_removes_a_dead_gates_fifos_and_another_versions_sums(tmp_path: P
     os.mkfifo(images.parent / f"{GATE_NAME}.req")
     (images.parent / "SHA256SUMS").write_text("from a commit that failed half way\n")
     final = store.commit(make_meta("ck5"))
-    assert sorted(p.name for p in final.iterdir()) == ["XXH128SUMS", IMAGES, "meta.json"]
+    assert sorted(p.name for p in final.iterdir()) == \
+        [CHECKPOINT_LOCK, "XXH128SUMS", IMAGES, "meta.json"]
 
 
 def test_old_sha256sums_checkpoints_still_verify(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from oomguard.store.checkpoints import (
     new_id,
     validate_id,
 )
+from oomguard.store.names import CHECKPOINT_LOCK
 
 
 def make_meta(checkpoint_id: str = "20250101-120000-4242-abcd", *, created: float = 1_700_000_000.0,
@@ -157,7 +158,8 @@ def test_commit(st: Store) -> None:
     assert final == st.root / "ck1"
     assert sorted(p.name for p in st.root.iterdir()) == ["ck1"]  # no partial left
     assert st.partials() == []
-    assert sorted(p.name for p in final.iterdir()) == ["XXH128SUMS", IMAGES, META]  # no .tmp left
+    # No .tmp left; the lock file its dump held (and its restores take) goes with it.
+    assert sorted(p.name for p in final.iterdir()) == [CHECKPOINT_LOCK, "XXH128SUMS", IMAGES, META]
     assert (final / IMAGES / "pages-1.img").read_bytes() == b"x" * 10000
     assert mode_of(final / META) == 0o600
     assert meta.image_bytes == 10300
@@ -287,7 +289,8 @@ def test_update(st: Store) -> None:
     assert (again.state, again.restored_pid, again.restored_at, again.restored_cgroup) == (
         "restored", 999, 1_700_000_100.0, "/jobs/bigger")
     assert again.image_bytes == meta.image_bytes
-    assert sorted(p.name for p in (st.root / "ck9").iterdir()) == ["XXH128SUMS", IMAGES, META]
+    assert sorted(p.name for p in (st.root / "ck9").iterdir()) == \
+        [CHECKPOINT_LOCK, "XXH128SUMS", IMAGES, META]
 
 
 def test_dir_size_counts_files_recursively(tmp_path: Path) -> None:
