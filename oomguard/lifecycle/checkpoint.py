@@ -52,7 +52,7 @@ from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.owners import owner_fields
 from oomguard.sense.procfs import ProcReader
-from oomguard.store.budget import BudgetExceeded, StoreBudget
+from oomguard.store.budget import BudgetExceeded, Reservation, StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
 from oomguard.store.digest import ImageDigester, with_packed
@@ -171,34 +171,58 @@ class Checkpointer:
             if problem is not None:  # lasting: the tree is not chosen again while it lives
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
                                        f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
-        with self._room_for(tree, cgroup):
+        with self._room_for(tree, cgroup) as room:
             return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
-                                             after_signal, requester, held, start, rights_of)
+                                             after_signal, requester, held, start, rights_of,
+                                             room)
 
     @contextlib.contextmanager
-    def _room_for(self, tree: ProcessTree, cgroup: MemoryCgroup | None) -> Iterator[None]:
+    def _room_for(self, tree: ProcessTree,
+                  cgroup: MemoryCgroup | None) -> Iterator[Reservation | None]:
         """Room in the store's budget for the tree's image (its memory, what it may still grow
         by under its cgroup's limit before its stop, and CRIU's metadata and logs: see
-        image_estimate), held while it is dumped; refused, untouched, where there is none
-        (oomguard.store.budget)."""
+        image_estimate), held while it is dumped. Where only its memory now fits, that is
+        reserved, and the tree is measured again once stopped (_fit_stopped). Refused,
+        untouched, where not even that fits (oomguard.store.budget)."""
         with contextlib.ExitStack() as reserved:
+            room: Reservation | None = None
             try:
                 if self.budget is not None:
-                    need = image_estimate(tree.footprint, _room_under_limit(cgroup))
-                    reserved.enter_context(self.budget.reserve(need, self.on_pruned))
+                    growth = _room_under_limit(cgroup)
+                    try:
+                        room = reserved.enter_context(self.budget.reserve(
+                            image_estimate(tree.footprint, growth), self.on_pruned))
+                    except BudgetExceeded:
+                        if growth == 0:
+                            raise
+                        room = reserved.enter_context(self.budget.reserve(
+                            image_estimate(tree.footprint), self.on_pruned))
             except BudgetExceeded as exc:
                 raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping "
                                       f"it: {exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
             except StoreError as exc:
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
                                        f"it: {exc}", OUTCOME_UNTOUCHED) from exc
-            yield  # what the dump raises goes on as it is
+            yield room  # what the dump raises goes on as it is
+
+    def _fit_stopped(self, room: Reservation | None, tree: ProcessTree,
+                     pids: Collection[int]) -> None:
+        """The stopped tree's image must fit the store's budget: its reservation grown to the
+        tree as it stopped (it may have grown since it was chosen). Raises BudgetExceeded."""
+        if room is None:
+            return
+        resident = 0
+        for pid in pids:
+            with contextlib.suppress(ProcessGone, OSError):
+                resident += self.proc.process(pid).rss_bytes
+        room.grow(image_estimate(resident + tree.vram_bytes))
 
     def _checkpoint_reserved(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                              on_frozen: Callable[[Frozen, float], None] | None,
                              headroom: int | None, after_signal: Callable[[], None] | None,
                              requester: int | None, held: Collection[int],
-                             start: float, rights_of: int | None) -> CheckpointResult:
+                             start: float, rights_of: int | None,
+                             room: Reservation | None = None) -> CheckpointResult:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -212,13 +236,14 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
         with self.bystanders.victim(tree.pids):
             return self._checkpoint(tree, cgroup, reason, on_frozen, headroom, after_signal,
-                                    requester, held, start, rights_of)
+                                    requester, held, start, rights_of, room)
 
     def _checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                     on_frozen: Callable[[Frozen, float], None] | None, headroom: int | None,
                     after_signal: Callable[[], None] | None, requester: int | None,
                     held: Collection[int], start: float,
-                    rights_of: int | None = None) -> CheckpointResult:
+                    rights_of: int | None = None,
+                    reserved: Reservation | None = None) -> CheckpointResult:
         # Held by another dump as a bystander: stopped by oomguard, not by its user.
         held = [*held, *self.bystanders.held_now(tree.pids)]
         # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
@@ -289,6 +314,18 @@ class Checkpointer:
                                    "the request was checked, as after a setuid program's "
                                    "exec): refused, nothing dumped, the processes oomguard "
                                    "stopped continued", FailedCheckpoint.THAWED)
+            try:
+                self._fit_stopped(reserved, tree, pids)
+            except BudgetExceeded as exc:  # the limit back first, then only oomguard's stops
+                if undo_limit is not None:
+                    with contextlib.suppress(OSError, CgroupGone):
+                        undo_limit()
+                    undo_limit = None
+                self.freezer.thaw(frozen.ours)
+                raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused once it had "
+                                      f"stopped (it grew meanwhile): {exc}; nothing dumped, "
+                                      "the processes oomguard stopped continued",
+                                      FailedCheckpoint.THAWED, exc.figures) from exc
             if shielding:  # stopped: back to the originals, which CRIU saves with the images
                 self.shield.unshield(pids + list(tree.pids) + left)
             if cgroup is not None and room > 0:

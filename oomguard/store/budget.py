@@ -82,6 +82,24 @@ def _existing(path: Path) -> Path:
     return path
 
 
+class Reservation:
+    """A dump's room in the store's budget, held while it runs (StoreBudget.reserve)."""
+
+    def __init__(self, budget: StoreBudget, token: int, need: int,
+                 on_pruned: Callable[[list[Prune]], None]) -> None:
+        self._budget, self._token, self._on_pruned = budget, token, on_pruned
+        self.need = need
+
+    def grow(self, need: int) -> None:
+        """At least `need` bytes from now on; raises BudgetExceeded (the reservation as it
+        was) where the budget has no room for them even after pruning."""
+        if need <= self.need:
+            return
+        with self._budget._lock:
+            self._budget._claim(self._token, need, self._on_pruned)
+        self.need = need
+
+
 class StoreBudget:
     """`max_size`, `keep_free`: as configured (bytes, a share of the file system, or None);
     `max_age`: restored checkpoints older than this are pruned whatever the budget."""
@@ -103,25 +121,31 @@ class StoreBudget:
     @contextlib.contextmanager
     def reserve(self, need: int,
                 on_pruned: Callable[[list[Prune]], None] = lambda pruned: None,
-                ) -> Iterator[None]:
+                ) -> Iterator[Reservation]:
         """Room for a new checkpoint of about `need` bytes beside the dumps under way (their
         estimates, held until each ends), restored checkpoints pruned to make it (told to
-        `on_pruned`). Raises BudgetExceeded where there is none even so."""
+        `on_pruned`). Raises BudgetExceeded where there is none even so. The Reservation may
+        grow later (the tree measured once it has stopped)."""
         with self._lock:
-            pending = sum(self._reserved.values())
-            reading, pruned = self.make_room(need + pending, aged=False)
-            if pruned:
-                on_pruned(pruned)
-            if not reading.fits(need + pending):
-                raise BudgetExceeded(reading.refusal(need),
-                                     {**reading.fields(), "need": need, "pending": pending})
             token = next(self._tokens)
-            self._reserved[token] = need
+            self._claim(token, need, on_pruned)
         try:
-            yield
+            yield Reservation(self, token, need, on_pruned)
         finally:
             with self._lock:
                 self._reserved.pop(token, None)
+
+    def _claim(self, token: int, need: int,
+               on_pruned: Callable[[list[Prune]], None]) -> None:
+        """Under self._lock: `need` bytes for `token`, beside the other dumps' reservations."""
+        pending = sum(v for k, v in self._reserved.items() if k != token)
+        reading, pruned = self.make_room(need + pending, aged=False)
+        if pruned:
+            on_pruned(pruned)
+        if not reading.fits(need + pending):
+            raise BudgetExceeded(reading.refusal(need),
+                                 {**reading.fields(), "need": need, "pending": pending})
+        self._reserved[token] = need
 
     def reading(self) -> BudgetReading:
         """Now. Raises StoreError where the store's file system cannot be read."""

@@ -66,8 +66,9 @@ def test_checksums_are_taken_during_the_dump_and_the_commit_reads_nothing_back(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     checkpoint_id, _, done = _checkpointed_hog(cgroups, store, tmp_path, "digest")
     path = store / checkpoint_id
-    assert sorted(p.name for p in path.iterdir()) == ["XXH128SUMS", "files.json", "images",
-                                                       "meta.json"]
+    # .lock: the checkpoint's lock file (an flock on it is the server's on NFS), kept with it.
+    assert sorted(p.name for p in path.iterdir()) == [".lock", "XXH128SUMS", "files.json",
+                                                       "images", "meta.json"]
     dump_log = (path / "images" / "dump.log").read_text(errors="replace")
     assert "digests ok in" in dump_log, "the post-dump action did not get the digests"
     Store(store).verify(checkpoint_id)  # the digests taken from memory are those on disk

@@ -42,7 +42,8 @@ for i in $(seq 50); do
   job=$(systemctl show -p MainPID --value lane-job.service); [ "$job" != 0 ] && break; sleep 0.2
 done
 echo "job_cgroup=$(cut -d: -f3 /proc/$job/cgroup)"
-oomguard checkpoint "$job" >/dev/null 2>&1; echo "checkpoint_rc=$?"
+oomguard checkpoint "$job" >/tmp/checkpoint.out 2>&1; echo "checkpoint_rc=$?"
+[ -s /tmp/checkpoint.out ] && sed 's/^/checkpoint_said: /' /tmp/checkpoint.out >&2
 echo "job_after_checkpoint=$(kill -0 "$job" 2>/dev/null && echo alive || echo gone)"
 first() { oomguard list --json | python3 -c "import json,sys; c=json.load(sys.stdin)[0]; print($1)"; }
 echo "checkpoint=$(first 'c["state"], c["cgroup"]')"

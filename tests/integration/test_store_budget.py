@@ -199,3 +199,31 @@ def test_a_user_cannot_fill_the_store_by_asking(cgroups: CgroupFactory, tmp_path
             kill_pid(job.pid)
             job.wait(timeout=10)
             shutil.rmtree(logs, ignore_errors=True)
+
+
+def test_a_small_job_in_a_roomy_cgroup_is_checkpointed_into_a_small_store(
+        cgroups: CgroupFactory, tmp_path: Path) -> None:
+    """The packaged host's case: a store capped far below the job's cgroup limit (60 MiB
+    against 256 MiB). The job's ~28 MiB fit: only the room it may still grow by does not, so
+    its memory as it is now is reserved and measured again once it has stopped, and the
+    checkpoint is taken (it was refused, the job untouched, while the estimate counted the
+    whole room under the limit)."""
+    with loop_store(tmp_path, 128) as disk:
+        store = disk / "store"
+        config = tmp_path / "small.toml"
+        config.write_text('[daemon]\nstore_max_size = "60M"\n')
+        with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
+            guard.wait_event("guard.started")
+            log = tmp_path / "roomy.log"
+            job = start_in_cgroup(cgroups.make("roomy", 256 * MiB),
+                                  hog_argv(log, target=16, rate=500, count=10**7))
+            try:
+                assert wait_until(lambda: last_count(log) > 10, 20)
+                done = cli(guard.socket, "checkpoint", str(job.pid))
+                assert done.returncode == 0, done.stderr
+                assert job.wait(timeout=10) == -signal.SIGKILL
+                checkpoint_id = done.stdout.strip()
+                assert Store(store).get(checkpoint_id).state == "checkpointed"
+            finally:
+                kill_pid(job.pid)
+                job.wait(timeout=10)

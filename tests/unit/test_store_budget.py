@@ -98,6 +98,25 @@ def test_a_reservation_counts_against_the_next_until_its_dump_ends(tmp_path: Pat
         pass
 
 
+def test_a_reservation_grows_only_where_the_budget_has_room(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    store.ensure()
+    budget = StoreBudget(store, disk_used(store.root) + 5 * MiB, None)
+    with budget.reserve(2 * MiB) as first, budget.reserve(1 * MiB) as second:
+        first.grow(MiB)  # smaller: it stays as it was
+        assert first.need == 2 * MiB
+        first.grow(4 * MiB)  # 4 + 1 of 5: room
+        assert first.need == 4 * MiB
+        with pytest.raises(BudgetExceeded) as refused:
+            second.grow(2 * MiB)  # 4 + 2 > 5: refused, and it keeps what it had
+        assert refused.value.figures["pending"] == 4 * MiB
+        assert second.need == MiB
+        with pytest.raises(BudgetExceeded), budget.reserve(1 * MiB):
+            pass  # 4 + 1 + 1 > 5: the grown reservation counts
+    with budget.reserve(5 * MiB):  # both ended: all of it again
+        pass
+
+
 def test_doctor_shows_the_store_against_its_budget(tmp_path: Path) -> None:
     from oomguard.cli.doctorconfig import budget_check
     from oomguard.config.loading import load_config_text
