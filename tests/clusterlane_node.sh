@@ -62,6 +62,10 @@ if [ "$role" = a ]; then
   chmod 755 "$export_dir" "$export_dir/out" "$export_dir/work"
   modprobe nfsd && modprobe nfsv4 || fail "no nfsd in the guest kernel"
   mountpoint -q /proc/fs/nfsd || mount -t nfsd nfsd /proc/fs/nfsd
+  # The guest's root is the host's, read-only: the server's state and exports on tmpfs.
+  mount -t tmpfs -o mode=755 nfs-state /var/lib/nfs
+  : > "$scratch/exports"
+  mount --bind "$scratch/exports" /etc/exports
   mkdir -p /var/lib/nfs/rpc_pipefs /var/lib/nfs/v4recovery /run/rpcbind
   mountpoint -q /var/lib/nfs/rpc_pipefs || mount -t rpc_pipefs sunrpc /var/lib/nfs/rpc_pipefs
   : > /var/lib/nfs/etab; : > /var/lib/nfs/rmtab

@@ -10,7 +10,7 @@
 set -euo pipefail
 scratch=${OOMGUARD_VM_SCRATCH:?run inside scripts/vm-lane}
 export_dir=$scratch/nfs-export
-mnt=/mnt/og-nfs
+mnt=/mnt/og-nfs  # a tmpfs on /mnt first: the guest's root is the host's, read-only
 say() { printf '[nfs-lane] %s\n' "$*" >&2; }
 
 for p in rpc.nfsd exportfs rpc.mountd mount.nfs rpcbind; do
@@ -18,6 +18,12 @@ for p in rpc.nfsd exportfs rpc.mountd mount.nfs rpcbind; do
 done
 modprobe nfsd && modprobe nfsv4 || { say "FAIL: the guest kernel has no nfsd/nfsv4"; exit 1; }
 mountpoint -q /proc/fs/nfsd || mount -t nfsd nfsd /proc/fs/nfsd
+# The guest's root is the host's, read-only: the server's state, its exports file and the
+# mount point go on tmpfs (nothing of the host's NFS set-up is read or changed).
+mount -t tmpfs -o mode=755 nfs-state /var/lib/nfs
+mountpoint -q /mnt || mount -t tmpfs -o mode=755 mnt /mnt
+: > "$scratch/exports"
+mount --bind "$scratch/exports" /etc/exports
 mkdir -p /var/lib/nfs/rpc_pipefs /var/lib/nfs/v4recovery /run/rpcbind "$export_dir" "$mnt"
 mountpoint -q /var/lib/nfs/rpc_pipefs || mount -t rpc_pipefs sunrpc /var/lib/nfs/rpc_pipefs
 : > /var/lib/nfs/etab; : > /var/lib/nfs/rmtab
