@@ -47,8 +47,11 @@ class LimitLifts:
     def __init__(self, ledger: Path, proc: ProcReader | None = None,
                  owner: int | None = None) -> None:
         self.ledger = ledger
-        # Durable: a lifted limit must outlive a crash, or it stays lifted for good.
-        self.record = JsonRecord(ledger, sync=True)
+        # Outlives a dead oomguard (the page cache keeps it), or a limit stays lifted for good;
+        # not fsync'd, as the frozen ledger is not: a dead machine takes its cgroups' limits
+        # with it, and the lift taken at a crossing is on the way to SIGSTOP, where an fsync
+        # behind a dump's writes can stall for long (store/ledger.py).
+        self.record = JsonRecord(ledger, sync=False)
         self.proc = proc or ProcReader()
         self.owner = owner if owner is not None else os.getpid()
         self._owner_start = self.proc.starttime(self.owner)

@@ -498,6 +498,17 @@ class Checkpointer:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
 
+    def hold_room(self, cgroup: MemoryCgroup, room: int) -> Callable[[], str | None] | None:
+        """The limit lifted by `room` over what the cgroup uses now (bounded as a dump's lift
+        is), from a crossing until its victim has stopped: its tasks run on meanwhile, and a
+        charge made inside a system call at the limit fails with ENOMEM on cgroup v1 (and on
+        v2 where the OOM killer is held off). Returns the release, or None (room enough, no
+        limit, or none asked for)."""
+        if room <= 0:
+            return None
+        raised = headroom_needed(self._room_reading(cgroup, own=True), room)
+        return None if raised is None else self._lift(cgroup, raised, cap=room)
+
     def limit_lifted(self, path: Path) -> bool:
         """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
         return self.lifts.lifted(path)
