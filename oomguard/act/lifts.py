@@ -1,4 +1,4 @@
-"""The memory limits oomguard lifts for a dump's headroom: recorded durably before the lift,
+"""The memory limits oomguard lifts for a dump's headroom: recorded before the lift,
 bounded, shared by every oomguard process (the daemon, a CLI without a daemon), and put back
 by whoever can once no live holder needs them — after a crash by the next daemon's start.
 
