@@ -118,9 +118,6 @@ class Request:
     # Why a limit lifted for a dump could not be put back: trees refused for good are not
     # left out, and the chain goes down to a kill if it must (chainsteps.CheckpointAction).
     limit_busy: str = ""
-    # The guarded cgroup's limit lifted by the rule's headroom from the choice of a victim
-    # until it has stopped (Checkpointer.hold_room); returns the release, or None.
-    hold_room: Callable[[], Callable[[], str | None] | None] | None = None
 
 
 class Actor:
@@ -237,29 +234,6 @@ class Actor:
                                  explanation="no process here may be checkpointed")
             return
         self._unfit_said.pop(request.name, None)
-        bridge = self._bridge(request)
-        try:
-            self._try_victims(request, ranked, choose_ms, thaw, bridge)
-        finally:
-            bridge.release()
-
-    def _bridge(self, request: Request) -> RoomBridge:
-        """The cgroup's limit lifted by the rule's headroom while its victim is being stopped:
-        at the limit, a task's write(2) fails (ENOMEM) where its page faults would wait. Not
-        for an action on a limit that could not be put back (lifted already), nor in a dry run.
-        A lift that fails is said, and the action goes on without it."""
-        if request.hold_room is None or request.limit_busy or self.dry_run:
-            return RoomBridge(None)
-        try:
-            return RoomBridge(request.hold_room(), round((self.clock() - request.woke) * 1000, 2))
-        except (OSError, CgroupGone) as exc:
-            self.log.warning("limit.lift_failed", cgroup=request.name, error=str(exc))
-            return RoomBridge(None)
-
-    def _try_victims(self, request: Request, ranked: list[ProcessTree], choose_ms: float,
-                     thaw: Callable[[], None], bridge: RoomBridge) -> None:
-        marks = None if self.dry_run else self.runner.marks
-        pages_out = any(step.kind == PAGEOUT for step in request.parts.chain)
         # After a failure only trees that would free real memory are worth a try.
         worth = [t for t in ranked[1:] if t.rss_bytes * NEXT_VICTIM_SHARE >= ranked[0].rss_bytes]
         after_signal: Callable[[], None] | None = thaw
@@ -281,15 +255,11 @@ class Actor:
                 fields["unfit"] = tree.unfit
             if request.limit_busy:
                 fields["limit_busy"] = request.limit_busy
-            if bridge.lifted_ms is not None:
-                fields["room_lifted_ms"] = bridge.lifted_ms
             if self.dry_run:
                 self._say_chosen(request, tree, {**fields, "choose_ms": choose_ms})
                 return
 
             def frozen(stopped: Frozen, at: float, fields: dict[str, Any] = fields) -> None:
-                # Stopped, its mates held: the room is the dump's own lift's from here on.
-                bridge.release()
                 if self.priority is not None:
                     self.priority.lower()  # the dump competes with the user's work as an equal
                 self.events.publish(VictimFrozen(round((at - request.woke) * 1000, 2),
@@ -301,7 +271,6 @@ class Actor:
                                       on_frozen=frozen, after_signal=after_signal,
                                       limit_busy=request.limit_busy)
             after_signal = None
-            bridge.release()
             thaw()
             if outcome.checkpoint is not None:
                 result = outcome.checkpoint
@@ -359,24 +328,6 @@ class Actor:
             self.log.warning("victim.chosen", dry_run=True, actions=actions,
                              command=tree.root.command, rss_mib=round(tree.rss_bytes / MiB),
                              reason=request.reason, unchanged_since=unsaid or None, **fields)
-
-
-class RoomBridge:
-    """A limit lifted for the time from a victim's choice to its stop, released once: when the
-    victim is stopped (its dump's own lift takes over), or when its chain ends without one. A
-    limit that cannot be put back yet stays pending in the lifts' ledger: the daemon settles
-    it after the action (and acts on the cgroup while it cannot)."""
-
-    def __init__(self, release: Callable[[], str | None] | None,
-                 lifted_ms: float | None = None) -> None:
-        self._release = release
-        self.lifted_ms = lifted_ms if release is not None else None
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            with contextlib.suppress(OSError, CgroupGone):
-                release()
 
 
 def _usage(cgroup: MemoryCgroup | None) -> int | None:

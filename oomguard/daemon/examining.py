@@ -184,12 +184,9 @@ class ExaminingMixin:
 
         assert guard.parts is not None
         freeze = freezable(cgroup) if guard.spec.freeze_cgroup and acting else None
-        def hold_room() -> Callable[[], str | None] | None:
-            return self.checkpointer.hold_room(cgroup, guard.spec.headroom)
-
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
                                  lambda tree: cgroup, still_pressing, freeze,
-                                 limit_busy=limit_busy, hold_room=hold_room))
+                                 limit_busy=limit_busy))
 
     def _say_crossed(self, name: str, **fields: Any) -> None:
         """threshold.crossed; in a dry run, where nothing ends the condition, once (then

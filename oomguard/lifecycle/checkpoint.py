@@ -171,10 +171,36 @@ class Checkpointer:
             if problem is not None:  # lasting: the tree is not chosen again while it lives
                 raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
                                        f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
-        with self._room_for(tree, cgroup) as room:
-            return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
-                                             after_signal, requester, held, start, rights_of,
-                                             room)
+        # Lifted now, before the store's budget is asked and the tree stopped, and handed to
+        # the dump as its first lift (put back with it, before the tree's mates go on).
+        bridge = self._early_room(cgroup, headroom)
+        try:
+            with self._room_for(tree, cgroup) as room:
+                return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
+                                                 after_signal, requester, held, start,
+                                                 rights_of, room, bridge)
+        finally:
+            if bridge is not None:  # refused before the stop (once: the dump's undo may have)
+                with contextlib.suppress(OSError, CgroupGone):
+                    bridge()
+
+    def _early_room(self, cgroup: MemoryCgroup | None,
+                    headroom: int | None) -> Callable[[], str | None] | None:
+        """The headroom lifted at once for a tree about to be stopped (where its dump would
+        get it: a limited cgroup, headroom given): until the stop its cgroup's tasks run on, and
+        at the limit a charge made inside a system call fails with ENOMEM (cgroup v1; v2 while
+        the OOM killer passes over the shielded tree), where a page fault would wait. A job
+        growing at 1000 MB/s and writing its log fills the last 20 MiB under the limit in 20
+        ms. Returns the release (it runs once), or None. A lift that fails is no reason to
+        refuse: the dump lifts again after the stop."""
+        room = self.headroom if headroom is None else headroom
+        if cgroup is None or room <= 0:
+            return None
+        try:
+            release = self.hold_room(cgroup, room)
+        except (OSError, CgroupGone):
+            return None
+        return None if release is None else _once(release)
 
     @contextlib.contextmanager
     def _room_for(self, tree: ProcessTree,
@@ -222,7 +248,8 @@ class Checkpointer:
                              headroom: int | None, after_signal: Callable[[], None] | None,
                              requester: int | None, held: Collection[int],
                              start: float, rights_of: int | None,
-                             room: Reservation | None = None) -> CheckpointResult:
+                             room: Reservation | None = None,
+                             bridge: Callable[[], str | None] | None = None) -> CheckpointResult:
         # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
         try:
             self.store.ensure()
@@ -236,14 +263,15 @@ class Checkpointer:
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
         with self.bystanders.victim(tree.pids):
             return self._checkpoint(tree, cgroup, reason, on_frozen, headroom, after_signal,
-                                    requester, held, start, rights_of, room)
+                                    requester, held, start, rights_of, room, bridge)
 
     def _checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
                     on_frozen: Callable[[Frozen, float], None] | None, headroom: int | None,
                     after_signal: Callable[[], None] | None, requester: int | None,
                     held: Collection[int], start: float,
                     rights_of: int | None = None,
-                    reserved: Reservation | None = None) -> CheckpointResult:
+                    reserved: Reservation | None = None,
+                    bridge: Callable[[], str | None] | None = None) -> CheckpointResult:
         # Held by another dump as a bystander: stopped by oomguard, not by its user.
         held = [*held, *self.bystanders.held_now(tree.pids)]
         # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
@@ -276,7 +304,7 @@ class Checkpointer:
             others = self.bystanders.hold(cgroup, pids, requester)
         if after_signal is not None:
             after_signal()
-        undo_limit: Callable[[], str | None] | None = None
+        undo_limit: Callable[[], str | None] | None = bridge  # the room lifted before the stop
         checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         began = dumped = False
         lock_fd: int | None = None
@@ -286,7 +314,7 @@ class Checkpointer:
             if cgroup is not None and room > 0:
                 raised_limit = headroom_needed(self._room_reading(cgroup, own=True), room)
                 if raised_limit is not None:
-                    undo_limit = self._lift(cgroup, raised_limit, cap=room)
+                    undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
             # With the connector, children forked meanwhile are stopped and join the tree.
             ours = set(frozen.ours)
             frozen = self.freezer.wait_frozen(frozen, self.freeze_timeout)
@@ -617,6 +645,15 @@ def _limited(cgroup: MemoryCgroup) -> bool:
         return cgroup.limit() is not None
     except (OSError, CgroupGone):
         return False
+
+
+def _once(release: Callable[[], str | None]) -> Callable[[], str | None]:
+    """A release that acts the first time it is called, and answers None after."""
+    pending = [release]
+
+    def once() -> str | None:
+        return pending.pop()() if pending else None
+    return once
 
 
 def _both(last: Callable[[], str | None],
