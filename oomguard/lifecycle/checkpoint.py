@@ -528,10 +528,8 @@ class Checkpointer:
 
     def hold_room(self, cgroup: MemoryCgroup, room: int) -> Callable[[], str | None] | None:
         """The limit lifted by `room` over what the cgroup uses now (bounded as a dump's lift
-        is), from a crossing until its victim has stopped: its tasks run on meanwhile, and a
-        charge made inside a system call at the limit fails with ENOMEM on cgroup v1 (and on
-        v2 where the OOM killer is held off). Returns the release, or None (room enough, no
-        limit, or none asked for)."""
+        is): see _early_room. Returns the release, or None (room enough, no limit, or none
+        asked for)."""
         if room <= 0:
             return None
         raised = headroom_needed(self._room_reading(cgroup, own=True), room)
