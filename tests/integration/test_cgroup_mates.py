@@ -90,9 +90,9 @@ class Jobs:
 
 
 def _restore_and_finish(store: Path, checkpoint_id: str, cgroups: CgroupFactory,
-                        log: Path) -> None:
+                        log: Path, name: str = "matesbig") -> None:
     before = last_count(log)
-    big = cgroups.make("matesbig", 768 * MiB)
+    big = cgroups.make(name, 768 * MiB)
     result = run_oomguard(store, "restore", checkpoint_id, "--cgroup", str(big.path))
     assert result.returncode == 0, result.stderr
     pid = int(result.stdout.strip())
@@ -171,11 +171,23 @@ def test_a_daemon_killed_while_it_holds_a_writer_loses_no_job(
         assert jobs.v.returncode == -signal.SIGKILL
         assert wait_until(lambda: jobs.writer_result() is not None, 60), (
             proc_state(jobs.w.pid), jobs.w_log.read_text()[-200:])
-        assert jobs.writer_result() == 0 and _done(jobs.w_log)
         events = first.events() + second.events()
+        # Or checkpointed in turn: continued while the dead daemon's dump of the victim was
+        # still under way, the writer, the victim's memory not yet back, crosses the threshold
+        # again and is the new daemon's victim (seen once in a full suite's run).
+        w_done = [e for e in events if e.get("event") == "checkpoint.done"
+                  and e.get("pid") == jobs.w.pid]
+        if not w_done:
+            assert jobs.writer_result() == 0 and _done(jobs.w_log), (
+                jobs.writer_result(), cg.snapshot().oom_kills, first.log.read_text()[-4000:],
+                second.log.read_text()[-6000:])
+        else:
+            assert jobs.writer_result() == -signal.SIGKILL  # CRIU's, after its dump
         _losses(jobs, events)
         checkpoints = [m for m in Store(store).list() if m.pid == jobs.v.pid]
         assert len(checkpoints) == 1 and checkpoints[0].state == "checkpointed", events
+        assert [m.id for m in Store(store).list() if m.pid == jobs.w.pid] == \
+            [e["id"] for e in w_done]
         assert wait_until(lambda: cg.limit() == LIMIT, 30), "the lifted limit stayed lifted"
         assert wait_until(lambda: not FrozenLedger(store / FROZEN_LEDGER).pending()
                           and json.loads((store / FROZEN_LEDGER).read_text() or "[]") == [],
@@ -186,6 +198,8 @@ def test_a_daemon_killed_while_it_holds_a_writer_loses_no_job(
         first.stop()
         jobs.kill()
     _restore_and_finish(store, checkpoints[0].id, cgroups, jobs.v_log)
+    for done in w_done:
+        _restore_and_finish(store, done["id"], cgroups, jobs.w_log, "matesbigw")
 
 
 def test_jobs_that_cross_while_no_daemon_runs_wait_for_the_next_one(

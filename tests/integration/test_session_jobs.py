@@ -104,10 +104,13 @@ def left_alone(guard: DaemonProcess) -> list[dict[str, object]]:
     return [e for e in guard.events("victim.none") if "unfit" in e]
 
 
-def attempts(guard: DaemonProcess) -> int:
-    """Every checkpoint the daemon tried, whatever came of it."""
-    return sum(len(guard.events(name)) for name in
-               ("checkpoint.refused", "checkpoint.failed", "checkpoint.done"))
+def attempts(guard: DaemonProcess, before: dict[str, object] | None = None) -> int:
+    """Every checkpoint the daemon tried, whatever came of it (`before`: logged before that
+    event)."""
+    names = ("checkpoint.refused", "checkpoint.failed", "checkpoint.done")
+    until = str(before["timestamp"]) if before is not None else None
+    return sum(1 for e in guard.events() if e.get("event") in names
+               and (until is None or str(e["timestamp"]) < until))
 
 
 def hog_line(log: Path, *, strace: bool = False) -> str:
@@ -262,8 +265,13 @@ def test_a_traced_job_with_no_next_action_is_left_running_and_not_retried(
         assert wait_until(lambda: gone(hog), 30)  # the kernel's OOM killer, after the park
         answers(terminal)
         refused = guard.events("checkpoint.refused")
-        assert attempts(guard) == 1, guard.log.read_text()[-3000:]
-        assert left_alone(guard) == [left]  # said once
+        # Tried once while it waited at the limit. (As the kernel's OOM killer takes the
+        # traced task, a look may find the tree without it, no longer unfit, and try it once
+        # more, refused again before anything is stopped: seen once under a full suite's load.)
+        assert attempts(guard, before=released) == 1, guard.log.read_text()[-3000:]
+        assert attempts(guard) <= 2, guard.log.read_text()[-3000:]
+        said = [e for e in left_alone(guard) if str(e["timestamp"]) < str(released["timestamp"])]
+        assert said == [left]  # said once
         assert not guard.events("victim.frozen") and not guard.events("victim.killed")
     assert "is traced by pid" in refused[0]["reason"] and refused[0]["lasting"] is True
     assert refused[0]["then"].startswith("the next victim, if one is worth it")
