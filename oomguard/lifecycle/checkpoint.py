@@ -207,8 +207,9 @@ class Checkpointer:
                   cgroup: MemoryCgroup | None) -> Iterator[Reservation | None]:
         """Room in the store's budget for the tree's image (its memory, what it may still grow
         by under its cgroup's limit before its stop, and CRIU's metadata and logs: see
-        image_estimate), held while it is dumped. Where only its memory now fits, that is
-        reserved, and the tree is measured again once stopped (_fit_stopped). Refused,
+        image_estimate), held while it is dumped; the restored checkpoints it needs pruned are
+        chosen now and pruned once the tree has stopped (_fit_stopped). Where only its memory
+        now fits, that is reserved, and the tree is measured again once stopped. Refused,
         untouched, where not even that fits (oomguard.store.budget)."""
         with contextlib.ExitStack() as reserved:
             room: Reservation | None = None
@@ -217,12 +218,13 @@ class Checkpointer:
                     growth = _room_under_limit(cgroup)
                     try:
                         room = reserved.enter_context(self.budget.reserve(
-                            image_estimate(tree.footprint, growth), self.on_pruned))
+                            image_estimate(tree.footprint, growth), self.on_pruned,
+                            deferred=True))
                     except BudgetExceeded:
                         if growth == 0:
                             raise
                         room = reserved.enter_context(self.budget.reserve(
-                            image_estimate(tree.footprint), self.on_pruned))
+                            image_estimate(tree.footprint), self.on_pruned, deferred=True))
             except BudgetExceeded as exc:
                 raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping "
                                       f"it: {exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
@@ -234,9 +236,11 @@ class Checkpointer:
     def _fit_stopped(self, room: Reservation | None, tree: ProcessTree,
                      pids: Collection[int]) -> None:
         """The stopped tree's image must fit the store's budget: its reservation grown to the
-        tree as it stopped (it may have grown since it was chosen). Raises BudgetExceeded."""
+        tree as it stopped (it may have grown since it was chosen), and the restored
+        checkpoints it counted on pruned now, not before the stop. Raises BudgetExceeded."""
         if room is None:
             return
+        room.prune_planned()
         resident = 0
         for pid in pids:
             with contextlib.suppress(ProcessGone, OSError):

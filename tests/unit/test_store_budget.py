@@ -174,3 +174,54 @@ def test_a_checkpoints_estimate_covers_its_growth_metadata_and_logs() -> None:
     assert image_estimate(100 * MiB, 40 * MiB) == 140 * MiB + 100 * MiB // 32 + IMAGE_OVERHEAD
     assert image_estimate(100 * MiB) == 100 * MiB + 100 * MiB // 32 + IMAGE_OVERHEAD
     assert image_estimate(0, -5) == IMAGE_OVERHEAD  # usage above a limit: no negative growth
+
+
+def test_a_deferred_reservation_prunes_only_once_asked_and_never_twice(
+        tmp_path: Path) -> None:
+    """The prunes a dump's reservation needs are chosen before its tree is stopped and made
+    after (removing checkpoints took 250-400 ms on the way from a crossing to SIGSTOP): none
+    is deleted before, another reservation meanwhile counts them as made and never chooses
+    them, and one that ends without asking deletes nothing."""
+    store = Store(tmp_path / "store")
+    checkpoint(store, "r-old", 100.0, restored=True)
+    checkpoint(store, "r-new", 200.0, restored=True)
+    checkpoint(store, "c-kept", 300.0, restored=False)
+    sizes = {m.id: m.image_bytes for m in store.list()}
+    assert all(size >= MiB for size in sizes.values()), sizes  # what the plan counts on
+    used = disk_used(store.root)
+    told: list[list[str]] = []
+    budget = StoreBudget(store, used + MiB // 2, None, wall_clock=lambda: 400.0)
+    with budget.reserve(MiB, lambda pruned: told.append([p.id for p in pruned]),
+                        deferred=True) as first:
+        assert [p.id for p in first.planned] == ["r-old"]
+        assert len(store.list()) == 3 and told == []  # chosen, not deleted
+        with budget.reserve(MiB, deferred=True) as second:
+            assert [p.id for p in second.planned] == ["r-new"]  # not r-old again
+        # The second ended without pruning: r-new stays, and is free to be chosen again.
+        assert sorted(m.id for m in store.list()) == ["c-kept", "r-new", "r-old"]
+        first.prune_planned()
+        assert told == [["r-old"]] and first.planned == []
+        assert sorted(m.id for m in store.list()) == ["c-kept", "r-new"]
+        first.prune_planned()  # once
+        assert told == [["r-old"]]
+    with pytest.raises(BudgetExceeded), budget.reserve(8 * MiB, deferred=True):
+        pass  # beyond every restored checkpoint: refused at once, nothing deleted
+    assert sorted(m.id for m in store.list()) == ["c-kept", "r-new"]
+
+
+def test_a_planned_prune_that_cannot_be_made_is_made_up_for_or_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planned prune whose checkpoint is being restored when the time comes (its forget
+    refused): the reservation is claimed again as it stands, and refused where nothing else
+    makes room; an unrestored checkpoint is never the one that goes."""
+    store = Store(tmp_path / "store")
+    checkpoint(store, "r-busy", 100.0, restored=True)
+    checkpoint(store, "c-kept", 300.0, restored=False)
+    budget = StoreBudget(store, disk_used(store.root) + MiB // 2, None, wall_clock=lambda: 400.0)
+    monkeypatch.setattr(budget, "_forget", lambda ident: False)  # being restored right now
+    with budget.reserve(MiB, deferred=True) as room:
+        assert [p.id for p in room.planned] == ["r-busy"]
+        with pytest.raises(BudgetExceeded):
+            room.prune_planned()
+    assert sorted(m.id for m in store.list()) == ["c-kept", "r-busy"]
+    assert budget._doomed == {} and budget._reserved == {}
