@@ -355,7 +355,8 @@ class Checkpointer:
                     undo_limit = None
                 self.freezer.thaw(frozen.ours)
                 raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused once it had "
-                                      f"stopped (it grew meanwhile): {exc}; nothing dumped, "
+                                      f"stopped (it grew, or a restored checkpoint counted on was being "
+                                      f"restored): {exc}; nothing dumped, "
                                       "the processes oomguard stopped continued",
                                       FailedCheckpoint.THAWED, exc.figures) from exc
             if shielding:  # stopped: back to the originals, which CRIU saves with the images
