@@ -40,6 +40,7 @@ class Held:
 
 
 USER_STOPPED_STATE = "T"
+ARRIVAL_POLL = 0.01  # s between reads of a cgroup's tasks while a dump holds its others
 
 
 class Bystanders:
@@ -55,6 +56,8 @@ class Bystanders:
         self._lock = threading.Lock()
         self._holds: Counter[int] = Counter()  # pid -> dumps holding it
         self._victims: Counter[int] = Counter()  # pid -> dumps it is the victim of
+        # Held (by id) -> the watch of what comes into its cgroup (follow), and its stop.
+        self._follows: dict[int, tuple[threading.Event, threading.Thread]] = {}
 
     @contextlib.contextmanager
     def victim(self, pids: Collection[int]) -> Iterator[None]:
@@ -74,11 +77,11 @@ class Bystanders:
             return [pid for pid in pids if self._holds[pid] > 0]
 
     def hold(self, cgroup: MemoryCgroup, victim: Collection[int],
-             requester: int | None = None) -> Held:
+             requester: int | None = None, skip: Collection[int] = ()) -> Held:
         """Stop every other process of `cgroup` (and the cgroups beneath it) but the victim's
-        tree (its pids, the root first); returns what was stopped. Raises nothing: a cgroup
-        or a process that went away, an unwritable ledger or a task that may not be signalled
-        holds less (the dump goes on as it would have without this)."""
+        tree (its pids, the root first) and `skip`; returns what was stopped. Raises nothing:
+        a cgroup or a process that went away, an unwritable ledger or a task that may not be
+        signalled holds less (the dump goes on as it would have without this)."""
         held = Held(str(cgroup.path))
         try:
             pids = subtree_procs(cgroup.path)
@@ -86,10 +89,12 @@ class Bystanders:
             return held
         found = []
         for pid in pids:
-            if pid in victim:
+            if pid in victim or pid in skip:
                 continue
             try:
                 stat = self.proc.stat(pid)
+                if self._restoring(stat.ppid):
+                    continue  # a task CRIU is restoring (a restore into this cgroup under way)
                 # Traced: a CRIU at work on it (its parasite runs in it: not state t).
                 traced = stat.state not in LEFT_ALONE_STATES \
                     and self.proc.status(pid).tracer_pid != 0
@@ -125,9 +130,54 @@ class Bystanders:
                 self.ledger.clear(missed)
         return held
 
+    def follow(self, cgroup: MemoryCgroup, victim: Collection[int], requester: int | None,
+               held: Held, interval: float = ARRIVAL_POLL) -> None:
+        """Until release(held), hold too what comes into the cgroup: a job started there while
+        the victim is dumped (a scheduler's, a user's at a prompt) takes the room lifted for
+        the dump, and the limit cannot come back (in the soak, a job started 0.1 s into its
+        mate's dump grew to 179 MiB in a 192 MiB cgroup, the dump failed and its victim was
+        killed to put the limit back). cgroup.procs is read every `interval` in a thread."""
+        try:
+            seen = set(subtree_procs(cgroup.path)) | set(victim)
+        except (CgroupGone, OSError):
+            return
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(interval):
+                try:
+                    now = subtree_procs(cgroup.path)
+                except (CgroupGone, OSError):
+                    return
+                if all(pid in seen for pid in now):
+                    continue
+                more = self.hold(cgroup, victim, requester, skip=seen)
+                seen.update(now)
+                with self._lock:
+                    held.pids += more.pids
+        thread = threading.Thread(target=watch, name="oomguard-arrivals", daemon=True)
+        with self._lock:
+            self._follows[id(held)] = (stop, thread)
+        thread.start()
+
+    def _unfollow(self, held: Held) -> None:
+        with self._lock:
+            following = self._follows.pop(id(held), None)
+        if following is not None:
+            stop, thread = following
+            stop.set()
+            thread.join()
+
+    def _restoring(self, ppid: int) -> bool:
+        try:
+            return ppid > 1 and self.proc.stat(ppid).comm == "criu"
+        except (ProcessGone, ValueError, IndexError):
+            return False
+
     def release(self, held: Held) -> None:
-        """Continue what `hold` stopped: not a task another dump still holds or is dumping,
-        nor one someone else stopped meanwhile."""
+        """Continue what `hold` stopped (and `follow` since): not a task another dump still
+        holds or is dumping, nor one someone else stopped meanwhile."""
+        self._unfollow(held)
         if not held.pids:
             return
         with self._lock:

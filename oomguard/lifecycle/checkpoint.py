@@ -314,6 +314,8 @@ class Checkpointer:
         lock_fd: int | None = None
         terminals = DumpTerminals(tree.root.uid)
         try:
+            if others.cgroup and cgroup is not None:  # and what comes in, until they go on
+                self.bystanders.follow(cgroup, pids, requester, others)
             room = self.headroom if headroom is None else headroom
             if cgroup is not None and room > 0:
                 raised_limit = headroom_needed(self._room_reading(cgroup, own=True), room)

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from oomguard.act.bystanders import Bystanders
 from oomguard.policy.bystanders import Bystander, to_hold
-from oomguard.sense.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader, StatFields
 from oomguard.store.ledger import FrozenLedger
 from tests.helpers import wait_until
 from tests.unit._support import sleeping_processes, task_state
@@ -224,3 +225,31 @@ def test_a_task_a_tracer_holds_is_not_stopped(tmp_path: Path, sleepers: list[int
     finally:
         tracer.terminate()
         tracer.wait(timeout=10)
+
+
+def test_what_comes_into_the_cgroup_during_the_dump_is_held_and_continued_with_the_rest(
+        tmp_path: Path, sleepers: list[int]) -> None:
+    """follow(): a task written into the cgroup after the hold is held too (recorded first),
+    one CRIU is restoring there is not, and release() ends the watch and continues it."""
+    victim, a, newcomer, restoring, me = sleepers
+    CRIU = 4_000_000
+    cgroup = _Cgroup(tmp_path / "cg", [victim, a])
+    hold = _bystanders(tmp_path, me)
+    real_stat = hold.proc.stat
+
+    def stat(pid: int) -> StatFields:  # `restoring`'s parent is a criu (a restore under way)
+        if pid == CRIU:
+            return replace(real_stat(me), pid=CRIU, comm="criu")
+        found = real_stat(pid)
+        return replace(found, ppid=CRIU) if pid == restoring else found
+    hold.proc.stat = stat  # type: ignore[method-assign]
+    held = hold.hold(cgroup, [victim])  # type: ignore[arg-type]
+    hold.follow(cgroup, [victim], None, held, interval=0.005)  # type: ignore[arg-type]
+    assert held.pids == [a]
+    (cgroup.path / "cgroup.procs").write_text(f"{victim}\n{a}\n{newcomer}\n{restoring}\n")
+    assert wait_until(lambda: task_state(newcomer) == "T", 5.0)
+    assert wait_until(lambda: newcomer in held.pids, 5.0) and newcomer in _recorded(tmp_path)
+    assert restoring not in held.pids and task_state(restoring) != "T"
+    hold.release(held)
+    assert wait_until(lambda: task_state(newcomer) != "T" and task_state(a) != "T", 5.0)
+    assert not hold._follows and _recorded(tmp_path) == set()
