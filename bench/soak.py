@@ -157,6 +157,7 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
     tally = Tally()
     jobs: list[Job] = []
     keep = watch is not None  # restored checkpoints are left for the budget to prune
+    daemon: DaemonProcess | None = None  # stopped first on any way out (SIGINT included)
     try:
         top = factory.make("top", None)
         if isinstance(top, V2MemoryCgroup):  # cgroup v2: the groups below need the controller
@@ -254,8 +255,9 @@ def _run(minutes: float, workdir: Path, seed: int, per_cgroup: int,
         if watch is not None:
             problems += watch.stop().problems()
         tally.restart_gaps = restart_gaps(tally.restarts, events)
-        daemon.stop()
     finally:
+        if daemon is not None:
+            daemon.stop()  # before the jobs and cgroups: it must not act on what goes away
         for job in jobs:
             kill_pid(job.pid)
             if job.restored_pid:
