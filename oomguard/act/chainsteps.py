@@ -188,7 +188,8 @@ class CheckpointAction:
         if free < need:
             detail = (f"store {store} has {free >> 20} MiB free, a checkpoint needs "
                       f"~{need >> 20} MiB")
-            tools.events.publish(events.CheckpointRefused(detail, fields))
+            then = run.next_step or "nothing more: the tree runs on"
+            tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": then}))
             return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             result = tools.checkpointer.checkpoint(
@@ -257,7 +258,8 @@ class CheckpointAction:
             detail = (f"{container.label}: a container's processes are not dumped behind its "
                       "runtime's back, and the kubelet checkpoint API is not set up "
                       "([kubernetes] in the config)")
-            tools.events.publish(events.CheckpointRefused(detail, fields))
+            then = run.next_step or "nothing more: the tree runs on"
+            tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": then}))
             return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             ref, archives = tools.containers.checkpoint(container.pod_uid,

@@ -582,6 +582,15 @@ def test_store_refusal_is_logged_and_checkpointer_never_called(tmp_path: Path) -
                                 f"needs ~{(300 * MiB + SETTINGS.store_margin) >> 20} MiB")
     assert "MiB free" in fields["reason"]
     assert fields["cgroup"] == "/jobs/a" and fields["pid"] == ROOT
+    assert fields["then"] == "nothing more: the tree runs on"  # the event says what runs next
+
+
+def test_store_refusal_names_the_next_step(tmp_path: Path) -> None:
+    rig = make_rig(tmp_path, free=5 * MiB)
+    run(rig, chain("checkpoint", "kill"), make_tree(ROOT, rss_mib=300))
+    assert rig.checkpointer.calls == []
+    _, fields = rig.log.find("checkpoint.refused")
+    assert fields["then"] == "kill"
 
 
 def test_store_margin_comes_from_settings(tmp_path: Path) -> None:

@@ -110,7 +110,8 @@ def test_the_chain_publishes_a_refusal_then_the_kill(tmp_path: Path) -> None:
     rig.runner.events = sink
     run(rig, chain("checkpoint", "kill"), make_tree(ROOT, CHILD))
     detail = (f"store {tmp_path / 'store'} has 0 MiB free, a checkpoint needs ~456 MiB")
-    assert sink.events == [CheckpointRefused(detail, FIELDS), VictimKilled(REASON, 0, FIELDS)]
+    assert sink.events == [CheckpointRefused(detail, {**FIELDS, "then": "kill"}),
+                           VictimKilled(REASON, 0, FIELDS)]
     assert rig.log.events == []  # no line but what the publisher writes
 
 
