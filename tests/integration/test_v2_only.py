@@ -39,7 +39,8 @@ def test_memory_high_events_drive_detection_and_high_is_put_back(
     cg = cgroups.make("high", 128 * MiB)
     assert isinstance(cg, V2MemoryCgroup)
     assert cg.high() is None
-    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    try:
         armed = guard.wait_event("guard.armed", timeout=60)[0]
         assert armed["cgroup_version"] == 2
         assert "memory.high at 85%" in armed["detection"] and "memory.events" in armed["detection"]
@@ -56,7 +57,11 @@ def test_memory_high_events_drive_detection_and_high_is_put_back(
         print(f"\nv2 detection: event -> cgroup frozen {frozen['detect_to_frozen_ms']} ms, "
               f"-> victim stopped {guard.events('victim.frozen')[0]['detect_to_frozen_ms']} ms; "
               f"dump {done['dump_s']} s for {done['image_bytes'] >> 20} MiB")
-    assert cg.high() is None, "memory.high not put back when the guard stopped"
+    finally:
+        stopped = guard.stop()
+    tail = (tmp_path / "daemon.log").read_text()[-3000:]
+    assert stopped == 0, f"the daemon did not stop cleanly (exit {stopped}):\n{tail}"
+    assert cg.high() is None, f"memory.high not put back when the guard stopped:\n{tail}"
     assert cg.snapshot().oom_kills == 0
     assert not cg.is_frozen()
 
