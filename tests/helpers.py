@@ -239,7 +239,7 @@ class DaemonProcess:
         if self.handle.poll() is None:
             self.handle.send_signal(signal.SIGTERM)
             try:
-                self.handle.wait(timeout=30)
+                self.handle.wait(timeout=30 * EMULATION_FACTOR)  # a clean stop puts back
             except subprocess.TimeoutExpired:
                 self.handle.kill()
                 self.handle.wait()
