@@ -100,3 +100,7 @@ class ChainRun:
     # Tasks of the tree the last run's standby (or a dead daemon) stopped, with their start
     # times: continued at the chain's end unless dumped (ChainRunner._continue_left_over).
     left_over_starts: dict[int, int] = field(default_factory=dict)
+
+    def then(self, otherwise: str = "nothing more: the tree runs on") -> str:
+        """What runs after a refused or failed step, as its event says it (`then`)."""
+        return self.next_step or otherwise

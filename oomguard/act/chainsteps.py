@@ -177,7 +177,7 @@ class CheckpointAction:
             return self._checkpoint_container(step, run, container)
         marked = tools.marks.reason(tree)
         if marked is not None:  # refused for good before: taken again only to page it out
-            said = {**fields, "lasting": True, "then": run.next_step or "nothing more"}
+            said = {**fields, "lasting": True, "then": run.then("nothing more")}
             tools.events.publish(events.CheckpointRefused(
                 f"refused before, for as long as it lives: {marked}", said))
             run.why_not = marked
@@ -188,16 +188,15 @@ class CheckpointAction:
         if free < need:
             detail = (f"store {store} has {free >> 20} MiB free, a checkpoint needs "
                       f"~{need >> 20} MiB")
-            then = run.next_step or "nothing more: the tree runs on"
-            tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": then}))
+            tools.events.publish(events.CheckpointRefused(detail, {**fields,
+                                                                   "then": run.then()}))
             return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             result = tools.checkpointer.checkpoint(
                 tree, run.cgroup, run.reason, on_frozen=run.on_frozen,
                 headroom=run.settings.headroom, after_signal=run.after_signal, held=run.frozen)
         except StoreOverBudget as exc:  # no room in the store's budget: the next step runs
-            then = run.next_step or "nothing more: the tree runs on"
-            said = {**fields, **exc.budget, "then": then}
+            said = {**fields, **exc.budget, "then": run.then()}
             untouched = exc.outcome == FailedCheckpoint.UNTOUCHED
             tools.events.publish(events.CheckpointRefused(str(exc), said))
             return ChainOutcome(ChainResult.REFUSED if untouched else ChainResult.THAWED,
@@ -224,8 +223,8 @@ class CheckpointAction:
         untouched = exc.outcome == FailedCheckpoint.UNTOUCHED
         tools.marks.mark(tree, exc.lasting, known_before=untouched and bool(tree.unfit))
         run.why_not = exc.lasting
-        then = run.next_step or ("the next victim, if one is worth it; this tree runs on and "
-                                 "is never chosen again while it lives")
+        then = run.then("the next victim, if one is worth it; this tree runs on and "
+                        "is never chosen again while it lives")
         if run.limit_busy:
             then = "kill (the limit lifted for the dump must come back)"
         said = {**run.fields, "lasting": True, "then": then}
@@ -258,8 +257,8 @@ class CheckpointAction:
             detail = (f"{container.label}: a container's processes are not dumped behind its "
                       "runtime's back, and the kubelet checkpoint API is not set up "
                       "([kubernetes] in the config)")
-            then = run.next_step or "nothing more: the tree runs on"
-            tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": then}))
+            tools.events.publish(events.CheckpointRefused(detail, {**fields,
+                                                                   "then": run.then()}))
             return ChainOutcome(ChainResult.REFUSED, str(step), detail)
         try:
             ref, archives = tools.containers.checkpoint(container.pod_uid,

@@ -197,6 +197,6 @@ class PageoutAction:
         return entry
 
     def _failed(self, run: ChainRun, reason: str) -> StepResult:
-        then = run.next_step or "nothing more: the tree is continued"
+        then = run.then("nothing more: the tree is continued")
         self.tools.log.error("pageout.failed", reason=reason, then=then, **run.fields)
         return CONTINUE

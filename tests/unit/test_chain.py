@@ -920,6 +920,7 @@ def test_container_without_kubelet_access_is_refused_untouched(tmp_path: Path) -
     assert outcome.result == "thawed" and outcome.detail == "no action settled it"
     refused = [f for _, e, f in rig.log.records if e == "checkpoint.refused"]
     assert "not dumped behind its runtime's back" in refused[0]["reason"]
+    assert refused[0]["then"] == "nothing more: the tree runs on"
     assert rig.checkpointer.calls == [] and not rig.freezer.frozen
 
 
