@@ -9,14 +9,14 @@ names it: restore leaves it stopped too).
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import pwd
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 import psutil
 
@@ -31,8 +31,8 @@ from oomguard.gpu.offload import GpuHold, GpuRefused, back_to_gpu, move_off_gpu,
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.fileids import FILES_RECORD
-from oomguard.lifecycle.jobroot import refuse_partial_job
-from oomguard.lifecycle.selfguard import refuse_own_tree
+from oomguard.lifecycle.precheck import refuse_before_stop
+from oomguard.lifecycle.storeroom import disk_full, fit_stopped, room_for
 from oomguard.model.errors import (
     CgroupGone,
     CheckpointFailed,
@@ -43,7 +43,6 @@ from oomguard.model.errors import (
     StoreOverBudget,
     TreeNotYours,
 )
-from oomguard.policy.budget import BudgetReading, image_estimate
 from oomguard.policy.jobs import job_fields
 from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.retention import Prune
@@ -55,13 +54,12 @@ from oomguard.sense.procfs import ProcReader
 from oomguard.store.budget import BudgetExceeded, Reservation, StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
 from oomguard.store.compression import Packer
-from oomguard.store.digest import ImageDigester, with_packed
+from oomguard.store.digest import Digests, ImageDigester, with_packed
 from oomguard.store.ledger import FrozenLedger
 from oomguard.store.names import FROZEN_LEDGER, HOOKS_DIR, LIFTS_LEDGER, OOM_SHIELD
-from oomguard.terminal.checkpointing import DumpTerminals, terminal_refusal
+from oomguard.terminal.checkpointing import DumpTerminals
 
 DUMP_SLOTS = 2
-FULL_DISK = 1 << 20  # a failed dump that left less room than this on the store's disk ran out
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
 
@@ -80,6 +78,42 @@ class CheckpointResult:
     meta: CheckpointMeta
     path: Path
     timings: CheckpointTimings
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What one checkpoint was asked for (Checkpointer.checkpoint's arguments)."""
+
+    tree: ProcessTree
+    cgroup: MemoryCgroup | None
+    reason: str
+    on_frozen: Callable[[Frozen, float], None] | None
+    after_signal: Callable[[], None] | None
+    requester: int | None
+    headroom: int  # the room lifted over the cgroup's limit for the dump (0: none)
+    rights_of: int | None
+    start: float  # monotonic
+
+
+@dataclass
+class _Run:
+    """One checkpoint from the stop on: what has been done so far, so what is left to undo
+    (each step that undoes a thing sets it back to None, False or empty)."""
+
+    frozen: Frozen
+    pids: list[int]  # the tree as it stopped
+    shielding: bool  # shielded from the OOM killer until stopped (cgroup v2)
+    hold: GpuHold | None  # its CUDA state moved off the GPU
+    others: Held  # the rest of its cgroup, held stopped while it is dumped
+    undo_limit: Callable[[], str | None] | None  # the limits lifted for it, latest first
+    terminals: DumpTerminals
+    checkpoint_id: str
+    left: list[int] = field(default_factory=list)  # reparented out of the tree, let go
+    began: bool = False  # the checkpoint's directory exists
+    dumped: bool = False  # CRIU has killed the tree: the images are all there is of it
+    lock_fd: int | None = None
+    frozen_at: float = 0.0
+    dumped_at: float = 0.0
 
 
 def user_name(uid: int) -> str:
@@ -148,37 +182,23 @@ class Checkpointer:
         the user who asked (on demand, not root): every task of the tree as it stopped must be
         theirs (real, effective and saved uid), else TreeNotYours once the tasks oomguard
         stopped are continued (a child may exec a setuid program after the request's check,
-        before its SIGSTOP; once stopped it cannot)."""
+        before its SIGSTOP; once stopped it cannot).
+
+        The steps, each undone in reverse by what follows it on failure: refusals before the
+        stop (precheck.py); the early room (a limit lift) and the store's room; the crash
+        ledger; the stop (_stop: shield, GPU, freeze, the cgroup's others held); the stop
+        settled (_settle: lift, wait, rights, budget); the dump (_dump); the commit. _fail
+        undoes what a failed dump leaves, _end what every ending leaves."""
         start = self.clock()
-        refuse_own_tree(tree.root.pid, self.proc, requester)
-        refuse_partial_job(tree, cgroup, self.proc)  # never a tree rooted inside a PID namespace
-        if tree.unfit:  # a traced task, a protected one below: CRIU would fail on it
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
-                                   f"{tree.unfit}", OUTCOME_UNTOUCHED, lasting=tree.unfit)
-        outside = [p.pid for p in tree.members if p.session == 0]
-        if outside:
-            # /proc shows session 0 when the session leader lives in an outer PID namespace
-            # (a job started inside a container or sandbox without setsid): CRIU refuses such
-            # a task, so say why now rather than after freezing it.
-            raise CheckpointFailed(
-                f"checkpoint of {tree.root.pid} refused before stopping it: the session leader "
-                f"of pid(s) {', '.join(map(str, outside))} is outside oomguard's PID namespace, "
-                "which CRIU cannot dump (start the job with setsid, or run oomguard in the "
-                "job's PID namespace)", OUTCOME_UNTOUCHED)
-        members = set(tree.pids)
-        if any(p.session not in members for p in tree.members):  # typed at a shell prompt
-            problem = terminal_refusal(self.proc.root, tree.pids)
-            if problem is not None:  # lasting: the tree is not chosen again while it lives
-                raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
-                                       f"it: {problem}", OUTCOME_UNTOUCHED, lasting=problem)
+        refuse_before_stop(tree, cgroup, self.proc, requester)
         # Lifted now, before the store's budget is asked and the tree stopped, and handed to
         # the dump as its first lift (put back with it, before the tree's mates go on).
         bridge = self._early_room(cgroup, headroom)
+        request = _Request(tree, cgroup, reason, on_frozen, after_signal, requester,
+                           self.headroom if headroom is None else headroom, rights_of, start)
         try:
-            with self._room_for(tree, cgroup) as room:
-                return self._checkpoint_reserved(tree, cgroup, reason, on_frozen, headroom,
-                                                 after_signal, requester, held, start,
-                                                 rights_of, room, bridge)
+            with room_for(self.budget, self.on_pruned, tree, cgroup) as room:
+                return self._checkpoint_recorded(request, held, room, bridge)
         finally:
             if bridge is not None:  # refused before the stop (once: the dump's undo may have)
                 with contextlib.suppress(OSError, CgroupGone):
@@ -202,62 +222,15 @@ class Checkpointer:
             return None
         return None if release is None else _once(release)
 
-    @contextlib.contextmanager
-    def _room_for(self, tree: ProcessTree,
-                  cgroup: MemoryCgroup | None) -> Iterator[Reservation | None]:
-        """Room in the store's budget for the tree's image (its memory, what it may still grow
-        by under its cgroup's limit before its stop, and CRIU's metadata and logs: see
-        image_estimate), held while it is dumped; the restored checkpoints it needs pruned are
-        chosen now and pruned once the tree has stopped (_fit_stopped). Where only its memory
-        now fits, that is reserved, and the tree is measured again once stopped. Refused,
-        untouched, where not even that fits (oomguard.store.budget)."""
-        with contextlib.ExitStack() as reserved:
-            room: Reservation | None = None
-            try:
-                if self.budget is not None:
-                    growth = _room_under_limit(cgroup)
-                    try:
-                        room = reserved.enter_context(self.budget.reserve(
-                            image_estimate(tree.footprint, growth), self.on_pruned,
-                            deferred=True))
-                    except BudgetExceeded:
-                        if growth == 0:
-                            raise
-                        room = reserved.enter_context(self.budget.reserve(
-                            image_estimate(tree.footprint), self.on_pruned, deferred=True))
-            except BudgetExceeded as exc:
-                raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused before stopping "
-                                      f"it: {exc}", OUTCOME_UNTOUCHED, exc.figures) from exc
-            except StoreError as exc:
-                raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping "
-                                       f"it: {exc}", OUTCOME_UNTOUCHED) from exc
-            yield room  # what the dump raises goes on as it is
-
-    def _fit_stopped(self, room: Reservation | None, tree: ProcessTree,
-                     pids: Collection[int]) -> None:
-        """The stopped tree's image must fit the store's budget: its reservation grown to the
-        tree as it stopped (it may have grown since it was chosen), and the restored
-        checkpoints it counted on pruned now, not before the stop. Raises BudgetExceeded."""
-        if room is None:
-            return
-        room.prune_planned()
-        resident = 0
-        for pid in pids:
-            with contextlib.suppress(ProcessGone, OSError):
-                resident += self.proc.process(pid).rss_bytes
-        room.grow(image_estimate(resident + tree.vram_bytes))
-
-    def _checkpoint_reserved(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
-                             on_frozen: Callable[[Frozen, float], None] | None,
-                             headroom: int | None, after_signal: Callable[[], None] | None,
-                             requester: int | None, held: Collection[int],
-                             start: float, rights_of: int | None,
-                             room: Reservation | None = None,
-                             bridge: Callable[[], str | None] | None = None) -> CheckpointResult:
-        # Durably noted before the first SIGSTOP: a crash from here on is thawed at next start.
+    def _checkpoint_recorded(self, request: _Request, held: Collection[int],
+                             room: Reservation | None,
+                             bridge: Callable[[], str | None] | None) -> CheckpointResult:
+        """Durably noted before the first SIGSTOP: a crash from here on is thawed at the next
+        start (the tasks found stopped but in the ledger were stopped by oomguard: a
+        bystander, the standby's)."""
+        tree = request.tree
         try:
             self.store.ensure()
-            # Found stopped but in the ledger: oomguard's stop (a bystander, the standby's).
             held = [*held, *self.ledger.recorded(
                 [p.pid for p in tree.members if p.state == USER_STOPPED_STATE])]
             self.ledger.record([p.pid for p in tree.members
@@ -266,212 +239,260 @@ class Checkpointer:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
         with self.bystanders.victim(tree.pids):
-            return self._checkpoint(tree, cgroup, reason, on_frozen, headroom, after_signal,
-                                    requester, held, start, rights_of, room, bridge)
+            # Held by another dump as a bystander: stopped by oomguard, not by its user.
+            held = [*held, *self.bystanders.held_now(tree.pids)]
+            run = self._stop(request, held, bridge)
+            if request.after_signal is not None:
+                request.after_signal()
+            return self._dump_and_commit(request, run, room)
 
-    def _checkpoint(self, tree: ProcessTree, cgroup: MemoryCgroup | None, reason: str,
-                    on_frozen: Callable[[Frozen, float], None] | None, headroom: int | None,
-                    after_signal: Callable[[], None] | None, requester: int | None,
-                    held: Collection[int], start: float,
-                    rights_of: int | None = None,
-                    reserved: Reservation | None = None,
-                    bridge: Callable[[], str | None] | None = None) -> CheckpointResult:
-        # Held by another dump as a bystander: stopped by oomguard, not by its user.
-        held = [*held, *self.bystanders.held_now(tree.pids)]
-        # v2 has no oom_kill_disable: until the tree has stopped, the OOM killer passes it over
-        # (memory taken inside one system call fails there instead of killing the job).
+    def _stop(self, request: _Request, held: Collection[int],
+              bridge: Callable[[], str | None] | None) -> _Run:
+        """SIGSTOP to the tree (not yet waited for), shielded from the OOM killer until then
+        where the cgroup needs it (v2 has no oom_kill_disable: memory taken inside one system
+        call fails there instead of killing the job), its CUDA state off the GPU first; the
+        rest of its cgroup held stopped while it is dumped (where there is a limit to share
+        and headroom to give: never the rest of an unlimited cgroup, such as the root one a
+        system rule's victim may live in). Raises ProcessGone, every step undone, if the tree
+        vanished before it could be stopped."""
+        tree, cgroup = request.tree, request.cgroup
         shielding = shields_needed(cgroup)
         if shielding:
             self.shield.shield(list(tree.pids))
-        hold = self._off_gpu(tree, cgroup, held)
+        hold: GpuHold | None = None
         try:
+            hold = self._off_gpu(tree, cgroup, held)  # refused: CheckpointFailed, untouched
             frozen = self.freezer.freeze(tree.root.pid, held)
-        except ProcessGone:
+        except (ProcessGone, CheckpointFailed):
             self.shield.unshield(list(tree.pids))
-            self.ledger.clear(list(tree.pids))
+            with contextlib.suppress(OSError):
+                self.ledger.clear(list(tree.pids))
             if hold is not None:
                 put_back_limit(hold)
             raise
-        pids = frozen.pids
-        left: list[int] = []
         self.ledger.record(frozen.ours)
         self._unrecord(frozen.user_stopped)
         if shielding:  # children forked before the stop inherited -1000
-            self.shield.shield(pids, inherited=self.shield.original_of(tree.root.pid))
-        # The room lifted for the dump is the victim's alone: the rest of its cgroup waits
-        # (where headroom is given: the daemon's victims and root's on-demand checkpoints;
-        # and where there is a limit to share: never the rest of an unlimited cgroup, such as
-        # the root one a system rule's victim may live in).
+            self.shield.shield(frozen.pids, inherited=self.shield.original_of(tree.root.pid))
         others = Held()
-        if cgroup is not None and (self.headroom if headroom is None else headroom) > 0 \
-                and _limited(cgroup):
-            others = self.bystanders.hold(cgroup, pids, requester)
-        if after_signal is not None:
-            after_signal()
-        undo_limit: Callable[[], str | None] | None = bridge  # the room lifted before the stop
-        checkpoint_id = new_id(tree.root.pid, self.wall_clock())
-        began = dumped = False
-        lock_fd: int | None = None
-        terminals = DumpTerminals(tree.root.uid)
+        if cgroup is not None and request.headroom > 0 and _limited(cgroup):
+            others = self.bystanders.hold(cgroup, frozen.pids, request.requester)
+        return _Run(frozen=frozen, pids=frozen.pids, shielding=shielding, hold=hold,
+                    others=others, undo_limit=bridge, terminals=DumpTerminals(tree.root.uid),
+                    checkpoint_id=new_id(tree.root.pid, self.wall_clock()))
+
+    def _dump_and_commit(self, request: _Request, run: _Run,
+                         room: Reservation | None) -> CheckpointResult:
         try:
-            if others.cgroup and cgroup is not None:  # and what comes in, until they go on
-                self.bystanders.follow(cgroup, pids, requester, others)
-            room = self.headroom if headroom is None else headroom
-            if cgroup is not None and room > 0:
-                raised_limit = headroom_needed(self._room_reading(cgroup, own=True), room)
-                if raised_limit is not None:
-                    undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
-            # With the connector, children forked meanwhile are stopped and join the tree.
-            ours = set(frozen.ours)
-            frozen = self.freezer.wait_frozen(frozen, self.freeze_timeout)
-            pids, left = frozen.pids, frozen.left  # left: reparented out of the tree, let go
-            frozen_at = self.clock()
-            if others.pids:
-                frozen = replace(frozen, others_held=tuple(others.pids))
-            if on_frozen is not None:
-                on_frozen(frozen, frozen_at)
-            caught = [pid for pid in frozen.ours if pid not in ours]
-            if caught:
-                self.ledger.record(caught)
-            # Stopped by the user too while (or just before) oomguard stopped them.
-            frozen = frozen.plus_user_stopped(self.freezer.stopped_again(frozen.ours))
-            self._unrecord(frozen.user_stopped)
-            foreign = None if rights_of is None else self._foreign(tree, frozen, rights_of)
-            if foreign is not None:  # the limit back first (nothing runs meanwhile), then
-                # only the tasks oomguard stopped continued (never one the user had stopped)
-                if undo_limit is not None:
-                    with contextlib.suppress(OSError, CgroupGone):
-                        undo_limit()
-                    undo_limit = None
-                self.freezer.thaw(frozen.ours)
-                raise TreeNotYours(f"{foreign} (found once the tree had stopped; not so when "
-                                   "the request was checked, as after a setuid program's "
-                                   "exec): refused, nothing dumped, the processes oomguard "
-                                   "stopped continued", FailedCheckpoint.THAWED)
-            try:
-                self._fit_stopped(reserved, tree, pids)
-            except BudgetExceeded as exc:  # the limit back first, then only oomguard's stops
-                if undo_limit is not None:
-                    with contextlib.suppress(OSError, CgroupGone):
-                        undo_limit()
-                    undo_limit = None
-                self.freezer.thaw(frozen.ours)
-                raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused once it had "
-                                      f"stopped (it grew, or a restored checkpoint counted on was being "
-                                      f"restored): {exc}; nothing dumped, "
-                                      "the processes oomguard stopped continued",
-                                      FailedCheckpoint.THAWED, exc.figures) from exc
-            if shielding:  # stopped: back to the originals, which CRIU saves with the images
-                self.shield.unshield(pids + list(tree.pids) + left)
-            if cgroup is not None and room > 0:
-                # A task inside one system call (mmap MAP_POPULATE...) stops only on its way
-                # out, and may have used up the limit (or the headroom given above) by then.
-                raised_limit = headroom_needed(self._room_reading(cgroup, own=False), room)
-                if raised_limit is not None:
-                    undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), undo_limit)
-            meta = self._meta(checkpoint_id, tree, cgroup, reason, 0.0)
-            # The tree as it stopped, which is what CRIU dumps (and a restore needs free): not
-            # the one chosen before the freeze, whose short-lived children may have been
-            # replaced meanwhile (a shell's `sleep`s).
-            meta.pids = list(pids)
-            terminals = DumpTerminals.of(self.proc.root, pids, tree.root.uid)
-            terminals.record(meta.extra)
-            terminals.start_dumping(checkpoint_id)  # answered (or not) while the dump is prepared
-            meta.stopped_nspids = self._ns_pids(frozen.user_stopped)
-            if hold is not None:
-                meta.gpu_pids, meta.vram_bytes = hold.ns_pids, hold.vram_bytes
-                meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
-            with self.dump_slots:
-                images, lock_fd = self.store.begin(meta)
-                began = True
-                # What the stopped tree has open, to be checked again before a restore.
-                self.store.write_private(images.parent / FILES_RECORD,
-                                         fileids.to_json(fileids.record(pids)))
-                hook = self.criu.install_hook(self.hook_dir or self.store.state / HOOKS_DIR)
-                # Checksums taken as CRIU writes, finished in its post-dump action; the pages
-                # compressed alongside where asked (never waited for before the memory is free).
-                packer = self._packer(images)
-                digester = ImageDigester.following(images, self.store.algorithm,
-                                                   drop_behind=packer is None)
-                terminals.dumping_told()
-                try:
-                    self.criu.dump(tree.root.pid, images, hook, lock_fd,
-                                   terminals.dump_args(), env=digester.env())
-                except BaseException:
-                    digester.abandon()
-                    if packer is not None:
-                        packer.abandon()
-                    raise
-                dumped = True  # CRIU has killed the tree: these images are all there is of it
-                # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
-                self._wait_dead(pids)
-                dumped_at = self.clock()
-                self._put_back_room(undo_limit, others)  # the memory is back: so are they
-                undo_limit = None
-                digests = digester.result()
-                if packer is not None:
-                    digests = with_packed(digests, *packer.finish())
-            meta.dump_seconds = round(dumped_at - frozen_at, 3)
+            self._settle(request, run)
+            self._refuse_stopped(request, run, room)
+            meta = self._meta_of_stopped(request, run)
+            digests = self._dump(request, run, meta)
+            meta.dump_seconds = round(run.dumped_at - run.frozen_at, 3)
             path = self.store.commit(meta, digests)
             done = self.clock()
-            terminals.committed(meta.id, meta.job_command or meta.command, tree.root.pid)
+            run.terminals.committed(meta.id, meta.job_command or meta.command,
+                                    request.tree.root.pid)
         except (CriuError, StoreError, OSError, CgroupGone) as exc:
-            if dumped:
-                # Never deleted: the partial stays, listed as incomplete, completed at the next
-                # start (or restore) once the store can take the commit. The tree is gone: the
-                # room lifted for it is put back before its holders are told.
-                self._put_back_room(undo_limit, others)
-                undo_limit, others = None, Held()
-                terminals.committed(checkpoint_id, tree.root.command, tree.root.pid)
-                raise CheckpointFailed(
-                    f"checkpoint of {tree.root.pid}: the process was dumped and is gone, but "
-                    f"the commit failed ({exc}); its images are intact and it is listed as "
-                    f"incomplete ({checkpoint_id}): it is completed at the daemon's next start "
-                    "or when restored", OUTCOME_INCOMPLETE) from exc
-            full = self._disk_full(exc)  # before the partial goes: what the dump met
-            if began:
-                self.store.keep_failed_log(checkpoint_id)  # CRIU's whole story, for a look
-                self.store.abort(checkpoint_id, lock_fd)  # closes the lock, as it goes
-                lock_fd = None
-            busy = ""  # the limit back before anything else (the tree cannot grow meanwhile)
-            if undo_limit is not None:
-                try:
-                    busy = undo_limit() or ""
-                except (OSError, CgroupGone) as undo_exc:
-                    busy = str(undo_exc)
-                undo_limit = None
-            terminals.failed()  # the limit is back: a holder slow to answer holds nothing
-            outcome = self._thaw_after_failure(frozen)
-            gpu_note = ""
-            if hold is not None and hold.suspended and outcome == FailedCheckpoint.THAWED and self.gpu:
-                trouble = back_to_gpu(self.gpu, hold.pids)
-                gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
-                            f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-            busy_note = (f"; the limit lifted for its dump could not be put back: {busy}"
-                         if busy else "")
-            if full is not None:
-                raise StoreOverBudget(
-                    f"checkpoint of {tree.root.pid} failed: the store's disk filled during "
-                    f"the dump ({full.describe()}): {exc}{gpu_note}{busy_note}", outcome,
-                    full.fields(), limit_busy=busy) from exc
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} failed: {exc}{gpu_note}"
-                                   f"{busy_note}", outcome,
-                                   lasting=lasting_failure(str(exc)) or "",
-                                   limit_busy=busy) from exc
+            if run.dumped:
+                self._fail_after_dump(request, run, exc)
+            self._fail(request, run, exc)
         finally:
-            if shielding:
-                self.shield.unshield(pids + list(tree.pids) + left)
-            if hold is not None:
-                put_back_limit(hold)
-            if lock_fd is not None:
-                os.close(lock_fd)
-            self._put_back_room(undo_limit, others)
-            with contextlib.suppress(OSError):
-                self.ledger.clear(pids + list(tree.pids) + left)
-        timings = CheckpointTimings(freeze_s=frozen_at - start, dump_s=dumped_at - frozen_at,
-                                    commit_s=done - dumped_at, total_s=done - start,
-                                    holders_s=terminals.told_in)
+            self._end(request, run)
+        timings = CheckpointTimings(freeze_s=run.frozen_at - request.start,
+                                    dump_s=run.dumped_at - run.frozen_at,
+                                    commit_s=done - run.dumped_at, total_s=done - request.start,
+                                    holders_s=run.terminals.told_in)
         return CheckpointResult(meta=meta, path=path, timings=timings)
+
+    def _settle(self, request: _Request, run: _Run) -> None:
+        """The stop waited for: arrivals in the cgroup held too, the headroom lifted over the
+        cgroup's own limit, the children forked meanwhile stopped and recorded (with the
+        connector), and the tasks the user stopped too left to them."""
+        cgroup = request.cgroup
+        if run.others.cgroup and cgroup is not None:  # and what comes in, until they go on
+            self.bystanders.follow(cgroup, run.pids, request.requester, run.others)
+        self._lift_for_dump(request, run, own=True)
+        ours = set(run.frozen.ours)
+        run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
+        run.pids, run.left = run.frozen.pids, run.frozen.left  # left: reparented out, let go
+        run.frozen_at = self.clock()
+        if run.others.pids:
+            run.frozen = replace(run.frozen, others_held=tuple(run.others.pids))
+        if request.on_frozen is not None:
+            request.on_frozen(run.frozen, run.frozen_at)
+        caught = [pid for pid in run.frozen.ours if pid not in ours]
+        if caught:
+            self.ledger.record(caught)
+        # Stopped by the user too while (or just before) oomguard stopped them.
+        run.frozen = run.frozen.plus_user_stopped(self.freezer.stopped_again(run.frozen.ours))
+        self._unrecord(run.frozen.user_stopped)
+
+    def _refuse_stopped(self, request: _Request, run: _Run, room: Reservation | None) -> None:
+        """Refused once stopped, nothing dumped: a task that is not the asking user's (as
+        after a setuid program's exec), or a tree grown past the store's budget. The limit
+        is put back first (nothing runs meanwhile), then only the tasks oomguard stopped are
+        continued (never one the user had stopped)."""
+        tree = request.tree
+        foreign = None if request.rights_of is None else \
+            self._foreign(tree, run.frozen, request.rights_of)
+        if foreign is not None:
+            self._let_go(run)
+            raise TreeNotYours(f"{foreign} (found once the tree had stopped; not so when "
+                               "the request was checked, as after a setuid program's "
+                               "exec): refused, nothing dumped, the processes oomguard "
+                               "stopped continued", FailedCheckpoint.THAWED)
+        try:
+            fit_stopped(room, tree, run.pids, self.proc)
+        except BudgetExceeded as exc:
+            self._let_go(run)
+            raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused once it had "
+                                  f"stopped (it grew, or a restored checkpoint counted on was "
+                                  f"being restored): {exc}; nothing dumped, "
+                                  "the processes oomguard stopped continued",
+                                  FailedCheckpoint.THAWED, exc.figures) from exc
+
+    def _let_go(self, run: _Run) -> None:
+        if run.undo_limit is not None:
+            with contextlib.suppress(OSError, CgroupGone):
+                run.undo_limit()
+            run.undo_limit = None
+        self.freezer.thaw(run.frozen.ours)
+
+    def _lift_for_dump(self, request: _Request, run: _Run, own: bool) -> None:
+        """The headroom over the cgroup's `own` limit (before the stop is waited for), or over
+        the limit in force (once stopped: a task inside one system call, mmap MAP_POPULATE...,
+        stops only on its way out, and may have used up the limit, or the headroom given
+        before, by then). Undone with the lifts before it."""
+        cgroup, room = request.cgroup, request.headroom
+        if cgroup is None or room <= 0:
+            return
+        raised_limit = headroom_needed(self._room_reading(cgroup, own=own), room)
+        if raised_limit is not None:
+            run.undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), run.undo_limit)
+
+    def _meta_of_stopped(self, request: _Request, run: _Run) -> CheckpointMeta:
+        """The tree unshielded (back to its own oom_score_adj, which CRIU saves with the
+        images), lifted again if it must be, and described as it stopped, which is what CRIU
+        dumps (and a restore needs free): not the tree chosen before the freeze, whose
+        short-lived children may have been replaced meanwhile (a shell's `sleep`s). Its
+        terminal holders are told to get ready."""
+        tree = request.tree
+        if run.shielding:
+            self.shield.unshield(run.pids + list(tree.pids) + run.left)
+        self._lift_for_dump(request, run, own=False)
+        meta = self._meta(run.checkpoint_id, tree, request.cgroup, request.reason, 0.0)
+        meta.pids = list(run.pids)
+        run.terminals = DumpTerminals.of(self.proc.root, run.pids, tree.root.uid)
+        run.terminals.record(meta.extra)
+        run.terminals.start_dumping(run.checkpoint_id)  # answered while the dump is prepared
+        meta.stopped_nspids = self._ns_pids(run.frozen.user_stopped)
+        if run.hold is not None:
+            meta.gpu_pids, meta.vram_bytes = run.hold.ns_pids, run.hold.vram_bytes
+            meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
+        return meta
+
+    def _dump(self, request: _Request, run: _Run, meta: CheckpointMeta) -> Digests | None:
+        """CRIU dumps the stopped tree into a new checkpoint's images (two dumps at a time),
+        checksummed as written and compressed alongside where asked; once the tree's memory
+        is back, the lifted limit is put back and the rest of the cgroup continued."""
+        with self.dump_slots:
+            images, run.lock_fd = self.store.begin(meta)
+            run.began = True
+            # What the stopped tree has open, to be checked again before a restore.
+            self.store.write_private(images.parent / FILES_RECORD,
+                                     fileids.to_json(fileids.record(run.pids)))
+            hook = self.criu.install_hook(self.hook_dir or self.store.state / HOOKS_DIR)
+            # Checksums taken as CRIU writes, finished in its post-dump action; the pages
+            # compressed alongside where asked (never waited for before the memory is free).
+            packer = self._packer(images)
+            digester = ImageDigester.following(images, self.store.algorithm,
+                                               drop_behind=packer is None)
+            run.terminals.dumping_told()
+            try:
+                self.criu.dump(request.tree.root.pid, images, hook, run.lock_fd,
+                               run.terminals.dump_args(), env=digester.env())
+            except BaseException:
+                digester.abandon()
+                if packer is not None:
+                    packer.abandon()
+                raise
+            run.dumped = True  # CRIU has killed the tree: these images are all there is of it
+            # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
+            self._wait_dead(run.pids)
+            run.dumped_at = self.clock()
+            self._put_back_room(run.undo_limit, run.others)  # the memory is back: so are they
+            run.undo_limit = None
+            digests = digester.result()
+            if packer is not None:
+                digests = with_packed(digests, *packer.finish())
+        return digests
+
+    def _fail_after_dump(self, request: _Request, run: _Run, exc: BaseException) -> NoReturn:
+        """Dumped, the commit failed: never deleted, the partial stays, listed as incomplete,
+        completed at the next start (or restore) once the store can take the commit. The tree
+        is gone: the room lifted for it is put back before its holders are told."""
+        pid = request.tree.root.pid
+        self._put_back_room(run.undo_limit, run.others)
+        run.undo_limit, run.others = None, Held()
+        run.terminals.committed(run.checkpoint_id, request.tree.root.command, pid)
+        raise CheckpointFailed(
+            f"checkpoint of {pid}: the process was dumped and is gone, but "
+            f"the commit failed ({exc}); its images are intact and it is listed as "
+            f"incomplete ({run.checkpoint_id}): it is completed at the daemon's next start "
+            "or when restored", OUTCOME_INCOMPLETE) from exc
+
+    def _fail(self, request: _Request, run: _Run, exc: BaseException) -> NoReturn:
+        """The dump failed (or was refused once stopped): CRIU's log kept, the partial gone,
+        the limit put back before anything else (the tree cannot grow meanwhile), the
+        terminals' holders told, the tree thawed (and back on the GPU)."""
+        pid = request.tree.root.pid
+        full = disk_full(self.budget, exc)  # before the partial goes: what the dump met
+        if run.began:
+            self.store.keep_failed_log(run.checkpoint_id)  # CRIU's whole story, for a look
+            self.store.abort(run.checkpoint_id, run.lock_fd)  # closes the lock, as it goes
+            run.lock_fd = None
+        busy = ""
+        if run.undo_limit is not None:
+            try:
+                busy = run.undo_limit() or ""
+            except (OSError, CgroupGone) as undo_exc:
+                busy = str(undo_exc)
+            run.undo_limit = None
+        run.terminals.failed()  # the limit is back: a holder slow to answer holds nothing
+        outcome = self._thaw_after_failure(run.frozen)
+        gpu_note = ""
+        if run.hold is not None and run.hold.suspended and \
+                outcome == FailedCheckpoint.THAWED and self.gpu:
+            trouble = back_to_gpu(self.gpu, run.hold.pids)
+            gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
+                        f"; its CUDA state could NOT be put back on the GPU: {trouble}")
+        busy_note = (f"; the limit lifted for its dump could not be put back: {busy}"
+                     if busy else "")
+        if full is not None:
+            raise StoreOverBudget(
+                f"checkpoint of {pid} failed: the store's disk filled during "
+                f"the dump ({full.describe()}): {exc}{gpu_note}{busy_note}", outcome,
+                full.fields(), limit_busy=busy) from exc
+        raise CheckpointFailed(f"checkpoint of {pid} failed: {exc}{gpu_note}"
+                               f"{busy_note}", outcome,
+                               lasting=lasting_failure(str(exc)) or "",
+                               limit_busy=busy) from exc
+
+    def _end(self, request: _Request, run: _Run) -> None:
+        """What every ending undoes, whatever undid what before it: the shield, the GPU's
+        lifted limit, the checkpoint's lock, the dump's lift and the held others, and the
+        crash ledger's entries."""
+        tree_pids = list(request.tree.pids)
+        if run.shielding:
+            self.shield.unshield(run.pids + tree_pids + run.left)
+        if run.hold is not None:
+            put_back_limit(run.hold)
+        if run.lock_fd is not None:
+            os.close(run.lock_fd)
+        self._put_back_room(run.undo_limit, run.others)
+        with contextlib.suppress(OSError):
+            self.ledger.clear(run.pids + tree_pids + run.left)
 
     def _foreign(self, tree: ProcessTree, frozen: Frozen, uid: int) -> str | None:
         """Why the tree as it stopped is not all `uid`'s (a task of another user, or holding
@@ -479,18 +500,6 @@ class Checkpointer:
         tasks = [(p.pid, p.comm, p.uids[:3] or (p.uid,))
                  for p in self.proc.processes(frozen.pids)]
         return foreign_of(tasks, tree.root.pid, uid)
-
-    def _disk_full(self, exc: BaseException) -> BudgetReading | None:
-        """The budget's figures where a failed dump ran out of room: ENOSPC said, or the
-        store's file system (nearly) full now (a full disk often keeps CRIU from logging
-        why)."""
-        if self.budget is None:
-            return None
-        try:
-            reading = self.budget.reading()
-        except StoreError:
-            return None
-        return reading if _out_of_space(exc) or reading.free < FULL_DISK else None
 
     def _put_back_room(self, undo_limit: Callable[[], str | None] | None, others: Held) -> None:
         """The limit as it was, then the rest of the cgroup continued (in that order: what
@@ -624,25 +633,6 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
-
-
-def _out_of_space(exc: BaseException) -> bool:
-    """The dump or its files ran out of room on the store's disk (ENOSPC, EDQUOT)."""
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    text = str(exc)
-    return "No space left on device" in text or "Disk quota exceeded" in text
-
-
-def _room_under_limit(cgroup: MemoryCgroup | None) -> int:
-    """What the cgroup's processes may still take before its limit (0: no limit, or gone)."""
-    if cgroup is None:
-        return 0
-    try:
-        limit = cgroup.limit()
-        return 0 if limit is None else max(0, limit - cgroup.usage())
-    except (OSError, CgroupGone):
-        return 0
 
 
 def _limited(cgroup: MemoryCgroup) -> bool:
