@@ -11,6 +11,7 @@ nothing but the model (the CLI finds the daemon's socket in it before anything e
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,36 +82,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     read.leftovers(data, "")
 
     base = DaemonConfig(source=source)
-    store = read.take(daemon, "daemon.", "store", lambda v: Path(nonempty_str(v)), base.store)
-    state_dir = read.take(daemon, "daemon.", "state_dir",
-                          lambda v: Path(absolute_path(v)) if v != "" else None, None)
-    poll = read.take(daemon, "daemon.", "poll_interval", wait(positive=True, high=HOUR),
-                     base.poll_interval)
-    rescan = read.take(daemon, "daemon.", "rescan_interval", wait(positive=True),
-                       base.rescan_interval)
-    dry_run = read.take(daemon, "daemon.", "dry_run", boolean, base.dry_run)
-    nice = read.take(daemon, "daemon.", "nice", niceness, base.nice)
-    socket = read.take(daemon, "daemon.", "socket", lambda v: Path(nonempty_str(v)), base.socket)
-    idle = read.take(daemon, "daemon.", "control_idle_timeout", POSITIVE_DURATION,
-                     base.control_idle_timeout)
-    call_rate = read.take(daemon, "daemon.", "control_call_rate", call_rate_value,
-                          base.control_call_rate)
-    max_size = read.take(daemon, "daemon.", "store_max_size", SIZE_SHARE_OR_NONE,
-                         base.store_max_size)
-    keep_free = read.take(daemon, "daemon.", "store_keep_free", SIZE_SHARE_OR_NONE,
-                          base.store_keep_free)
-    max_age = read.take(daemon, "daemon.", "store_max_age", DURATION_OR_NONE, base.store_max_age)
-    at_stop = read.take(daemon, "daemon.", "pageout_at_stop",
-                        lambda v: choice(v, ("keep", "resume")), base.pageout_at_stop)
-    textfile = read.take(daemon, "daemon.", "metrics_textfile_dir",
-                         lambda v: Path(nonempty_str(v)) if v != "" else None, None)
-    metrics_port = read.take(daemon, "daemon.", "metrics_port", port, 0)
-    address = read.take(daemon, "daemon.", "metrics_address", nonempty_str, base.metrics_address)
-    dbus_notify = read.take(daemon, "daemon.", "dbus_notify", boolean, base.dbus_notify)
-    dbus_address = read.take(daemon, "daemon.", "dbus_address", nonempty_str, base.dbus_address)
-    prekill = read.take(daemon, "daemon.", "oomd_prekill_dir",
-                        lambda v: Path(nonempty_str(v)) if v != "" else None, None)
-    read.leftovers(daemon, "daemon.")
+    settings = _daemon_settings(read, daemon, base)
     hooks_t = read.take(data_hooks, "", "hooks", lambda v: table(v, "hooks"), dict(empty))
     hook_timeout = read.take(hooks_t, "hooks.", "timeout", wait(positive=True),
                              base.hook_timeout)
@@ -120,7 +92,59 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         if command:
             hooks.append((event, command))
     read.leftovers(hooks_t, "hooks.")
+    criu = _criu_config(read, criu_t)
+    gpu = _gpu_config(read, gpu_t)
+    slurm = _slurm_config(read, slurm_t)
+    kubernetes = _kubernetes_config(read, kube_t)
+    guards = tuple(_guard_config(read, issues, source, index, raw)
+                   for index, raw in enumerate(guard_list))
+    if issues:
+        raise ConfigError(issues)
+    return DaemonConfig(source=source, hooks=tuple(hooks), hook_timeout=hook_timeout,
+                        criu=criu, gpu=gpu, slurm=slurm, kubernetes=kubernetes,
+                        guards=guards, warnings=tuple(read.warnings), **settings)
 
+
+def _daemon_settings(read: ConfigReader, daemon: dict[str, Any],
+                     base: DaemonConfig) -> dict[str, Any]:
+    """[daemon]: DaemonConfig's fields by name (read in the order the issues are told)."""
+    def take(key: str, convert: Callable[[Any], Any], default: Any) -> Any:
+        return read.take(daemon, "daemon.", key, convert, default)
+
+    def optional_path(value: Any) -> Path | None:
+        return Path(nonempty_str(value)) if value != "" else None
+
+    settings = {
+        "store": take("store", lambda v: Path(nonempty_str(v)), base.store),
+        "state_dir": take("state_dir", lambda v: Path(absolute_path(v)) if v != "" else None,
+                          None),
+        "poll_interval": take("poll_interval", wait(positive=True, high=HOUR),
+                              base.poll_interval),
+        "rescan_interval": take("rescan_interval", wait(positive=True), base.rescan_interval),
+        "dry_run": take("dry_run", boolean, base.dry_run),
+        "nice": take("nice", niceness, base.nice),
+        "socket": take("socket", lambda v: Path(nonempty_str(v)), base.socket),
+        "control_idle_timeout": take("control_idle_timeout", POSITIVE_DURATION,
+                                     base.control_idle_timeout),
+        "control_call_rate": take("control_call_rate", call_rate_value,
+                                  base.control_call_rate),
+        "store_max_size": take("store_max_size", SIZE_SHARE_OR_NONE, base.store_max_size),
+        "store_keep_free": take("store_keep_free", SIZE_SHARE_OR_NONE, base.store_keep_free),
+        "store_max_age": take("store_max_age", DURATION_OR_NONE, base.store_max_age),
+        "pageout_at_stop": take("pageout_at_stop", lambda v: choice(v, ("keep", "resume")),
+                                base.pageout_at_stop),
+        "metrics_textfile_dir": take("metrics_textfile_dir", optional_path, None),
+        "metrics_port": take("metrics_port", port, 0),
+        "metrics_address": take("metrics_address", nonempty_str, base.metrics_address),
+        "dbus_notify": take("dbus_notify", boolean, base.dbus_notify),
+        "dbus_address": take("dbus_address", nonempty_str, base.dbus_address),
+        "oomd_prekill_dir": take("oomd_prekill_dir", optional_path, None),
+    }
+    read.leftovers(daemon, "daemon.")
+    return settings
+
+
+def _criu_config(read: ConfigReader, criu_t: dict[str, Any]) -> CriuConfig:
     c = CriuConfig()
     criu = CriuConfig(
         binary=read.take(criu_t, "criu.", "binary", nonempty_str, c.binary),
@@ -139,7 +163,10 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
                                   c.mount_namespace),
     )
     read.leftovers(criu_t, "criu.")
-    gpu = _gpu_config(read, gpu_t)
+    return criu
+
+
+def _slurm_config(read: ConfigReader, slurm_t: dict[str, Any]) -> SlurmConfig:
     d = SlurmConfig()
     slurm = SlurmConfig(
         notify=read.take(slurm_t, "slurm.", "notify", lambda v: choice(v, ("auto", "on", "off")),
@@ -151,6 +178,10 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         grow_memory=read.take(slurm_t, "slurm.", "grow_memory", factor, d.grow_memory),
     )
     read.leftovers(slurm_t, "slurm.")
+    return slurm
+
+
+def _kubernetes_config(read: ConfigReader, kube_t: dict[str, Any]) -> KubernetesConfig:
     k = KubernetesConfig()
     kubernetes = KubernetesConfig(
         kubelet=read.take(kube_t, "kubernetes.", "kubelet",
@@ -160,45 +191,34 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
         ca_file=read.take(kube_t, "kubernetes.", "ca_file", lambda v: str(v), k.ca_file),
     )
     read.leftovers(kube_t, "kubernetes.")
+    return kubernetes
 
-    guards = []
-    for index, raw in enumerate(guard_list):
-        prefix = f"guard[{index}]."
-        rule = dict(raw)
-        if "cgroup" not in rule and "cgroups" not in rule and rule.get("system") is not True:
-            issues.append(ConfigIssue(source, f"{prefix}cgroups",
-                                      "missing: which cgroups to guard (or system = true)"))
-        if rule.get("system") is True and ("cgroup" in rule or "cgroups" in rule):
-            issues.append(ConfigIssue(source, f"{prefix}system",
-                                      "a system-wide rule takes no cgroups"))
-        none: tuple[str, ...] = ()
-        cgroups = read.take(rule, prefix, "cgroup", cgroup_list, none)
-        cgroups += read.take(rule, prefix, "cgroups", cgroup_list, none)
-        if ("cgroup" in raw or "cgroups" in raw) and not cgroups and not any(
-                i.key.startswith(f"{prefix}cgroup") for i in issues):
-            issues.append(ConfigIssue(source, f"{prefix}cgroups", "empty: no cgroup to guard"))
-        g = GuardConfig(cgroups=())
-        system = read.take(rule, prefix, "system", boolean, False)
-        min_available = read.take(rule, prefix, "min_available", SIZE_OR_SHARE, 0.10)
-        values: dict[str, Any] = {key: read.take(rule, prefix, key, convert, getattr(g, key))
-                                  for key, convert in GUARD_KEYS.items()}
-        spec = GuardConfig(cgroups=cgroups, system=system, min_available=min_available, **values)
-        guards.append(spec)
-        read.leftovers(rule, prefix)
 
-    if issues:
-        raise ConfigError(issues)
-    return DaemonConfig(source=source, store=store, state_dir=state_dir, poll_interval=poll,
-                        rescan_interval=rescan,
-                        dry_run=dry_run, nice=nice, socket=socket, control_idle_timeout=idle,
-                        control_call_rate=call_rate, store_max_size=max_size,
-                        store_keep_free=keep_free, store_max_age=max_age,
-                        pageout_at_stop=at_stop, metrics_textfile_dir=textfile, metrics_port=metrics_port,
-                        metrics_address=address, oomd_prekill_dir=prekill,
-                        dbus_notify=dbus_notify, dbus_address=dbus_address, hooks=tuple(hooks),
-                        hook_timeout=hook_timeout,
-                        criu=criu, gpu=gpu, slurm=slurm, kubernetes=kubernetes,
-                        guards=tuple(guards), warnings=tuple(read.warnings))
+def _guard_config(read: ConfigReader, issues: list[ConfigIssue], source: str, index: int,
+                  raw: dict[str, Any]) -> GuardConfig:
+    """One [[guard]] rule (its issues added to `issues`)."""
+    prefix = f"guard[{index}]."
+    rule = dict(raw)
+    if "cgroup" not in rule and "cgroups" not in rule and rule.get("system") is not True:
+        issues.append(ConfigIssue(source, f"{prefix}cgroups",
+                                  "missing: which cgroups to guard (or system = true)"))
+    if rule.get("system") is True and ("cgroup" in rule or "cgroups" in rule):
+        issues.append(ConfigIssue(source, f"{prefix}system",
+                                  "a system-wide rule takes no cgroups"))
+    none: tuple[str, ...] = ()
+    cgroups = read.take(rule, prefix, "cgroup", cgroup_list, none)
+    cgroups += read.take(rule, prefix, "cgroups", cgroup_list, none)
+    if ("cgroup" in raw or "cgroups" in raw) and not cgroups and not any(
+            i.key.startswith(f"{prefix}cgroup") for i in issues):
+        issues.append(ConfigIssue(source, f"{prefix}cgroups", "empty: no cgroup to guard"))
+    g = GuardConfig(cgroups=())
+    system = read.take(rule, prefix, "system", boolean, False)
+    min_available = read.take(rule, prefix, "min_available", SIZE_OR_SHARE, 0.10)
+    values: dict[str, Any] = {key: read.take(rule, prefix, key, convert, getattr(g, key))
+                              for key, convert in GUARD_KEYS.items()}
+    spec = GuardConfig(cgroups=cgroups, system=system, min_available=min_available, **values)
+    read.leftovers(rule, prefix)
+    return spec
 
 
 def _gpu_config(read: ConfigReader, gpu_t: dict[str, Any]) -> GpuConfig:
