@@ -7,6 +7,8 @@ import gc
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard import __version__
@@ -43,8 +45,13 @@ from oomguard.store.checkpoints import Store
 from oomguard.terminal.restore import job_ended
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
+    from oomguard.act.criu import Criu
     from oomguard.cgroup.mounts import CgroupLayout
+    from oomguard.control.service import Service
     from oomguard.daemon.locks import DaemonLocks
+    from oomguard.gpu.runtime import GpuSupport
+    from oomguard.lifecycle.checkpoint import Checkpointer
+    from oomguard.lifecycle.restore import Restorer
     from oomguard.observe.metrics import Metrics, TextfileWriter
 
 
@@ -214,74 +221,19 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
     daemon.on_reload = lambda new: apply_hooks(tap, new)
     daemon.install_signal_handlers()
-    textfile = None
-    metrics_server = None
+    outlets = _Outlets()
     if metrics is not None:
-        from oomguard.observe.metrics import TextfileWriter
-
-        if config.metrics_textfile_dir:
-            textfile = TextfileWriter(config.metrics_textfile_dir)
-        if config.metrics_port:
-            try:
-                metrics_server = metrics.serve(config.metrics_port, config.metrics_address)
-                log.info("metrics.listening", address=f"{config.metrics_address}:"
-                         f"{metrics_server.port}", url=f"http://{config.metrics_address}:"
-                         f"{metrics_server.port}/metrics")
-            except OSError as exc:
-                log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
-        metrics.before_render = gauge_reader(metrics, daemon)
-    beat = Heartbeat(daemon, notifier, metrics, textfile)
+        _serve_metrics(metrics, config, log, daemon, outlets)
+    beat = Heartbeat(daemon, notifier, metrics, outlets.textfile)
     daemon.heartbeat = beat
     daemon.heartbeat_due = beat.due_in
     daemon.max_sleep = notifier.watchdog_interval()
-    server = None
-    try:
-        service = build_service(config, layout, proc, checkpointer=checkpointer,
-                                restorer=restorer, status=daemon.status,
-                                user_headroom=daemon.user_headroom)
-        service.events = log
-        service.on_event = log.warning
-        service.guard_of = daemon_lookup(lambda: daemon.guards)
-        service.prefs_of = daemon.preferences_for
-        service.after_checkpoint = daemon.settle_soon
-        server = ControlServer(config.socket, service, note=log.info, debug=log.debug,
-                               idle_timeout=config.control_idle_timeout,
-                               call_rate=config.control_call_rate)
-        server.start()
-    except OSError as exc:
-        log.warning("control.unavailable", socket=str(config.socket), error=str(exc),
-                    explanation="the CLI falls back to direct access (root only)")
-    prekill = None
-    if config.oomd_prekill_dir is not None:
-        try:
-            prekill = ControlServer(config.oomd_prekill_dir / SOCKET_NAME, service, note=log.info,
-                                    dispatcher=dispatch_prekill, mode=0o660)
-            prekill.start()
-            log.info("oomd.prekill_registered", socket=str(prekill.path),
-                     explanation="systemd-oomd asks oomguard to checkpoint a cgroup before it "
-                     "kills it")
-        except OSError as exc:
-            log.warning("oomd.prekill_unavailable", dir=str(config.oomd_prekill_dir),
-                        error=str(exc))
-    gpu_words, gpu_detail = gpu_summary(gpu)  # no probe text where there is no driver
+    service = _start_control(config, layout, proc, checkpointer, restorer, daemon, log, outlets)
+    if config.oomd_prekill_dir is not None and service is not None:
+        _start_prekill(config.oomd_prekill_dir, service, log, outlets)
     daemon.priority.raise_()  # this thread is the event loop's
-    log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
-             socket=str(config.socket) if server else None, criu=criu.binary,
-             criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
-             guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
-             gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}),
-             process_events=process_events_words(no_events),
-             nice=daemon.priority.nice if daemon.priority.enabled else 0,
-             **({"node_state": str(config.node_state_dir)}
-                if config.node_state_dir != config.store else {}))
-    if daemon.priority.error is not None:
-        log.warning("guard.priority_unavailable", error=daemon.priority.error,
-                    explanation="the guard runs at the ordinary priority: on busy CPUs a "
-                    "crossing waits its turn (needs CAP_SYS_NICE or RLIMIT_NICE; set "
-                    "daemon.nice = 0 to say so)")
-    if not config.guards:
-        log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
-                    "to the config or pass --cgroup")
+    _log_started(config, layout, log, daemon, criu, gpu, open_files, no_events,
+                 answering=outlets.server is not None)
     try:
         daemon.arm()
         rewatched = rewatch_restored(restorer.store, exit_watch)
@@ -297,13 +249,13 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         daemon.run()
     finally:
         notifier.stopping()
-        for listener in (server, prekill):
+        for listener in (outlets.server, outlets.prekill):
             if listener is not None:
                 listener.stop()
         daemon.close()
         exit_watch.close()
-        if metrics_server is not None:
-            metrics_server.close()
+        if outlets.metrics_server is not None:
+            outlets.metrics_server.close()
         if tap.hooks is not None:
             tap.hooks.join(daemon.config.hook_timeout)
         if emitter is not None:
@@ -311,3 +263,94 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         remove_criu_cgroup(layout, proc)
         log.info("guard.stopped")
     return 0
+
+
+@dataclass
+class _Outlets:
+    """What the daemon serves besides its loop, each closed at its stop."""
+
+    server: ControlServer | None = None  # the control socket
+    prekill: ControlServer | None = None  # systemd-oomd's prekill hook
+    metrics_server: Any = None  # the metrics port's server
+    textfile: TextfileWriter | None = None  # node_exporter's textfile
+
+
+def _serve_metrics(metrics: Metrics, config: DaemonConfig, log: Any, daemon: Daemon,
+                   outlets: _Outlets) -> None:
+    from oomguard.observe.metrics import TextfileWriter
+
+    if config.metrics_textfile_dir:
+        outlets.textfile = TextfileWriter(config.metrics_textfile_dir)
+    if config.metrics_port:
+        try:
+            outlets.metrics_server = server = metrics.serve(config.metrics_port,
+                                                            config.metrics_address)
+            log.info("metrics.listening", address=f"{config.metrics_address}:{server.port}",
+                     url=f"http://{config.metrics_address}:{server.port}/metrics")
+        except OSError as exc:
+            log.warning("metrics.unavailable", port=config.metrics_port, error=str(exc))
+    metrics.before_render = gauge_reader(metrics, daemon)
+
+
+def _start_control(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
+                   checkpointer: Checkpointer, restorer: Restorer, daemon: Daemon, log: Any,
+                   outlets: _Outlets) -> Service | None:
+    """The control socket (the CLI falls back to direct access, root only, without it).
+    Returns the service it answers with (None: it could not be built)."""
+    service = None
+    try:
+        service = build_service(config, layout, proc, checkpointer=checkpointer,
+                                restorer=restorer, status=daemon.status,
+                                user_headroom=daemon.user_headroom)
+        service.events = log
+        service.on_event = log.warning
+        service.guard_of = daemon_lookup(lambda: daemon.guards)
+        service.prefs_of = daemon.preferences_for
+        service.after_checkpoint = daemon.settle_soon
+        outlets.server = ControlServer(config.socket, service, note=log.info, debug=log.debug,
+                                       idle_timeout=config.control_idle_timeout,
+                                       call_rate=config.control_call_rate)
+        outlets.server.start()
+    except OSError as exc:
+        outlets.server = None
+        log.warning("control.unavailable", socket=str(config.socket), error=str(exc),
+                    explanation="the CLI falls back to direct access (root only)")
+    return service
+
+
+def _start_prekill(directory: Path, service: Service, log: Any,
+                   outlets: _Outlets) -> None:
+    try:
+        outlets.prekill = ControlServer(directory / SOCKET_NAME, service, note=log.info,
+                                        dispatcher=dispatch_prekill, mode=0o660)
+        outlets.prekill.start()
+        log.info("oomd.prekill_registered", socket=str(outlets.prekill.path),
+                 explanation="systemd-oomd asks oomguard to checkpoint a cgroup before it "
+                 "kills it")
+    except OSError as exc:
+        outlets.prekill = None
+        log.warning("oomd.prekill_unavailable", dir=str(directory), error=str(exc))
+
+
+def _log_started(config: DaemonConfig, layout: CgroupLayout, log: Any, daemon: Daemon,
+                 criu: Criu, gpu: GpuSupport, open_files: int, no_events: str | None,
+                 answering: bool) -> None:
+    """guard.started, and what the guard runs without (its priority, any rule)."""
+    gpu_words, gpu_detail = gpu_summary(gpu)  # no probe text where there is no driver
+    log.info("guard.started", version=__version__, config=config.source, store=str(config.store),
+             socket=str(config.socket) if answering else None, criu=criu.binary,
+             criu_version=".".join(map(str, criu.version)), cgroup_mode=layout.mode,
+             guards=len(config.guards), dry_run=config.dry_run, open_files_limit=open_files,
+             gpu=gpu_words, **({"gpu_detail": gpu_detail} if gpu_detail else {}),
+             process_events=process_events_words(no_events),
+             nice=daemon.priority.nice if daemon.priority.enabled else 0,
+             **({"node_state": str(config.node_state_dir)}
+                if config.node_state_dir != config.store else {}))
+    if daemon.priority.error is not None:
+        log.warning("guard.priority_unavailable", error=daemon.priority.error,
+                    explanation="the guard runs at the ordinary priority: on busy CPUs a "
+                    "crossing waits its turn (needs CAP_SYS_NICE or RLIMIT_NICE; set "
+                    "daemon.nice = 0 to say so)")
+    if not config.guards:
+        log.warning("guard.idle", explanation="no [[guard]] rules: nothing is watched; add one "
+                    "to the config or pass --cgroup")
