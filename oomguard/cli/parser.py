@@ -42,7 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                         default="info")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run(sub)
+    _add_checkpoint_verbs(sub)
+    _add_machine_verbs(sub)
+    return parser
 
+
+def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser("run", help="guard cgroups (the daemon)")
     run.add_argument("--config", type=Path, metavar="FILE", help="TOML config (the same as "
                      "the global --config)")
@@ -69,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="act early when growth would reach the limit before a dump ends")
     run.add_argument("--criu", help="path to criu (default: auto)")
 
+
+def _add_checkpoint_verbs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The verbs on checkpoints, paged-out trees and jobs."""
     cp = sub.add_parser("checkpoint", help="checkpoint a process tree now")
     cp.add_argument("pid", type=int)
     cp.add_argument("--reason", default="on demand")
@@ -114,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     fg = sub.add_parser("forget", help="delete a checkpoint")
     fg.add_argument("id")
+
+
+def _add_machine_verbs(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The verbs that run a job, check the machine, set it up and check a config."""
     ex = sub.add_parser("exec", help="run CMD as PID 1 of its own PID namespace "
                         "(always restorable)")
     ex.add_argument("--cgroup", metavar="PATH", help="enter this memory cgroup first")
@@ -133,4 +146,3 @@ def build_parser() -> argparse.ArgumentParser:
     cc = sub.add_parser("check-config", help="validate a config file")
     cc.add_argument("file", type=Path, nargs="?",
                     help="default: the config the CLI reads (see the global --config)")
-    return parser

@@ -249,13 +249,10 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         daemon.run()
     finally:
         notifier.stopping()
-        for listener in (outlets.server, outlets.prekill):
-            if listener is not None:
-                listener.stop()
+        outlets.stop_listening()
         daemon.close()
         exit_watch.close()
-        if outlets.metrics_server is not None:
-            outlets.metrics_server.close()
+        outlets.close()
         if tap.hooks is not None:
             tap.hooks.join(daemon.config.hook_timeout)
         if emitter is not None:
@@ -273,6 +270,16 @@ class _Outlets:
     prekill: ControlServer | None = None  # systemd-oomd's prekill hook
     metrics_server: Any = None  # the metrics port's server
     textfile: TextfileWriter | None = None  # node_exporter's textfile
+
+    def stop_listening(self) -> None:
+        """No new calls (before the daemon closes: what it answers needs the daemon)."""
+        for listener in (self.server, self.prekill):
+            if listener is not None:
+                listener.stop()
+
+    def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
 
 
 def _serve_metrics(metrics: Metrics, config: DaemonConfig, log: Any, daemon: Daemon,
