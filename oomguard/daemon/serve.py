@@ -197,11 +197,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     open_files = raise_open_files_limit()
     metrics = wanted_metrics(config)
     emitter = SignalEmitter(config.dbus_address) if config.dbus_notify else None
-    tap = EventTap(metrics, None, emitter, slurm=build_slurm(config.slurm))
-    # also the daemon's EventSink; its events of note are kept in the store for `status`
-    log = RecordingLogger(base_log, tap=tap.tell, history=EventHistory(config.node_state_dir))
-    tap.log = log
-    apply_hooks(tap, config)
+    tap, log = _event_outlets(config, base_log, metrics, emitter)
     notifier = Notifier.from_env()
     proc = ProcReader()
     gpu = build_gpu(config.gpu)
@@ -216,8 +212,8 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
                     containers=build_containers(config.kubernetes), after_arming=settle_heap,
-                    events=log, standby=None if config.dry_run else Standby(config.node_state_dir, log,
-                                                                             proc))
+                    events=log, standby=None if config.dry_run else Standby(
+                        config.node_state_dir, log, proc))
     daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
     daemon.on_reload = lambda new: apply_hooks(tap, new)
     daemon.install_signal_handlers()
@@ -225,8 +221,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     if metrics is not None:
         _serve_metrics(metrics, config, log, daemon, outlets)
     beat = Heartbeat(daemon, notifier, metrics, outlets.textfile)
-    daemon.heartbeat = beat
-    daemon.heartbeat_due = beat.due_in
+    daemon.heartbeat, daemon.heartbeat_due = beat, beat.due_in
     daemon.max_sleep = notifier.watchdog_interval()
     service = _start_control(config, layout, proc, checkpointer, restorer, daemon, log, outlets)
     if config.oomd_prekill_dir is not None and service is not None:
@@ -236,15 +231,8 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
                  answering=outlets.server is not None)
     try:
         daemon.arm()
-        rewatched = rewatch_restored(restorer.store, exit_watch)
-        if rewatched:
-            log.info("restore.watching", ids=rewatched,
-                     explanation="restored by an earlier run and still running: their exit "
-                     "is recorded")
-        # READY=1 only now: every guard is armed and the socket answers.
-        notifier.ready(daemon.summary())
-        log.info("guard.ready", seconds=round(time.monotonic() - began, 3),
-                 guards=daemon.armed_count(), summary=daemon.summary())
+        _rewatch(restorer.store, exit_watch, log)
+        _ready(daemon, notifier, log, began)
         beat()
         daemon.run()
     finally:
@@ -260,6 +248,32 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
         remove_criu_cgroup(layout, proc)
         log.info("guard.stopped")
     return 0
+
+
+def _event_outlets(config: DaemonConfig, base_log: Any, metrics: Metrics | None,
+                   emitter: SignalEmitter | None) -> tuple[EventTap, RecordingLogger]:
+    """Where the daemon's events go: the log (also the daemon's EventSink; its events of
+    note are kept in the store for `status`), the metrics, D-Bus, Slurm and the hooks."""
+    tap = EventTap(metrics, None, emitter, slurm=build_slurm(config.slurm))
+    log = RecordingLogger(base_log, tap=tap.tell, history=EventHistory(config.node_state_dir))
+    tap.log = log
+    apply_hooks(tap, config)
+    return tap, log
+
+
+def _rewatch(store: Store, exit_watch: ExitWatch, log: Any) -> None:
+    rewatched = rewatch_restored(store, exit_watch)
+    if rewatched:
+        log.info("restore.watching", ids=rewatched,
+                 explanation="restored by an earlier run and still running: their exit "
+                 "is recorded")
+
+
+def _ready(daemon: Daemon, notifier: Notifier, log: Any, began: float) -> None:
+    """READY=1 only now: every guard is armed and the socket answers."""
+    notifier.ready(daemon.summary())
+    log.info("guard.ready", seconds=round(time.monotonic() - began, 3),
+             guards=daemon.armed_count(), summary=daemon.summary())
 
 
 @dataclass
