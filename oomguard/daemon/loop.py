@@ -97,15 +97,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.guards: list[Guard] = []
         self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
         self._timed: dict[int, CgroupGuard] = {}  # the cgroup guards with a due_at
-        self.epoll = poller()  # select.epoll's register/unregister/poll/close (a test's fake)
-        self._fd_owner: dict[int, tuple[Guard, str]] = {}
-        self._stopping = False
-        self._wakeup = WakePipe()  # stop(), a reload, later marks, an action done
-        self.epoll.register(self._wakeup.fileno(), select.EPOLLIN)
-        self.files = files if files is not None else CgroupFiles()
-        files_fd = self.files.fileno()
-        if files_fd is not None:
-            self.epoll.register(files_fd, select.EPOLLIN)
+        self._open_wakeups(poller, files)
         self._next_rescan = 0.0
         self._next_system_poll = 0.0
         self._next_settle: float | None = None  # None: nothing waits to be settled
@@ -115,11 +107,64 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                            dry_run=config.dry_run)
         self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wakeup.wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
+        self._starting = False  # arm() is settling what a dead run (or its standby) left
+        self._build_workers(restorer, containers, wall_clock)
+        self._reload = False
+        # A reload's rules are checked with this before they replace the running ones (the
+        # app's: the new cgroups' locks, LockHeld where another daemon guards one).
+        self.claim: Callable[[DaemonConfig], None] = lambda new: None
+        self.on_reload: Callable[[DaemonConfig], None] = lambda new: None  # the app's: hooks
+        self._globs: list[tuple[GuardConfig, str]] = []
+        self._rule_parts: dict[int, Any] = {}
+        self._sweep_turn = 0
+        self._dirs_stale = False
+        self._examine_on_arm = True  # False while arm() builds the guards at start
+        self._limit_busy: set[str] = set()  # cgroups whose lifted limit could not be put back yet
+        self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
+                                  self.proc, self.log, protected=self.protected_pids,
+                                  in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
+                                  clock=clock) if checkpointer.gpu is not None else None
+        self._gpu_watching = self._wants_gpu_watch()
+        self.triggers: list[Trigger] = daemon_triggers(self, clock)  # timed work, in order
+        self._init_turns()
+        self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
+
+    def _init_turns(self) -> None:
+        """What the loop's turns are watched by. Called after every turn: heartbeat (systemd
+        watchdog pings, metrics); the loop never sleeps longer than max_sleep, so a hung loop
+        stops the pings and gets restarted. The park watchdog says why a turn is stale."""
+        self.heartbeat: Callable[[], None] | None = None
+        self.heartbeat_due: Callable[[float], float | None] | None = None  # seconds, or None
+        self.max_sleep: float | None = None
+        self.last_turn = self.clock()
+        self._turn_began: float | None = None  # set while the loop is inside a turn
+        self._acted = threading.Event()  # an action ended (set from the Actor's threads)
+        self.park_watch = ParkWatchdog(self.log, self._park_reason, clock=self.clock)
+
+    def _open_wakeups(self, poller: Callable[[], Any], files: CgroupFiles | None) -> None:
+        """The loop's epoll (select.epoll's register/unregister/poll/close, or a test's fake)
+        with its own wake-ups: the self-pipe (stop(), a reload, later marks, an action done)
+        and the cgroup files' readiness."""
+        self.epoll = poller()
+        self._fd_owner: dict[int, tuple[Guard, str]] = {}
+        self._stopping = False
+        self._wakeup = WakePipe()
+        self.epoll.register(self._wakeup.fileno(), select.EPOLLIN)
+        self.files = files if files is not None else CgroupFiles()
+        files_fd = self.files.fileno()
+        if files_fd is not None:
+            self.epoll.register(files_fd, select.EPOLLIN)
+
+    def _build_workers(self, restorer: Restorer | None,
+                       containers: ContainerCheckpointer | None,
+                       wall_clock: Callable[[], float]) -> None:
+        """Who does the work the loop decides on: the store's keeper, auto-restore, the
+        action chains and their Actor, auto-resume of paged-out trees."""
+        checkpointer, config, clock = self.checkpointer, self.config, self.clock
         self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
         self.keeper.hold_back = self._leftover_waits
         checkpointer.on_pruned = self.keeper.log_pruned  # made room for a new checkpoint
-        self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
                                          events=self.events, clock=clock,
                                          restored=self.keeper.forget_listing)
@@ -132,33 +177,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
                            self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
                            clock=clock, decisions=self.decisions, on_done=self._action_done,
                            priority=self.priority, events=self.events)
-        self._reload = False
-        # A reload's rules are checked with this before they replace the running ones (the
-        # app's: the new cgroups' locks, LockHeld where another daemon guards one).
-        self.claim: Callable[[DaemonConfig], None] = lambda new: None
-        self.on_reload: Callable[[DaemonConfig], None] = lambda new: None  # the app's: hooks
-        self._globs: list[tuple[GuardConfig, str]] = []
-        self._rule_parts: dict[int, Any] = {}
-        self._sweep_turn = 0
-        self._dirs_stale = False
-        # Called after every loop turn (systemd watchdog pings, metrics); the loop never
-        # sleeps longer than max_sleep, so a hung loop stops the pings and gets restarted.
-        self.heartbeat: Callable[[], None] | None = None
-        self.heartbeat_due: Callable[[float], float | None] | None = None  # seconds, or None
-        self.max_sleep: float | None = None
-        self._examine_on_arm = True  # False while arm() builds the guards at start
-        self._limit_busy: set[str] = set()  # cgroups whose lifted limit could not be put back yet
-        self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
-                                  self.proc, self.log, protected=self.protected_pids,
-                                  in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
-                                  clock=clock) if checkpointer.gpu is not None else None
-        self._gpu_watching = self._wants_gpu_watch()
-        self.triggers: list[Trigger] = daemon_triggers(self, clock)  # timed work, in order
-        self.last_turn = clock()
-        self._turn_began: float | None = None  # set while the loop is inside a turn
-        self._acted = threading.Event()  # an action ended (set from the Actor's threads)
-        self.park_watch = ParkWatchdog(self.log, self._park_reason, clock=clock)
-        self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
 
     # -- set-up --------------------------------------------------------------------------------
 
