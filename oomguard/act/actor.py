@@ -25,6 +25,7 @@ from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import CheckpointDone, EventSink, VictimFrozen, sink_for
 from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.retry import retry_delay
+from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
 
 MiB = 1 << 20
@@ -210,21 +211,9 @@ class Actor:
 
     def _run(self, request: Request, thaw: Callable[[], None]) -> None:
         began = self.clock()
-        ranked = apply_preferences(request.candidates(), request.parts.prefs)
-        unfit: list[str] = []
         marks = None if self.dry_run else self.runner.marks  # a dry run refuses nothing
         pages_out = any(step.kind == PAGEOUT for step in request.parts.chain)
-        if marks is not None and not request.limit_busy:
-            # Trees no checkpoint can take while they live were refused once: never again.
-            # A chain that pages out takes them last instead (its checkpoint step refuses
-            # them at once): paged out and resumed, such a tree that grows again is paged
-            # out again, not left to the kernel's OOM killer.
-            marks.forget_gone()
-            everyone = ranked
-            ranked, unfit = marks.split(everyone, fresh=request.refresh is None)
-            if pages_out:
-                kept = {id(tree) for tree in ranked}
-                ranked, unfit = ranked + [t for t in everyone if id(t) not in kept], []
+        ranked, unfit = self._ranked(request, marks, pages_out)
         choose_ms = round((self.clock() - began) * 1000, 2)  # reading and ranking the trees
         if not ranked:
             if unfit:
@@ -246,50 +235,21 @@ class Actor:
             if request.refresh is not None and marks is not None and marks.reason(tree) \
                     and not request.limit_busy and not pages_out:
                 continue  # refused for good before (it was a ranking's stand-ins until now)
-            fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
-                                      "comm": tree.root.comm, "rss": tree.rss_bytes,
-                                      "tasks": len(tree.members)}
-            if request.refresh is not None:  # the chosen tree read afresh, after the choice
-                fields["reread_ms"] = round((self.clock() - read_at) * 1000, 2)
-            if tree.unfit:
-                fields["unfit"] = tree.unfit
-            if request.limit_busy:
-                fields["limit_busy"] = request.limit_busy
+            fields = self._victim_fields(request, tree, read_at)
             if self.dry_run:
                 self._say_chosen(request, tree, {**fields, "choose_ms": choose_ms})
                 return
-
-            def frozen(stopped: Frozen, at: float, fields: dict[str, Any] = fields) -> None:
-                if self.priority is not None:
-                    self.priority.lower()  # the dump competes with the user's work as an equal
-                self.events.publish(VictimFrozen(round((at - request.woke) * 1000, 2),
-                                                 choose_ms, stopped.fields(), fields))
-
             cgroup = request.cgroup_for(tree)
             outcome = self.runner.run(request.parts.chain, tree, cgroup, request.reason,
                                       request.parts.settings, request.still_pressing, fields,
-                                      on_frozen=frozen, after_signal=after_signal,
+                                      on_frozen=self._on_frozen(request, choose_ms, fields),
+                                      after_signal=after_signal,
                                       limit_busy=request.limit_busy)
             after_signal = None
             thaw()
-            if outcome.checkpoint is not None:
-                result = outcome.checkpoint
-                self.events.publish(CheckpointDone(result.meta, result.timings, fields,
-                                                   str(result.path), _usage(cgroup)))
-                if self.on_checkpoint is not None:
-                    self.on_checkpoint(result.meta.image_bytes, result.timings.dump_s)
-            elif outcome.result is ChainResult.GONE:
-                self.log.info("victim.gone", **fields)
+            self._tell_outcome(outcome, fields, cgroup)
+            if outcome.checkpoint is None and outcome.result is ChainResult.GONE:
                 continue
-            elif outcome.result is ChainResult.STOOD_DOWN:
-                self.log.info("action.stood_down", step=outcome.step, detail=outcome.detail,
-                              **fields)
-            elif outcome.result is ChainResult.SIGNALLED:
-                self.log.warning("action.signalled", step=outcome.step, detail=outcome.detail,
-                                 **fields)
-            elif not outcome.settled:
-                self.log.warning("victim.thawed", step=outcome.step, detail=outcome.detail,
-                                 **fields)
             if outcome.settled:
                 self._unsettled.pop(request.name, None)
                 self._retry_at.pop(request.name, None)
@@ -297,6 +257,68 @@ class Actor:
             last = outcome  # (a victim that exited went on to the next above)
         if last is not None:
             self._back_off(request.name, last.step, last.detail)
+
+    def _ranked(self, request: Request, marks: UnfitMarks | None,
+                pages_out: bool) -> tuple[list[ProcessTree], list[str]]:
+        """The candidates in the order they are tried, and what was refused for good (as
+        the marks word it). Trees no checkpoint can take while they live were refused once:
+        never again. A chain that pages out takes them last instead (its checkpoint step
+        refuses them at once): paged out and resumed, such a tree that grows again is paged
+        out again, not left to the kernel's OOM killer."""
+        ranked = apply_preferences(request.candidates(), request.parts.prefs)
+        unfit: list[str] = []
+        if marks is not None and not request.limit_busy:
+            marks.forget_gone()
+            everyone = ranked
+            ranked, unfit = marks.split(everyone, fresh=request.refresh is None)
+            if pages_out:
+                kept = {id(tree) for tree in ranked}
+                ranked, unfit = ranked + [t for t in everyone if id(t) not in kept], []
+        return ranked, unfit
+
+    def _victim_fields(self, request: Request, tree: ProcessTree,
+                       read_at: float) -> dict[str, Any]:
+        """The chosen victim, as every event of its chain names it."""
+        fields: dict[str, Any] = {"cgroup": request.name, "pid": tree.root.pid,
+                                  "comm": tree.root.comm, "rss": tree.rss_bytes,
+                                  "tasks": len(tree.members)}
+        if request.refresh is not None:  # the chosen tree read afresh, after the choice
+            fields["reread_ms"] = round((self.clock() - read_at) * 1000, 2)
+        if tree.unfit:
+            fields["unfit"] = tree.unfit
+        if request.limit_busy:
+            fields["limit_busy"] = request.limit_busy
+        return fields
+
+    def _on_frozen(self, request: Request, choose_ms: float,
+                   fields: dict[str, Any]) -> Callable[[Frozen, float], None]:
+        def frozen(stopped: Frozen, at: float) -> None:
+            if self.priority is not None:
+                self.priority.lower()  # the dump competes with the user's work as an equal
+            self.events.publish(VictimFrozen(round((at - request.woke) * 1000, 2),
+                                             choose_ms, stopped.fields(), fields))
+        return frozen
+
+    def _tell_outcome(self, outcome: ChainOutcome, fields: dict[str, Any],
+                      cgroup: MemoryCgroup | None) -> None:
+        """One event for how a victim's chain ended."""
+        if outcome.checkpoint is not None:
+            result = outcome.checkpoint
+            self.events.publish(CheckpointDone(result.meta, result.timings, fields,
+                                               str(result.path), _usage(cgroup)))
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(result.meta.image_bytes, result.timings.dump_s)
+        elif outcome.result is ChainResult.GONE:
+            self.log.info("victim.gone", **fields)
+        elif outcome.result is ChainResult.STOOD_DOWN:
+            self.log.info("action.stood_down", step=outcome.step, detail=outcome.detail,
+                          **fields)
+        elif outcome.result is ChainResult.SIGNALLED:
+            self.log.warning("action.signalled", step=outcome.step, detail=outcome.detail,
+                             **fields)
+        elif not outcome.settled:
+            self.log.warning("victim.thawed", step=outcome.step, detail=outcome.detail,
+                             **fields)
 
     def _back_off(self, name: str, step: str, detail: str) -> None:
         """Every chain of this action ended unsettled: the rule waits before its next try,
