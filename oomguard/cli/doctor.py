@@ -199,6 +199,20 @@ def gpu_checks(gpu: GpuSupport, driver_loaded: bool | None = None) -> list[Check
 def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
                gpu: GpuSupport | None = None, gpu_off: bool = False,
                open_events: Callable[[], EventSource] = ProcEvents) -> list[Check]:
+    checks = [*_kernel_checks(proc_root, open_events), *_privilege_checks(proc_root),
+              *_criu_checks(criu_binary, proc_root)]
+    checks.extend(coexistence_checks(running_commands(proc_root), systemd_version()))
+    if gpu_off:
+        checks.append(Check("gpu", True, "off in the config ([gpu] engine = \"off\")"))
+    else:
+        checks.extend(gpu_checks(gpu if gpu is not None else detect_gpu()))
+    checks.extend(_store_checks(store, proc_root))
+    return checks
+
+
+def _kernel_checks(proc_root: str, open_events: Callable[[], EventSource]) -> list[Check]:
+    """The kernel, its cgroups and how oomguard detects pressure on them, PSI, process
+    events, memory."""
     checks = []
     release = platform.release()
     kernel = parse_kernel_version(release)
@@ -235,9 +249,13 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
     checks.append(Check("memory", True, f"{format_size(memory.total)} total, "
                         f"{format_size(memory.available)} available, "
                         f"swap {format_size(swap.total)}"))
-    checks.append(Check("privileges", os.geteuid() == 0,
-                        "root" if os.geteuid() == 0 else f"uid {os.geteuid()}",
-                        "CRIU dump/restore and cgroup writes need root"))
+    return checks
+
+
+def _privilege_checks(proc_root: str) -> list[Check]:
+    checks = [Check("privileges", os.geteuid() == 0,
+                    "root" if os.geteuid() == 0 else f"uid {os.geteuid()}",
+                    "CRIU dump/restore and cgroup writes need root")]
     try:
         cap_resource = has_cap_sys_resource((Path(proc_root) / "self" / "status").read_text())
     except OSError:
@@ -248,6 +266,11 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
                         "processes can be checkpointed",
                         "run the daemon with the full capability set (the shipped unit does)",
                         warn_only=True))
+    return checks
+
+
+def _criu_checks(criu_binary: str, proc_root: str) -> list[Check]:
+    checks = []
     try:
         binary, version = find_criu(criu_binary)
         criu = Criu(binary=binary, version=version)
@@ -265,11 +288,11 @@ def run_checks(store: Path, criu_binary: str = "auto", proc_root: str = "/proc",
                             warn_only=True))
     except CriuError as exc:
         checks.append(Check("criu", False, str(exc), "run scripts/setup (builds CRIU 4.2.1)"))
-    checks.extend(coexistence_checks(running_commands(proc_root), systemd_version()))
-    if gpu_off:
-        checks.append(Check("gpu", True, "off in the config ([gpu] engine = \"off\")"))
-    else:
-        checks.extend(gpu_checks(gpu if gpu is not None else detect_gpu()))
+    return checks
+
+
+def _store_checks(store: Path, proc_root: str) -> list[Check]:
+    checks = []
     fs_type = filesystem_type(store, proc_root)
     if fs_type in ("tmpfs", "ramfs"):
         checks.append(Check("store filesystem", False, f"{store} is on {fs_type}",
