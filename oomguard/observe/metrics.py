@@ -101,6 +101,19 @@ class Metrics:
         r = self.registry
         r.register(_BeforeRender(self))
 
+        self._register_event_metrics(r)
+        self._register_gauges(r)
+
+        # Export every known label combination from the start, at 0, so that rate() and
+        # absent() behave before the first event.
+        for outcome in CHECKPOINT_OUTCOMES:
+            self._checkpoints.labels(outcome=outcome)
+        for outcome in RESTORE_OUTCOMES:
+            for auto in (True, False):
+                self._restores.labels(outcome=outcome, auto=_bool_label(auto))
+
+    def _register_event_metrics(self, r: CollectorRegistry) -> None:
+        """What happened: counters and histograms, by the events that count them."""
         self._checkpoints = Counter(
             "oomguard_checkpoints_total",
             "Checkpoint attempts, by outcome (done, failed, refused by policy/preflight).",
@@ -136,6 +149,9 @@ class Metrics:
             buckets=DETECTION_BUCKETS,
             registry=r,
         )
+
+    def _register_gauges(self, r: CollectorRegistry) -> None:
+        """What is true now: set before every rendering (before_render)."""
         self._store_bytes = Gauge("oomguard_store_bytes", "Bytes used by the checkpoint store.", registry=r)
         self._store_checkpoints = Gauge(
             "oomguard_store_checkpoints", "Checkpoints held in the store.", registry=r
@@ -167,14 +183,6 @@ class Metrics:
             ["cgroup"],
             registry=r,
         )
-
-        # Export every known label combination from the start, at 0, so that rate() and
-        # absent() behave before the first event.
-        for outcome in CHECKPOINT_OUTCOMES:
-            self._checkpoints.labels(outcome=outcome)
-        for outcome in RESTORE_OUTCOMES:
-            for auto in (True, False):
-                self._restores.labels(outcome=outcome, auto=_bool_label(auto))
 
     # -- events ---------------------------------------------------------------------------------
 
