@@ -232,9 +232,7 @@ class Restorer:
         self.check(meta, target or original, force)
         images = self.store.path_of(checkpoint_id) / IMAGES
         packed = compressed_pages(images)
-        lazy_fallback = None if lazy_lock is None else (
-            "its pages are compressed: they are expanded before CRIU reads them" if packed
-            else lazy_unavailable(self.criu))
+        lazy_fallback = None if lazy_lock is None else self._why_not_lazy(packed)
         lazy = lazy_lock is not None and lazy_fallback is None
         verify_start = self.clock()
         work_dir = self.store.path_of(checkpoint_id)
@@ -253,12 +251,7 @@ class Restorer:
             self._check_files(meta, force)
             start = self.clock()
             since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
-            try:
-                ttys = lease_ttys(self._terminals(meta, images), meta.id, meta.uid,
-                                  gid_of(meta.uid))
-            except (HolderError, OSError, ValueError, KeyError) as exc:
-                raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
-                                    f"({exc}); the checkpoint is intact") from exc
+            ttys = self._lease_ttys(checkpoint_id, meta, images)
             if lazy and lazy_lock is not None:
                 session = self._start_lazy(meta.id, images, work_dir, lazy_lock, ttys)
             pid = self._run_criu(meta, images, work_dir, target, ttys, verifier, session)
@@ -272,16 +265,8 @@ class Restorer:
                 with contextlib.suppress(OSError):
                     path.unlink()
         ttys.succeeded()
-        if ttys.entries:
-            meta.extra[TTYS] = ttys.entries
-        if ttys.shell_entry() is not None:
-            meta.extra[SHELL_TTY] = ttys.shell_entry()
-        restored = self.proc.descendants(pid)
-        keep = self._user_stopped(meta, restored)
-        self.freezer.thaw([p for p in restored if p not in keep])
-        still = {p.pid for p in self.proc.processes(sorted(keep))
-                 if p.state == USER_STOPPED_STATE}
-        gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
+        _record_ttys(meta, ttys)
+        still, gpu_pids, gpu_error = self._let_run(meta, pid)
         running = self.clock()  # the tree runs
         seconds = running - start
         # Reading the images charged their page cache to the target cgroup: give it back
@@ -289,13 +274,7 @@ class Restorer:
         if session is None:
             with contextlib.suppress(OSError):
                 drop_cache([str(path) for path in images.iterdir() if path.is_file()])
-        meta.state = "restored"
-        meta.restored_at = self.wall_clock()
-        meta.restored_pid = pid
-        meta.exited_at, meta.exit_status, meta.exit_signal = None, None, None  # a new run
-        into = target or original
-        meta.restored_cgroup = into.rel_path if into is not None else None
-        self.store.update(meta)
+        self._mark_restored(meta, pid, target or original)
         if self.exits is not None:
             self.exits.watch(meta.id, pid, since)
         if session is not None:
@@ -306,6 +285,44 @@ class Restorer:
                              total_s=running - verify_start,
                              gpu_pids=tuple(gpu_pids), gpu_error=gpu_error,
                              stopped_pids=tuple(sorted(still)))
+
+    def _why_not_lazy(self, packed: list[Path]) -> str | None:
+        """Why a lazy restore asked for runs eagerly (None: it can run lazily)."""
+        if packed:
+            return "its pages are compressed: they are expanded before CRIU reads them"
+        return lazy_unavailable(self.criu)
+
+    def _lease_ttys(self, checkpoint_id: str, meta: CheckpointMeta,
+                    images: Path) -> TtyLease:
+        """The job's terminals, leased from their holders for CRIU's restore."""
+        try:
+            return lease_ttys(self._terminals(meta, images), meta.id, meta.uid,
+                              gid_of(meta.uid))
+        except (HolderError, OSError, ValueError, KeyError) as exc:
+            raise RestoreFailed(f"cannot restore {checkpoint_id}: no terminal for the job "
+                                f"({exc}); the checkpoint is intact") from exc
+
+    def _let_run(self, meta: CheckpointMeta,
+                 pid: int) -> tuple[set[int], list[int], str | None]:
+        """The restored tree thawed, but for the tasks its user had stopped (they stay
+        stopped), and its CUDA state back on the GPU. Returns the tasks left stopped, and
+        the GPU's pids and error."""
+        restored = self.proc.descendants(pid)
+        keep = self._user_stopped(meta, restored)
+        self.freezer.thaw([p for p in restored if p not in keep])
+        still = {p.pid for p in self.proc.processes(sorted(keep))
+                 if p.state == USER_STOPPED_STATE}
+        gpu_pids, gpu_error = self._back_to_gpu(meta, restored)
+        return still, gpu_pids, gpu_error
+
+    def _mark_restored(self, meta: CheckpointMeta, pid: int,
+                       into: MemoryCgroup | None) -> None:
+        meta.state = "restored"
+        meta.restored_at = self.wall_clock()
+        meta.restored_pid = pid
+        meta.exited_at, meta.exit_status, meta.exit_signal = None, None, None  # a new run
+        meta.restored_cgroup = into.rel_path if into is not None else None
+        self.store.update(meta)
 
     def _start_verifier(self, checkpoint_id: str, images: Path, work_dir: Path,
                         pages: bool = True) -> RestoreVerifier:
@@ -431,3 +448,11 @@ class Restorer:
                           f"memory, locked: no cuda-checkpoint here ({why}); run "
                           "`cuda-checkpoint --action restore` then `--action unlock` on each")
         return host, back_to_gpu(self.gpu, host)
+
+
+def _record_ttys(meta: CheckpointMeta, ttys: TtyLease) -> None:
+    """Where the restored job's terminals are now, kept in its meta.json."""
+    if ttys.entries:
+        meta.extra[TTYS] = ttys.entries
+    if ttys.shell_entry() is not None:
+        meta.extra[SHELL_TTY] = ttys.shell_entry()
