@@ -30,6 +30,7 @@ from oomguard.cgroup.watch import shields_needed
 from oomguard.gpu.offload import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.lifecycle import fileids
+from oomguard.lifecycle.dumproom import DumpRoom, limited
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.precheck import refuse_before_stop
 from oomguard.lifecycle.storeroom import disk_full, fit_stopped, room_for
@@ -44,7 +45,6 @@ from oomguard.model.errors import (
     TreeNotYours,
 )
 from oomguard.policy.jobs import job_fields
-from oomguard.policy.pressure import headroom_needed
 from oomguard.policy.retention import Prune
 from oomguard.policy.rights import foreign_of
 from oomguard.policy.unfit import lasting_failure
@@ -156,6 +156,7 @@ class Checkpointer:
         # Limits lifted for a dump's headroom: recorded durably first, bounded, put back by
         # whoever can; the daemon never takes a lifted limit for the cgroup's own.
         self.lifts = lifts or LimitLifts(store.state / LIFTS_LEDGER, self.proc)
+        self.room = DumpRoom(self.lifts)
         # The other processes of the victim's cgroup, held stopped while it is dumped.
         self.bystanders = Bystanders(self.proc, self.ledger)
         self.clock = clock
@@ -193,7 +194,7 @@ class Checkpointer:
         refuse_before_stop(tree, cgroup, self.proc, requester)
         # Lifted now, before the store's budget is asked and the tree stopped, and handed to
         # the dump as its first lift (put back with it, before the tree's mates go on).
-        bridge = self._early_room(cgroup, headroom)
+        bridge = self.room.early(cgroup, self.headroom if headroom is None else headroom)
         request = _Request(tree, cgroup, reason, on_frozen, after_signal, requester,
                            self.headroom if headroom is None else headroom, rights_of, start)
         try:
@@ -203,24 +204,6 @@ class Checkpointer:
             if bridge is not None:  # refused before the stop (once: the dump's undo may have)
                 with contextlib.suppress(OSError, CgroupGone):
                     bridge()
-
-    def _early_room(self, cgroup: MemoryCgroup | None,
-                    headroom: int | None) -> Callable[[], str | None] | None:
-        """The headroom lifted at once for a tree about to be stopped (where its dump would
-        get it: a limited cgroup, headroom given): until the stop its cgroup's tasks run on, and
-        at the limit a charge made inside a system call fails with ENOMEM (cgroup v1; v2 while
-        the OOM killer passes over the shielded tree), where a page fault would wait. A job
-        growing at 1000 MB/s and writing its log fills the last 20 MiB under the limit in 20
-        ms. Returns the release (it runs once), or None. A lift that fails is no reason to
-        refuse: the dump lifts again after the stop."""
-        room = self.headroom if headroom is None else headroom
-        if cgroup is None or room <= 0:
-            return None
-        try:
-            release = self.hold_room(cgroup, room)
-        except (OSError, CgroupGone):
-            return None
-        return None if release is None else _once(release)
 
     def _checkpoint_recorded(self, request: _Request, held: Collection[int],
                              room: Reservation | None,
@@ -275,7 +258,7 @@ class Checkpointer:
         if shielding:  # children forked before the stop inherited -1000
             self.shield.shield(frozen.pids, inherited=self.shield.original_of(tree.root.pid))
         others = Held()
-        if cgroup is not None and request.headroom > 0 and _limited(cgroup):
+        if cgroup is not None and request.headroom > 0 and limited(cgroup):
             others = self.bystanders.hold(cgroup, frozen.pids, request.requester)
         return _Run(frozen=frozen, pids=frozen.pids, shielding=shielding, hold=hold,
                     others=others, undo_limit=bridge, terminals=DumpTerminals(tree.root.uid),
@@ -364,12 +347,7 @@ class Checkpointer:
         the limit in force (once stopped: a task inside one system call, mmap MAP_POPULATE...,
         stops only on its way out, and may have used up the limit, or the headroom given
         before, by then). Undone with the lifts before it."""
-        cgroup, room = request.cgroup, request.headroom
-        if cgroup is None or room <= 0:
-            return
-        raised_limit = headroom_needed(self._room_reading(cgroup, own=own), room)
-        if raised_limit is not None:
-            run.undo_limit = _both(self._lift(cgroup, raised_limit, cap=room), run.undo_limit)
+        run.undo_limit = self.room.over(request.cgroup, request.headroom, own, run.undo_limit)
 
     def _meta_of_stopped(self, request: _Request, run: _Run) -> CheckpointMeta:
         """The tree unshielded (back to its own oom_score_adj, which CRIU saves with the
@@ -528,7 +506,7 @@ class Checkpointer:
             self.freezer.thaw([pid for pid in pids if pid in held or not self._stopped(pid)])
 
         def lift(cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
-            release = self._lift(cgroup, new_limit)
+            release = self.room.lift(cgroup, new_limit)
 
             def put_back() -> None:
                 release()  # one that cannot be put back yet stays pending: the settling's
@@ -542,39 +520,13 @@ class Checkpointer:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
 
-    def hold_room(self, cgroup: MemoryCgroup, room: int) -> Callable[[], str | None] | None:
-        """The limit lifted by `room` over what the cgroup uses now (bounded as a dump's lift
-        is): see _early_room. Returns the release, or None (room enough, no limit, or none
-        asked for)."""
-        if room <= 0:
-            return None
-        raised = headroom_needed(self._room_reading(cgroup, own=True), room)
-        return None if raised is None else self._lift(cgroup, raised, cap=room)
-
     def limit_lifted(self, path: Path) -> bool:
         """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
-        return self.lifts.lifted(path)
-
-    def _room_reading(self, cgroup: MemoryCgroup, own: bool) -> MemorySnapshot:
-        """Usage and limit only (what headroom needs; no memory.stat on the way to the dump),
-        with the cgroup's `own` limit or the one in force."""
-        lifted, own_limit = self.lifts.own_limit(cgroup.path) if own else (False, None)
-        return MemorySnapshot(usage_bytes=cgroup.usage(),
-                              limit_bytes=own_limit if lifted else cgroup.limit(),
-                              anon_bytes=0, file_bytes=0, oom_kills=0, under_oom=False)
+        return self.room.lifted(path)
 
     def own_snapshot(self, cgroup: MemoryCgroup) -> MemorySnapshot:
         """A snapshot with the cgroup's own limit, not one oomguard lifted for a dump."""
-        snap = cgroup.snapshot()
-        lifted, own = self.lifts.own_limit(cgroup.path)
-        return replace(snap, limit_bytes=own) if lifted else snap
-
-    def _lift(self, cgroup: MemoryCgroup, new_limit: int,
-              cap: int | None = None) -> Callable[[], str | None]:
-        """The release returns why the limit could not be put back ("" or None: it was): it
-        then stays pending in the ledger, and the one who released acts on the cgroup (a
-        chain's next step, down to its kill: oomguard/act/chainsteps.py)."""
-        return self.lifts.lift(cgroup, new_limit, cap)
+        return self.room.own_snapshot(cgroup)
 
     def _wait_dead(self, pids: list[int], timeout: float = 5.0) -> None:
         deadline = self.clock() + timeout
@@ -633,33 +585,3 @@ def tree_of(pid: int, proc: ProcReader) -> ProcessTree:
     if not members or members[0].pid != pid:
         raise ProcessGone(f"process {pid} is gone")
     return ProcessTree(root=members[0], members=tuple(members))
-
-
-def _limited(cgroup: MemoryCgroup) -> bool:
-    try:
-        return cgroup.limit() is not None
-    except (OSError, CgroupGone):
-        return False
-
-
-def _once(release: Callable[[], str | None]) -> Callable[[], str | None]:
-    """A release that acts the first time it is called, and answers None after."""
-    pending = [release]
-
-    def once() -> str | None:
-        return pending.pop()() if pending else None
-    return once
-
-
-def _both(last: Callable[[], str | None],
-          first: Callable[[], str | None] | None) -> Callable[[], str | None]:
-    """One undo for two limit lifts: the later one first (the first's answer is the one:
-    the own limit is put back when the last holder lets go)."""
-    if first is None:
-        return last
-
-    def undo() -> str | None:
-        with contextlib.suppress(OSError, CgroupGone):
-            last()
-        return first()
-    return undo

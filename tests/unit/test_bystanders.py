@@ -188,14 +188,14 @@ def test_only_a_cgroup_with_a_limit_to_share_has_bystanders_held(tmp_path: Path)
     """Never the rest of an unlimited cgroup (the root one a system rule's victim may live in:
     holding it would stop the machine for the dump)."""
     from oomguard.cgroup.v1 import V1MemoryCgroup
-    from oomguard.lifecycle.checkpoint import _limited
+    from oomguard.lifecycle.dumproom import limited as has_limit
 
     mount = tmp_path / "memory"
     limited, unlimited, gone = (V1MemoryCgroup(mount / n, mount) for n in ("a", "b", "c"))
     for cg, text in ((limited, str(256 << 20)), (unlimited, "9223372036854771712")):
         cg.path.mkdir(parents=True)
         (cg.path / "memory.limit_in_bytes").write_text(text + "\n")
-    assert _limited(limited) and not _limited(unlimited) and not _limited(gone)
+    assert has_limit(limited) and not has_limit(unlimited) and not has_limit(gone)
 
 
 def test_a_task_under_ptrace_is_left_alone_whatever_its_state() -> None:
