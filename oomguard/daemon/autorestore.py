@@ -24,7 +24,7 @@ RESTORE_BACKOFF = 60.0  # a failed auto-restore is retried after this long (rest
 
 
 class AutoRestorer:
-    """`restored`: called after each restore that succeeded (the keeper reads the store's
+    """`restored`: called after each restore that succeeded (the upkeep reads the store's
     listing again)."""
 
     def __init__(self, store: Store, restorer: Restorer | None, log: Any, *,

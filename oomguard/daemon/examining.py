@@ -17,7 +17,7 @@ from oomguard.cgroup.v1 import RECLAIM_WINDOW_BYTES
 from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
-from oomguard.daemon.storekeeping import StoreKeeper
+from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
@@ -63,7 +63,7 @@ class ExaminingMixin:
     checkpointer: Checkpointer
     actor: Actor
     decisions: DecisionLog
-    keeper: StoreKeeper
+    upkeep: StoreUpkeep
     ranking: ProcessRanking
     newcomers: Newcomers
     _next_system_poll: float
@@ -210,7 +210,7 @@ class ExaminingMixin:
         if guard.samples is None:
             guard.samples = deque(maxlen=PREDICT_SAMPLES)
         guard.samples.append((self.clock(), snap.usage_bytes))
-        outlook = forecast(list(guard.samples), limit, snap.anon_bytes, self.keeper.throughput)
+        outlook = forecast(list(guard.samples), limit, snap.anon_bytes, self.upkeep.throughput)
         if outlook is None or not outlook.act:
             return None
         guard.samples = None

@@ -43,7 +43,7 @@ from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.settling import SettlingMixin
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
-from oomguard.daemon.storekeeping import StoreKeeper
+from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.daemon.triggers import Trigger, daemon_triggers
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
@@ -158,16 +158,16 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
     def _build_workers(self, restorer: Restorer | None,
                        containers: ContainerCheckpointer | None,
                        wall_clock: Callable[[], float]) -> None:
-        """Who does the work the loop decides on: the store's keeper, auto-restore, the
+        """Who does the work the loop decides on: the store's upkeep, auto-restore, the
         action chains and their Actor, auto-resume of paged-out trees."""
         checkpointer, config, clock = self.checkpointer, self.config, self.clock
-        self.keeper = StoreKeeper(checkpointer.store, checkpointer.ledger, config, self.log,
+        self.upkeep = StoreUpkeep(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
-        self.keeper.hold_back = self._leftover_waits
-        checkpointer.on_pruned = self.keeper.log_pruned  # made room for a new checkpoint
+        self.upkeep.hold_back = self._leftover_waits
+        checkpointer.on_pruned = self.upkeep.log_pruned  # made room for a new checkpoint
         self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
                                          events=self.events, clock=clock,
-                                         restored=self.keeper.forget_listing)
+                                         restored=self.upkeep.forget_listing)
         self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
         chains = ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
                              clock=clock, containers=containers, events=self.events)
@@ -182,8 +182,8 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
 
     def arm(self) -> None:
         self._warn_config(config_warnings(self.config, self.layout))
-        self.keeper.recover_store()
-        self.keeper.prune()
+        self.upkeep.recover_store()
+        self.upkeep.prune()
         if not self.files.available:
             self.log.info("guard.inotify_unavailable", reason=self.files.why,
                           explanation="limit changes and new cgroups are seen at each rescan "
@@ -203,7 +203,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             self._put_back_leftovers()
             self.park_watch.start()
             self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
-            self.keeper.thaw_leftovers()
+            self.upkeep.thaw_leftovers()
             self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
             for guard in self._cgroup_guards():
                 if guard.present and guard.armed_limit is not None:
@@ -301,7 +301,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self.config = replace(new, store=self.config.store, state_dir=self.config.state_dir,
                               socket=self.config.socket,
                               criu=self.config.criu, nice=self.config.nice)
-        self.keeper.config = self.config  # the store's budget as the new config says
+        self.upkeep.config = self.config  # the store's budget as the new config says
         budget = self.checkpointer.budget  # shared with the control service: changed in place
         if budget is not None:
             budget.max_size, budget.keep_free = new.store_max_size, new.store_keep_free
@@ -436,7 +436,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
 
     def summary(self, stored: list[CheckpointMeta] | None = None) -> str:
         """One line for systemd's STATUS=."""
-        return summary_line(self.guards, self.keeper.listed() if stored is None else stored)
+        return summary_line(self.guards, self.upkeep.listed() if stored is None else stored)
 
     def status(self) -> dict[str, Any]:
         return {"daemon": True, "pid": self.self_pid, "dry_run": self.config.dry_run,

@@ -42,7 +42,7 @@ from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
-from oomguard.terminal.restore import job_ended
+from oomguard.terminal.leases import job_ended
 
 if TYPE_CHECKING:  # prometheus_client (~4 MiB) is imported only where metrics are wanted
     from oomguard.act.criu import Criu
@@ -95,7 +95,7 @@ def gauge_reader(metrics: Metrics, daemon: Daemon) -> Callable[[], None]:
     """What the metrics read when they are rendered (a scrape, a textfile write): the guards'
     usage and limits now, and the store; nothing is read on a timer."""
     def refresh() -> None:
-        publish_gauges(metrics, list(daemon.guards), daemon.keeper.listed())
+        publish_gauges(metrics, list(daemon.guards), daemon.upkeep.listed())
         trees = daemon.auto_resume.tools.record.trees()
         metrics.set_paged_out(len(trees), sum(t.paged_bytes for t in trees))
     return refresh

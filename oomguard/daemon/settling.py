@@ -15,7 +15,7 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.autoresume import AutoResumer
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.daemon.storekeeping import StoreKeeper
+from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.policy.pressure import Verdict, evaluate
@@ -30,7 +30,7 @@ class SettlingMixin:
     log: Any
     config: DaemonConfig
     checkpointer: Checkpointer
-    keeper: StoreKeeper
+    upkeep: StoreUpkeep
     auto_restore: AutoRestorer
     auto_resume: AutoResumer
     actor: Actor
@@ -57,12 +57,12 @@ class SettlingMixin:
         if self.checkpointer.lifts.pending() or self._limit_busy:
             self._settle_lifts()
             waiting = waiting or self.checkpointer.lifts.pending() or bool(self._limit_busy)
-        waiting = self.keeper.tick() or waiting
+        waiting = self.upkeep.tick() or waiting
         waiting = self.auto_resume.tick(self._guard_of_rel) or waiting
         restoring = [g for g in self._cgroup_guards() if g.spec.auto_restore and g.present] \
             if any(rule.auto_restore for rule in self.config.guards) else []
         if restoring:
-            wanted = self.keeper.waiting_cgroups()
+            wanted = self.upkeep.waiting_cgroups()
             for guard in restoring:
                 if guard.cgroup.rel_path not in wanted:
                     guard.quiet_since = None
@@ -147,5 +147,5 @@ class SettlingMixin:
         return evaluate(snap, guard.spec.threshold).verdict is Verdict.ACT
 
     def _after_dump(self, image_bytes: int, dump_seconds: float) -> None:
-        self.keeper.note_dump(image_bytes, dump_seconds)
-        self.keeper.prune()
+        self.upkeep.note_dump(image_bytes, dump_seconds)
+        self.upkeep.prune()

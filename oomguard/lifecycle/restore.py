@@ -31,7 +31,7 @@ from oomguard.store.pagemap import small_runs, warm
 from oomguard.store.verify import RestoreVerifier
 from oomguard.terminal.client import HolderError
 from oomguard.terminal.external import TTYS
-from oomguard.terminal.restore import TtyLease, gid_of, lease_ttys
+from oomguard.terminal.leases import TtyLease, gid_of, lease_ttys
 from oomguard.terminal.shelljob import SHELL_TTY, images_hold_shell_terminal
 
 # (the checkpoint's cgroup, its id) -> a context giving the cgroup to restore into instead

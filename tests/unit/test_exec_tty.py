@@ -203,7 +203,7 @@ def test_only_a_holders_socket_of_the_user_is_trusted(tmp_path: Path) -> None:
 
 
 def test_a_new_holder_listens_where_the_old_one_did_only_in_safe_places(tmp_path: Path) -> None:
-    from oomguard.terminal.restore import _replacement_path
+    from oomguard.terminal.leases import _replacement_path
 
     me = os.geteuid()
     old = tmp_path / "tty-0123abcd.sock"

@@ -21,7 +21,7 @@ PRUNE_INTERVAL = 60.0
 LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often
 
 
-class StoreKeeper:
+class StoreUpkeep:
     def __init__(self, store: Store, ledger: FrozenLedger, config: DaemonConfig, log: Any, *,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:

@@ -1,4 +1,4 @@
-"""StoreKeeper on a real store in a temporary directory, with a fake clock: what a crashed run
+"""StoreUpkeep on a real store in a temporary directory, with a fake clock: what a crashed run
 left (partials being written, finished, failed), retention, and what it logs once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.config.loading import DaemonConfig
-from oomguard.daemon.storekeeping import PRUNE_INTERVAL, StoreKeeper
+from oomguard.daemon.storeupkeep import PRUNE_INTERVAL, StoreUpkeep
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
 from oomguard.store.names import FROZEN_LEDGER
@@ -44,14 +44,14 @@ def meta(checkpoint_id: str, created: float = 1_700_000_000.0) -> CheckpointMeta
                           criu_version="4.2.1", created=created)
 
 
-def keeper(tmp_path: Path, **config: Any) -> tuple[StoreKeeper, Store, RecordingLog, FakeClock]:
+def upkeep(tmp_path: Path, **config: Any) -> tuple[StoreUpkeep, Store, RecordingLog, FakeClock]:
     store = Store(tmp_path / "store")
     store.ensure()
     log, clock = RecordingLog(), FakeClock()
     ledger = FrozenLedger(tmp_path / "store" / FROZEN_LEDGER)
     settings = dataclasses.replace(DaemonConfig(source="test"), store=str(store.root),
                                    **config)
-    return StoreKeeper(store, ledger, settings, log, clock=clock,
+    return StoreUpkeep(store, ledger, settings, log, clock=clock,
                        wall_clock=lambda: 1_700_000_000.0 + 3600), store, log, clock
 
 
@@ -69,7 +69,7 @@ def committed(store: Store, checkpoint_id: str, created: float = 1_700_000_000.0
 
 def test_a_partial_still_written_is_logged_once_and_settled_when_its_writer_is_done(
         tmp_path: Path) -> None:
-    keep, store, log, clock = keeper(tmp_path)
+    keep, store, log, clock = upkeep(tmp_path)
     images, lock_fd = store.begin(meta("20261202-000509-274-a11e"))  # a CRIU at work holds it
     keep.recover_store()
     for _ in range(5):  # the rescans while it writes
@@ -86,7 +86,7 @@ def test_a_partial_still_written_is_logged_once_and_settled_when_its_writer_is_d
 
 
 def test_a_finished_dump_of_a_dead_run_is_committed_not_deleted(tmp_path: Path) -> None:
-    keep, store, log, _clock = keeper(tmp_path)
+    keep, store, log, _clock = upkeep(tmp_path)
     checkpoint_id = "20261202-010000-100-beef"
     images, fd = store.begin(meta(checkpoint_id))
     (images / "pages-1.img").write_bytes(b"y" * 8192)
@@ -103,7 +103,7 @@ def test_a_finished_dump_of_a_dead_run_is_committed_not_deleted(tmp_path: Path) 
 def test_pruning_by_age_takes_restored_checkpoints_only_every_prune_interval(
         tmp_path: Path) -> None:
     """max_age alone never deletes a checkpoint that was not restored (it is all of its job)."""
-    keep, store, log, clock = keeper(tmp_path, store_max_age=1800.0)
+    keep, store, log, clock = upkeep(tmp_path, store_max_age=1800.0)
     old = 1_700_000_000.0  # an hour before the wall clock
     committed(store, "20261202-010000-101-0001", created=old, state="restored")
     committed(store, "20261202-010000-102-0002", created=old)  # old, never restored: kept
@@ -135,7 +135,7 @@ def test_a_task_another_oomguard_still_holds_is_continued_as_soon_as_it_is_gone(
     from tests.helpers import wait_until
     from tests.unit._support import task_state
 
-    keep, store, log, _clock = keeper(tmp_path)
+    keep, store, log, _clock = upkeep(tmp_path)
     job = subprocess.Popen(["sleep", "60"])
     standby = subprocess.Popen(["sleep", "60"])
     try:
