@@ -7,7 +7,7 @@
     actions = ["vram", "checkpoint"]              # GPU pressure: free the GPU, keep it running
     actions = ["checkpoint", "pageout", "kill"]   # what CRIU cannot dump goes to swap, stopped
 
-Parsing is pure; the executor lives in oomguard/act/chain.py.
+Parsing is pure; the executor lives in oomguard/respond/chain.py.
 """
 
 from __future__ import annotations

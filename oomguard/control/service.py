@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from oomguard.act.pageoutstep import PageoutTools
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
@@ -39,6 +38,7 @@ from oomguard.observe.events import RestoreFailed as RestoreFailedEvent
 from oomguard.policy.preferences import Preferences, select_victims
 from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
+from oomguard.respond.pageoutstep import PageoutTools
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, validate_id

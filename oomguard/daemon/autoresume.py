@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from oomguard.act.pageoutstep import PageoutTools
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.lifecycle.pagedresume import Resumed
 from oomguard.policy.pressure import restore_fits
+from oomguard.respond.pageoutstep import PageoutTools
 
 
 class AutoResumer:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.act.actor import rule_parts
 from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
@@ -31,6 +30,7 @@ from oomguard.daemon.parkwatch import ParkWatchdog
 from oomguard.daemon.standby import Standby
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone
+from oomguard.respond.actor import rule_parts
 from oomguard.sense.cgroupfiles import CgroupFiles, Changes, directories_to_watch, stamp
 from oomguard.store.ledger import SavedLimits
 

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.act.actor import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.cgroup.v1 import RECLAIM_WINDOW_BYTES
@@ -42,6 +41,7 @@ from oomguard.policy.victims import (
     system_heads,
     system_tree,
 )
+from oomguard.respond.actor import Actor, Request
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
 from oomguard.sense.psi import parse_pressure
@@ -89,7 +89,7 @@ class ExaminingMixin:
                         limit_busy: str = "") -> None:
         """`limit_busy`: why a limit lifted for a dump could not be put back (the cgroup grew
         into the room): its trees are acted on even where a checkpoint was refused for good,
-        through the chain down to a kill (oomguard/act/chainsteps.py)."""
+        through the chain down to a kill (oomguard/respond/chainsteps.py)."""
         try:
             snap = self.checkpointer.own_snapshot(guard.cgroup)  # never a limit we lifted
         except CgroupGone:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from oomguard.act.actor import Actor, Request
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
@@ -20,6 +19,7 @@ from oomguard.lifecycle.jobroot import job_root
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.model.units import format_size
 from oomguard.policy.victims import ProcessTree, build_trees, with_vram
+from oomguard.respond.actor import Actor, Request
 from oomguard.sense.procfs import ProcReader
 
 GPU_SUFFIX = " (GPU)"

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import re
 
-from oomguard.act.actor import RuleParts, rule_parts
 from oomguard.daemon.guards import CgroupGuard, Guard
 from oomguard.gpu.runtime import GpuSupport
+from oomguard.respond.actor import RuleParts, rule_parts
 
 # NVML's "library not found" (12) and "driver not loaded" (9): no NVIDIA driver at all.
 _NO_DRIVER = re.compile(r"NVML error (9|12)\b|libnvidia-ml\.so not found")

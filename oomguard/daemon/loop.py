@@ -22,8 +22,6 @@ from typing import Any, cast
 
 import psutil
 
-from oomguard.act.actor import Actor, RuleParts, rule_parts
-from oomguard.act.chain import ChainRunner
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
@@ -54,6 +52,8 @@ from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
 from oomguard.policy.preferences import Preferences
+from oomguard.respond.actor import Actor, RuleParts, rule_parts
+from oomguard.respond.chain import ChainRunner
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader

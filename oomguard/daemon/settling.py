@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.act.actor import Actor
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.autorestore import AutoRestorer
@@ -19,6 +18,7 @@ from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.policy.pressure import Verdict, evaluate
+from oomguard.respond.actor import Actor
 from oomguard.sense.procfs import ProcReader
 
 SETTLE_INTERVAL = 2.0  # work that waits (a limit to put back, an auto-restore) is retried this often

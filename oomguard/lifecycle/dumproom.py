@@ -1,6 +1,6 @@
 """The room a dump gets over its cgroup's limit: lifted, recorded first (oomguard/act/lifts.py),
 bounded, and put back with an undo that says why it could not be (then the one who released
-acts on the cgroup: a chain's next step, down to its kill, oomguard/act/chainsteps.py)."""
+acts on the cgroup: a chain's next step, down to its kill, oomguard/respond/chainsteps.py)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 HookFields = Mapping[str, str | int | float | bool]
 # An action's fields (the victim: cgroup, pid, comm, rss, tasks...), which every event of the
-# action carries (oomguard/act/actor.py).
+# action carries (oomguard/respond/actor.py).
 VictimFields = Mapping[str, Any]
 
 OWNER_KEYS = ("scheduler", "slurm_job_id", "slurm_step", "slurm_uid", "pod_uid", "qos",

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from oomguard.act.actor import Actor, Request, rule_parts
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint
 from oomguard.policy.retry import MOST_RETRY, retry_delay
+from oomguard.respond.actor import Actor, Request, rule_parts
 from tests.unit.test_chain import CHILD, REASON, ROOT, LogRecorder, make_rig, make_tree
 from tests.unit.test_event_sites import Published
 

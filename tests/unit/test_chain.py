@@ -1,4 +1,4 @@
-"""oomguard.act.chain: ChainRunner.run against injected fakes and an injected clock.
+"""oomguard.respond.chain: ChainRunner.run against injected fakes and an injected clock.
 
 No real CRIU and no real freezing. Steps that call os.kill on the victim (signal, kill) run
 against a real child process started here (`sleep 60`), and their real effect is asserted.
@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.chain import ChainOutcome, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.config.actions import CHECKPOINT, KILL, Step, parse_step
 from oomguard.model.errors import CheckpointFailed, ProcessGone
 from oomguard.policy.victims import ProcessTree
+from oomguard.respond.chain import ChainOutcome, ChainRunner, ChainSettings
 from oomguard.sense.procfs import ProcReader
 from tests.unit._support import MiB, proc_info
 
@@ -932,7 +932,7 @@ def test_kubelet_refusal_falls_through_to_the_next_action(tmp_path: Path) -> Non
     assert ("error", "checkpoint.failed") in [(lvl, e) for lvl, e, _ in rig.log.records]
 
 
-# -- the steps as objects (oomguard.act.chainsteps) ----------------------------------------------
+# -- the steps as objects (oomguard.respond.chainsteps) ----------------------------------------------
 
 def test_every_kind_of_step_has_its_object(tmp_path: Path) -> None:
     from oomguard.config import actions as steps
@@ -944,7 +944,7 @@ def test_every_kind_of_step_has_its_object(tmp_path: Path) -> None:
 
 def test_a_freeze_continues_holding_the_tree_and_a_refused_checkpoint_continues(
         tmp_path: Path) -> None:
-    from oomguard.act.chainstate import CONTINUE, ChainRun, Settled
+    from oomguard.respond.chainstate import CONTINUE, ChainRun, Settled
 
     rig = make_rig(tmp_path, free=SHORT, freezer=FakeFreezer([ROOT, CHILD]))
     state = ChainRun(make_tree(ROOT, CHILD), None, REASON, SETTINGS, Pressure(), dict(FIELDS))

@@ -1,6 +1,6 @@
 """oomguard.config.loading, the rule keys (actions, preferences, timing, store, system rules, daemon
 socket and store keeping): each parses to its internal unit, each bad value is reported with the
-file and the dotted key. And oomguard.act.actor.rule_parts: a rule's compiled pieces."""
+file and the dotted key. And oomguard.respond.actor.rule_parts: a rule's compiled pieces."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.actor import RuleParts, rule_parts
-from oomguard.act.chain import ChainSettings
 from oomguard.config.actions import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config, load_config_text
 from oomguard.model.errors import ConfigError
 from oomguard.policy.preferences import Preferences
+from oomguard.respond.actor import RuleParts, rule_parts
+from oomguard.respond.chain import ChainSettings
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from oomguard.act.actor import Actor, Request, rule_parts
 from oomguard.config.loading import GuardConfig
 from oomguard.observe.decisionlog import REPEAT_EVERY, DecisionLog
 from oomguard.policy.victims import ProcessTree
+from oomguard.respond.actor import Actor, Request, rule_parts
 from tests.unit._support import proc_info
 
 

@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.actor import Actor, Request, rule_parts
-from oomguard.act.chain import ChainOutcome, ChainResult
 from oomguard.act.criu import Criu
 from oomguard.act.freezer import BY_EVENTS, Frozen, SigstopFreezer
 from oomguard.config.loading import GuardConfig, load_config_text
@@ -38,6 +36,8 @@ from oomguard.observe.events import (
 )
 from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
+from oomguard.respond.actor import Actor, Request, rule_parts
+from oomguard.respond.chain import ChainOutcome, ChainResult
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
 from tests.helpers import KeptLog

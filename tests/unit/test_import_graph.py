@@ -9,8 +9,8 @@ import sys
 import pytest
 
 # oomguard.config.actions is the steps' grammar (the config parses chains with it): not acting.
-ACTING = ("oomguard.lifecycle", "oomguard.act.criu", "oomguard.act.freezer", "oomguard.act.chain",
-          "oomguard.act.actor", "oomguard.act.runner", "oomguard.store.checkpoints",
+ACTING = ("oomguard.lifecycle", "oomguard.act.criu", "oomguard.act.freezer", "oomguard.respond.chain",
+          "oomguard.respond.actor", "oomguard.act.runner", "oomguard.store.checkpoints",
           "oomguard.daemon", "oomguard.control.service", "oomguard.terminal")
 
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from oomguard.act.actor import Actor, Request, rule_parts
-from oomguard.act.chain import ChainOutcome, ChainResult
-from oomguard.act.chainstate import ChainRun, Settled, StepResult
 from oomguard.config.actions import Step
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError
@@ -17,6 +14,9 @@ from oomguard.model.errors import FailedCheckpoint
 from oomguard.observe.events import CheckpointFailed, CheckpointRefused, VictimKilled
 from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
+from oomguard.respond.actor import Actor, Request, rule_parts
+from oomguard.respond.chain import ChainOutcome, ChainResult
+from oomguard.respond.chainstate import ChainRun, Settled, StepResult
 from tests.unit.test_chain import (
     CHILD,
     FIELDS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from oomguard.act.actor import Workers
+from oomguard.respond.actor import Workers
 
 
 def _thread_of(workers: Workers) -> tuple[threading.Event, list[int]]:
@@ -69,7 +69,7 @@ def test_the_one_gate_every_trigger_asks() -> None:
     import threading
     from typing import Any
 
-    from oomguard.act.actor import Actor
+    from oomguard.respond.actor import Actor
 
     release = threading.Event()
 

@@ -22,19 +22,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from oomguard.act.chainstate import CONTINUE, ChainOutcome, ChainResult, ChainRun, Settled, StepResult
 from oomguard.act.pageout import PageoutError, ProcessPager
 from oomguard.act.swapfiles import SwapFiles
 from oomguard.config.actions import Step
 from oomguard.lifecycle.pagedresume import Resumer
 from oomguard.model.errors import CgroupGone, ProcessGone, StoreError
 from oomguard.model.units import format_size
+from oomguard.respond.chainstate import CONTINUE, ChainOutcome, ChainResult, ChainRun, Settled, StepResult
 from oomguard.sense.swaps import SwapReader
 from oomguard.store.names import SWAP_DIR
 from oomguard.store.pagedout import PagedOutRecord, PagedOutTree
 
 if TYPE_CHECKING:
-    from oomguard.act.chain import ChainRunner
+    from oomguard.respond.chain import ChainRunner
 
 SWAP_SLACK = 32 << 20  # a swap file is made this much larger than the tree's memory
 
@@ -62,7 +62,7 @@ class PageoutAction:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
-        from oomguard.act.chainsteps import FreezeAction  # the freeze is that step's
+        from oomguard.respond.chainsteps import FreezeAction  # the freeze is that step's
 
         tools, po = self.tools, self.tools.pageout
         if not run.frozen:  # a failed checkpoint thawed it: stopped again

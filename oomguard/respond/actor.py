@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.act.chain import ChainOutcome, ChainResult, ChainRunner, ChainSettings
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
@@ -27,6 +26,7 @@ from oomguard.policy.preferences import Preferences, apply_preferences
 from oomguard.policy.retry import retry_delay
 from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
+from oomguard.respond.chain import ChainOutcome, ChainResult, ChainRunner, ChainSettings
 
 MiB = 1 << 20
 MAX_VICTIM_ATTEMPTS = 3

@@ -17,17 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.act.chainstate import (
-    ChainOutcome,
-    ChainResult,
-    ChainRun,
-    ChainSettings,
-    Settled,
-)
-from oomguard.act.chainsteps import StepAction, step_actions
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.act.kubelet import ContainerCheckpointer
-from oomguard.act.pageoutstep import PageoutTools
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.config.actions import Step
 from oomguard.lifecycle.checkpoint import Checkpointer
@@ -35,6 +26,15 @@ from oomguard.model.errors import ProcessGone
 from oomguard.observe.events import EventSink, VictimKilled, sink_for
 from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
+from oomguard.respond.chainstate import (
+    ChainOutcome,
+    ChainResult,
+    ChainRun,
+    ChainSettings,
+    Settled,
+)
+from oomguard.respond.chainsteps import StepAction, step_actions
+from oomguard.respond.pageoutstep import PageoutTools
 from oomguard.sense.procfs import ProcReader
 
 __all__ = ["ChainOutcome", "ChainResult", "ChainRunner", "ChainSettings", "free_space"]
@@ -49,7 +49,7 @@ def free_space(path: Path) -> int:
 
 class ChainRunner:
     """Walks a chain: before each step after the first, the pressure is asked again and the
-    freeze deadline checked; each step is run by its object (oomguard/act/chainsteps.py)."""
+    freeze deadline checked; each step is run by its object (oomguard/respond/chainsteps.py)."""
 
     def __init__(self, checkpointer: Checkpointer, freezer: Freezer, proc: ProcReader,
                  log: Any, *, clock: Callable[[], float] = time.monotonic,

@@ -2,7 +2,7 @@
 that ended the chain (Settled, with the outcome) or the next step runs (Continue).
 
 The registry (`step_actions`) maps each kind of oomguard.config.actions to its object; the runner
-(oomguard/act/chain.py) only walks the chain, checks the pressure and the freeze deadline
+(oomguard/respond/chain.py) only walks the chain, checks the pressure and the freeze deadline
 between steps, and thaws whatever is still held at the end.
 """
 
@@ -13,18 +13,8 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol
 
-from oomguard.act.chainstate import (
-    CONTINUE,
-    TREE_ENDED,
-    ChainOutcome,
-    ChainResult,
-    ChainRun,
-    Settled,
-    StepResult,
-)
 from oomguard.act.freezer import USER_STOPPED_STATE
 from oomguard.act.kubelet import KubeletError
-from oomguard.act.pageoutstep import PageoutAction
 from oomguard.config.actions import CHECKPOINT, FREEZE, KILL, PAGEOUT, SIGNAL, VRAM, Step
 from oomguard.gpu.cudackpt import CudaCheckpointError
 from oomguard.lifecycle.checkpoint import OUTCOME_INCOMPLETE
@@ -35,10 +25,20 @@ from oomguard.model.errors import (
     StoreOverBudget,
 )
 from oomguard.observe import events
+from oomguard.respond.chainstate import (
+    CONTINUE,
+    TREE_ENDED,
+    ChainOutcome,
+    ChainResult,
+    ChainRun,
+    Settled,
+    StepResult,
+)
+from oomguard.respond.pageoutstep import PageoutAction
 from oomguard.sense.owners import KubeContainer, kube_container
 
 if TYPE_CHECKING:
-    from oomguard.act.chain import ChainRunner
+    from oomguard.respond.chain import ChainRunner
 
 
 class StepAction(Protocol):
