@@ -1,3 +1,3 @@
-"""The actuators: a rule's action steps (steps: the grammar; chain: running them; acting:
-the victim and the chain together), the freezer, CRIU and its action script, the limits
-lifted for a dump's headroom, the kubelet's checkpoint API, the command runner."""
+"""The actuators: the freezer, CRIU and how it is run, the bystanders held for a dump, the
+limits lifted for a dump's headroom, the OOM shield, page-out and oomguard's swap files, the
+threads' priority, the kubelet's checkpoint API. The chains that drive them are in respond/."""

@@ -24,10 +24,10 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
-from oomguard.lifecycle.selfguard import ancestry, own_family
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.policy.bystanders import LEFT_ALONE_STATES, Bystander, to_hold
 from oomguard.sense.procfs import ProcReader
+from oomguard.sense.selfguard import ancestry, own_family
 from oomguard.store.ledger import FrozenLedger
 
 

@@ -1,7 +1,7 @@
 """CRIU as an actuator: locating a binary that works here, building argv, running dump/restore.
 
 CRIU never fsyncs its images and kills the tree right after a successful dump. Its post-dump
-action script is the commit point: oomguard's hook (oomguard/act/criu_hook.py) makes the images
+action script is the commit point: oomguard's hook (oomguard/store/criu_hook.py) makes the images
 durable and drops their page cache there; if it fails, CRIU resumes the tree instead of killing it.
 """
 
@@ -14,17 +14,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.act.criu_hook import VERIFY_GATE_ENV
-from oomguard.act.runner import CommandRunner, SubprocessRunner, executable_candidates
 from oomguard.model.atomicfile import write_atomically
 from oomguard.model.errors import CriuError
+from oomguard.model.runner import CommandRunner, SubprocessRunner, executable_candidates
+from oomguard.store import criu_hook
+from oomguard.store.criu_hook import VERIFY_GATE_ENV
 
 CRIU_CANDIDATES = ("/usr/local/sbin/criu", "/usr/sbin/criu", "/usr/bin/criu")
 # CRIU <= 4.1 cannot dump TCP/UDP sockets on kernels >= 6.16, and 3.x fails on 6.18's vDSO.
 MIN_CRIU_VERSION = (4, 2)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
-HOOK_MODULE = Path(__file__).with_name("criu_hook.py")
+HOOK_MODULE = Path(criu_hook.__file__)  # run as a script, outside the package's import path
 # The hook's post-resume leaves these tasks stopped (pids in the tree's own PID namespace,
 # comma-separated): CRIU passes its environment on to its action scripts.
 KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"

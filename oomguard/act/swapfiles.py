@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from oomguard.act.pageout import PageoutError
-from oomguard.act.runner import CommandRunner, SubprocessRunner
+from oomguard.model.runner import CommandRunner, SubprocessRunner
 from oomguard.sense.swaps import SwapArea, SwapReader
 
 MiB = 1 << 20

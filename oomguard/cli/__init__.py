@@ -1,2 +1,3 @@
 """The `oomguard` command line: its arguments (parser), the commands (main), output for people
-(rendering, progress), `doctor`, and `install-units`."""
+(progress; an event's text is observe/rendering.py), `restore --wait` (restorewait),
+`doctor`, and `install-units`."""

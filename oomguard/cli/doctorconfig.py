@@ -10,13 +10,13 @@ from pathlib import Path
 
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup, read_layout
 from oomguard.cli.doctor import Check, run_checks
-from oomguard.cli.rendering import budget_text
 from oomguard.config.discovery import CliConfig
 from oomguard.config.loading import DEFAULT_CONFIG_PATH, EMBEDDED_CONFIG, DaemonConfig, GuardConfig
 from oomguard.control.client import ControlClient, DaemonUnavailable
 from oomguard.gpu.runtime import detect_gpu
 from oomguard.model.errors import OomguardError
 from oomguard.model.units import format_size
+from oomguard.observe.rendering import budget_text
 from oomguard.sense.procevents import EventSource, ProcEvents
 from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import Store

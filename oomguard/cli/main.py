@@ -13,18 +13,7 @@ from typing import Any
 
 from oomguard.cli.parser import build_parser
 from oomguard.cli.progress import dump_bytes, progress, resident_bytes
-from oomguard.cli.rendering import (
-    budget_text,
-    event_fields,
-    list_text,
-    output_width,
-    paged_out_detail,
-    paged_out_text,
-    restore_command,
-    restored_line,
-    show_text,
-    taken_line,
-)
+from oomguard.cli.restorewait import restore_when_it_fits
 from oomguard.config.discovery import CliConfig, choose_config, discover_cli_config
 from oomguard.config.loading import (
     EMBEDDED_CONFIG,
@@ -36,7 +25,6 @@ from oomguard.config.loading import (
 from oomguard.control.backend import Backend, LocalBackend, open_backend
 from oomguard.control.client import ControlError
 from oomguard.control.protocol import ERROR_AMBIGUOUS
-from oomguard.lifecycle.restorewait import restore_when_it_fits
 from oomguard.model.errors import (
     AmbiguousId,
     BadInput,
@@ -51,6 +39,18 @@ from oomguard.model.errors import (
 )
 from oomguard.model.units import format_size
 from oomguard.observe.logsetup import configure_logging, get_logger
+from oomguard.observe.rendering import (
+    budget_text,
+    event_fields,
+    list_text,
+    output_width,
+    paged_out_detail,
+    paged_out_text,
+    restore_command,
+    restored_line,
+    show_text,
+    taken_line,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Subcommands that read no config, or (check-config) name their own file.
@@ -122,8 +122,8 @@ def _flag_name(key: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from oomguard.cgroup.configchecks import check_cgroup_paths
     from oomguard.cgroup.mounts import read_layout
-    from oomguard.config.checks import check_cgroup_paths
     from oomguard.daemon.locks import held_for
 
     config = _base_config(args)
@@ -304,9 +304,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_attach(args: argparse.Namespace) -> int:
+    from oomguard.lifecycle.jobroot import job_process
     from oomguard.terminal.commands import attach
 
-    return attach(args.target, lambda method, **p: _call(args, method, **p))
+    return attach(args.target, lambda method, **p: _call(args, method, **p), job_process)
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
@@ -436,8 +437,8 @@ def cmd_install_units(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from oomguard.cgroup.configchecks import check_config
     from oomguard.cgroup.mounts import read_layout
-    from oomguard.config.checks import check_config
 
     if args.file is None:  # the config every other subcommand reads
         args.file = choose_config(args.global_config, os.environ).path

@@ -4,7 +4,7 @@ Every problem is collected (file, key, reason) and raised at once as ConfigError
 but looks like a mistake is kept in DaemonConfig.warnings. The dataclasses live in
 oomguard.config.schema (their public names are importable from here too), the value kinds in
 oomguard.config.values. The checks against the machine (cgroups that exist) are
-oomguard.config.checks, which alone of these reads the cgroup tree: loading a config touches
+oomguard.cgroup.configchecks, which alone of these reads the cgroup tree: loading a config touches
 nothing but the model (the CLI finds the daemon's socket in it before anything else loads).
 """
 

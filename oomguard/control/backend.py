@@ -48,7 +48,7 @@ class LocalBackend:
         self._criu_used = False
 
     def _get_service(self, needs_criu: bool) -> Service:
-        from oomguard.daemon.realparts import build_service
+        from oomguard.control.realparts import build_service
 
         if self._service is None or (needs_criu and not self._criu_used):
             self._service = build_service(self.config, self.layout, self.proc,
@@ -71,7 +71,7 @@ class LocalBackend:
 
     def close(self) -> None:
         if self._criu_used:
-            from oomguard.daemon.realparts import remove_criu_cgroup
+            from oomguard.control.realparts import remove_criu_cgroup
 
             remove_criu_cgroup(self.layout, self.proc)
 

@@ -43,7 +43,6 @@ from oomguard.control.protocol import (
     error,
     reply,
 )
-from oomguard.control.quietserve import QuietServing
 from oomguard.control.service import ROOT, PermissionDenied, Service
 from oomguard.control.verbs import VERBS, Caller
 from oomguard.model.errors import (
@@ -54,6 +53,7 @@ from oomguard.model.errors import (
     OomguardError,
     StoreError,
 )
+from oomguard.model.quietserve import QuietServing
 
 # Calls that change something are always logged; the others (Status, List, GetInfo...)
 # that succeed are logged at debug, and counted in one summary line a minute.

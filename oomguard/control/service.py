@@ -21,7 +21,6 @@ from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_
 from oomguard.lifecycle.jobroot import job_root
 from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
 from oomguard.lifecycle.restorefit import GuardLookup, check_fits
-from oomguard.lifecycle.selfguard import own_family
 from oomguard.model.errors import (
     AmbiguousId,
     CgroupGone,
@@ -40,6 +39,7 @@ from oomguard.policy.rights import foreign_task, untouchable_task
 from oomguard.policy.victims import build_trees
 from oomguard.respond.pageoutstep import PageoutTools
 from oomguard.sense.procfs import ProcReader
+from oomguard.sense.selfguard import own_family
 from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, validate_id
 from oomguard.store.ids import names_a_pid, newest_holding, resolve_id

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, Replaced, claimed_key, put_back_saved
 from oomguard.config.loading import GuardConfig
+from oomguard.lifecycle.restorefit import GuardLookup, RestoreGuard, guard_for
 from oomguard.model.errors import CgroupGone
 from oomguard.sense.cgroupfiles import Stamp
 from oomguard.sense.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
@@ -118,3 +119,14 @@ def put_back_leftovers(saved: SavedLimits, claimed: set[str],
         forgotten.append(key)
     saved.forget_many(forgotten)
     return done
+
+
+def daemon_lookup(current: Callable[[], Iterable[CgroupGuard | SystemGuard]]) -> GuardLookup:
+    """The lookup over the daemon's rules as they are at the time of asking (a reload
+    replaces them): cgroup rules only; the first that guards the cgroup wins."""
+
+    def lookup(cgroup: MemoryCgroup) -> RestoreGuard | None:
+        rules = [RestoreGuard(g.cgroup.path, g.spec.threshold, g.spec.restore_margin)
+                 for g in list(current()) if isinstance(g, CgroupGuard)]
+        return guard_for(cgroup, rules)
+    return lookup

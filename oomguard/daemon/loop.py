@@ -25,9 +25,9 @@ import psutil
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
+from oomguard.cgroup.configchecks import check_config, config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import RECLAIM, consume
-from oomguard.config.checks import check_config, config_warnings
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.autorestore import AutoRestorer
@@ -46,7 +46,6 @@ from oomguard.daemon.triggers import Trigger, daemon_triggers
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
-from oomguard.lifecycle.selfguard import ancestors_of, own_family
 from oomguard.model.errors import ConfigError, ConfigIssue, OomguardError
 from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
@@ -58,6 +57,7 @@ from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
 from oomguard.sense.ranking import ProcessRanking
+from oomguard.sense.selfguard import ancestors_of, own_family
 from oomguard.store.checkpoints import CheckpointMeta
 from oomguard.store.ledger import SavedLimits
 from oomguard.store.names import SAVED_HIGH

@@ -14,12 +14,7 @@ from typing import TYPE_CHECKING, Any
 from oomguard import __version__
 from oomguard.config.loading import DaemonConfig, SlurmConfig
 from oomguard.control.prekill import SOCKET_NAME, dispatch_prekill
-from oomguard.control.server import ControlServer
-from oomguard.daemon.exitwatch import ExitWatch, record_exit, rewatch_restored
-from oomguard.daemon.guardlines import gpu_summary
-from oomguard.daemon.locks import cgroup_keys
-from oomguard.daemon.loop import Daemon
-from oomguard.daemon.realparts import (
+from oomguard.control.realparts import (
     build_checkpointer,
     build_containers,
     build_criu,
@@ -28,8 +23,14 @@ from oomguard.daemon.realparts import (
     build_service,
     remove_criu_cgroup,
 )
+from oomguard.control.server import ControlServer
+from oomguard.daemon.guardlines import gpu_summary
+from oomguard.daemon.guards import daemon_lookup
+from oomguard.daemon.locks import cgroup_keys
+from oomguard.daemon.loop import Daemon
 from oomguard.daemon.standby import Standby
-from oomguard.lifecycle.restorefit import daemon_lookup
+from oomguard.daemon.telemetry import EventTap, publish_gauges
+from oomguard.lifecycle.exitwatch import ExitWatch, record_exit, rewatch_restored
 from oomguard.model.errors import StoreError
 from oomguard.observe.dbus import SignalEmitter
 from oomguard.observe.history import EventHistory
@@ -37,7 +38,6 @@ from oomguard.observe.hooks import HookRun, HookRunner
 from oomguard.observe.logsetup import RecordingLogger
 from oomguard.observe.sdnotify import Notifier
 from oomguard.observe.slurm import SlurmNotifier, find_scontrol
-from oomguard.observe.telemetry import EventTap, publish_gauges
 from oomguard.sense.cnproc import FORKS, ProcessExit
 from oomguard.sense.procevents import Subscriber, process_events_words
 from oomguard.sense.procfs import ProcReader

@@ -13,8 +13,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from oomguard.act.runner import CommandRunner, SubprocessRunner, executable_candidates
 from oomguard.model.errors import OomguardError
+from oomguard.model.runner import CommandRunner, SubprocessRunner, executable_candidates
 
 CUDA_CHECKPOINT_CANDIDATES = ("/usr/local/bin/cuda-checkpoint", "/usr/bin/cuda-checkpoint")
 STATES = ("running", "locked", "checkpointed", "failed")

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from oomguard.act.runner import CommandRunner, SubprocessRunner
 from oomguard.gpu.cudackpt import (
     CudaCheckpointer,
     CudaCheckpointError,
@@ -22,6 +21,7 @@ from oomguard.gpu.cudackpt import (
     probe_tool,
 )
 from oomguard.gpu.nvml import GpuSnapshot, GpuUnavailable, NvmlSensor
+from oomguard.model.runner import CommandRunner, SubprocessRunner
 
 ENGINE_CUDA_CHECKPOINT = "cuda-checkpoint"
 ENGINE_CRIU_PLUGIN = "criu-plugin"

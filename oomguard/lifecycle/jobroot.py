@@ -69,3 +69,12 @@ def refuse_partial_job(tree: ProcessTree, cgroup: MemoryCgroup | None, proc: Pro
                                 cgroup.rel_path if cgroup is not None else None, untouchable)
     raise CheckpointFailed(f"checkpoint of {root.pid} refused before stopping it: {reason}",
                            FailedCheckpoint.UNTOUCHED)
+
+
+def job_process(pid: int, proc: ProcReader | None = None) -> int:
+    """The init of the `oomguard exec` job `pid` is in (it holds the job's terminal and names
+    its holder), else `pid`."""
+    try:
+        return job_root(proc or ProcReader(), pid)
+    except ProcessGone:
+        return pid

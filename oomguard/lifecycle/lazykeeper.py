@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-from oomguard.act.criu_hook import drop_cache, tree_pids
 from oomguard.model.errors import StoreError
 from oomguard.sense.fdwait import wait_readable
 from oomguard.store.checkpoints import IMAGES, STATE_CHECKPOINTED, Store
+from oomguard.store.criu_hook import drop_cache, tree_pids
 from oomguard.store.integrity import find_sums, read_sums
 from oomguard.store.verify import RestoreVerifier
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.lifecycle.jobroot import refuse_partial_job
-from oomguard.lifecycle.selfguard import refuse_own_tree
 from oomguard.model.errors import CheckpointFailed, FailedCheckpoint
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
+from oomguard.sense.selfguard import refuse_own_tree
 from oomguard.terminal.checkpointing import terminal_refusal
 
 

@@ -13,19 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.act.criu import RESTORE_PIDFILE, Criu
-from oomguard.act.criu_hook import drop_cache
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, kill_tree
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.daemon.exitwatch import ExitWatch
 from oomguard.gpu.offload import back_to_gpu, restored_host_pids
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport
 from oomguard.lifecycle import fileids
+from oomguard.lifecycle.exitwatch import ExitWatch
 from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
 from oomguard.model.errors import CgroupGone, CriuError, NeverFits, NoRoom, RestoreFailed, StoreError
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name
+from oomguard.store.criu_hook import drop_cache
 from oomguard.store.names import HOOKS_DIR
 from oomguard.store.pagemap import small_runs, warm
 from oomguard.store.verify import RestoreVerifier

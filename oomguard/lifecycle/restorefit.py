@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
-from oomguard.daemon.guards import CgroupGuard, SystemGuard
 from oomguard.model.errors import NeverFits, NoRoom
 from oomguard.policy.pressure import free_under_threshold, restore_fits
 
@@ -55,14 +54,3 @@ def check_fits(checkpoint_id: str, cgroup: MemoryCgroup, snap: MemorySnapshot,
     raise NoRoom(
         f"{figures} (it would be checkpointed again at once). Restore into a bigger cgroup "
         "with --cgroup PATH, wait until it fits with --wait, or pass --force")
-
-
-def daemon_lookup(current: Callable[[], Iterable[CgroupGuard | SystemGuard]]) -> GuardLookup:
-    """The lookup over the daemon's rules as they are at the time of asking (a reload
-    replaces them): cgroup rules only; the first that guards the cgroup wins."""
-
-    def lookup(cgroup: MemoryCgroup) -> RestoreGuard | None:
-        rules = [RestoreGuard(g.cgroup.path, g.spec.threshold, g.spec.restore_margin)
-                 for g in list(current()) if isinstance(g, CgroupGuard)]
-        return guard_for(cgroup, rules)
-    return lookup

@@ -1,2 +1,3 @@
-"""The model: the exception tree (errors), the units people write (units), and what one
-checkpoint is (checkpointmeta). Imports nothing that touches the system."""
+"""The model: the exception tree (errors), the units people write (units), what one
+checkpoint is (checkpointmeta, metaschema), and the infrastructure below everything
+(atomicfile, wakepipe, runner, quietserve). Imports nothing of oomguard above it."""

@@ -11,7 +11,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from oomguard.model.errors import StoreError
-from oomguard.store.metaschema import check_value
+from oomguard.model.metaschema import check_value
 
 STATE_DUMPING = "dumping"
 STATE_CHECKPOINTED = "checkpointed"

@@ -36,8 +36,8 @@ from jeepney import (  # type: ignore[import-untyped]
 from jeepney.bus import get_bus  # type: ignore[import-untyped]
 from jeepney.io.blocking import DBusConnection, prep_socket  # type: ignore[import-untyped]
 
-from oomguard.cli import rendering
 from oomguard.model.errors import OomguardError
+from oomguard.observe import rendering
 
 OBJECT_PATH = "/io/oomguard/Guard"
 INTERFACE = "io.oomguard.Guard1"

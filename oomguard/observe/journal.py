@@ -125,7 +125,7 @@ def field_value(value: Any) -> str:
 def human_message(event_dict: Mapping[str, Any], width: int = 400) -> str:
     """One line for people: the event's name, what it is about, then its other fields (sizes
     and times as people read them), its explanation last."""
-    from oomguard.cli.rendering import event_fields, one_line
+    from oomguard.observe.rendering import event_fields, one_line
 
     explanation = event_dict.get("explanation")
     fields = {k: _flat(v) for k, v in event_dict.items()

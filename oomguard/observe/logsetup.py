@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from oomguard.cli.rendering import LOCAL_TIME_FORMAT, humanize_event
+from oomguard.observe.rendering import LOCAL_TIME_FORMAT, humanize_event
 
 if TYPE_CHECKING:  # the daemon's; the CLI loads logsetup without them
     from oomguard.observe.events import Event

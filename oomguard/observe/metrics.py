@@ -24,8 +24,8 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from oomguard.control.quietserve import QuietServing
 from oomguard.model.atomicfile import write_atomically
+from oomguard.model.quietserve import QuietServing
 
 OUTCOME_DONE = "done"
 OUTCOME_FAILED = "failed"

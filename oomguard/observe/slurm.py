@@ -12,8 +12,8 @@ import shutil
 import time
 from dataclasses import dataclass
 
-from oomguard.act.runner import CommandRunner, SubprocessRunner
 from oomguard.model.errors import OomguardError
+from oomguard.model.runner import CommandRunner, SubprocessRunner
 
 AFTER_CHECKPOINT = ("none", "requeue", "requeuehold")
 SCONTROL_CANDIDATES = ("/usr/bin/scontrol", "/usr/local/bin/scontrol")

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.act.hookgate import remove_gates
 from oomguard.config.schema import DEFAULT_STORE
 from oomguard.model.atomicfile import fsync_dir, write_atomically
 from oomguard.model.checkpointmeta import (  # re-exported: what the store holds
@@ -34,6 +33,7 @@ from oomguard.model.checksums import SUMS_FILES
 from oomguard.model.errors import RestoreInProgress, StoreError
 from oomguard.store.commit import image_checksums, swap_compressed
 from oomguard.store.digest import Digests
+from oomguard.store.hookgate import remove_gates
 from oomguard.store.integrity import (
     find_sums,
     format_sums,

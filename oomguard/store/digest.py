@@ -6,7 +6,7 @@ follows the images directory during the dump and hashes each pages-*.img as it g
 writes those front to back, once: its page transfer splices pages onto the end of the file).
 Each stretch hashed is handed to writeback at once (POSIX_FADV_DONTNEED: writes dirty pages,
 drops clean ones). When CRIU reaches its post-dump action, the action script
-(oomguard/act/criu_hook.py) asks, through a gate (oomguard/act/hookgate.py), for the rest: the digester
+(oomguard/store/criu_hook.py) asks, through a gate (oomguard/store/hookgate.py), for the rest: the digester
 hashes what remains of every image while it is still in the page cache, and the script drops
 the cache only after the answer (it fdatasyncs meanwhile). Should the script not reach us, or
 not wait, the digester finishes after CRIU from wherever the data then is: slower, never wrong.
@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from oomguard.act.criu_hook import DIGEST_GATE_ENV
-from oomguard.act.hookgate import Gate
 from oomguard.store.compression import SUFFIX
+from oomguard.store.criu_hook import DIGEST_GATE_ENV
+from oomguard.store.hookgate import Gate
 from oomguard.store.integrity import (
     READ_BLOCK,
     Hasher,

@@ -16,7 +16,7 @@ CHECKPOINT_LOCK = ".lock"
 LAST_FAILED_LOG = ".last-failed-dump.log"
 # The daemon's lock on the store: one daemon per store.
 STORE_LOCK = ".daemon.lock"
-# The directory of CRIU's action script (oomguard.act.criu_hook).
+# The directory of CRIU's action script (oomguard.store.criu_hook).
 HOOKS_DIR = ".hooks"
 
 # The records of what oomguard changed, read back after a crash:

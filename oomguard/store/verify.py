@@ -9,7 +9,7 @@ CRIU would start there anyway), so no second reader competes with CRIU's (with o
 on the same file, 1 GiB took 1.8-2.3 s instead of 0.9-1.2 s here), and the hashing follows a
 few megabytes behind; once CRIU reads, the thread also asks for the next 64 MiB ahead
 (POSIX_FADV_WILLNEED), keeping more reads in flight than CRIU's readahead does. The verdict
-goes to CRIU's post-restore action through a gate (oomguard/act/hookgate.py): it is asked once CRIU
+goes to CRIU's post-restore action through a gate (oomguard/store/hookgate.py): it is asked once CRIU
 has loaded every page and before any restored task has run an instruction (from then on
 whatever the cache lost is read outright); anything but "ok" makes the action fail, and CRIU
 kills the restored tree (criu/cr-restore.c: a failing post-restore script aborts the restore).
@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.act.criu_hook import REPLY_OK, VERIFY_GATE_ENV
-from oomguard.act.hookgate import Gate
 from oomguard.model.errors import StoreError
+from oomguard.store.criu_hook import REPLY_OK, VERIFY_GATE_ENV
+from oomguard.store.hookgate import Gate
 from oomguard.store.integrity import (
     READ_BLOCK,
     Hasher,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.model.errors import OomguardError, ProcessGone
+from oomguard.model.errors import OomguardError
 from oomguard.store.ids import names_a_pid
 from oomguard.terminal.attach import ENDED, GONE, HANGUP, PINNED, attach_session
 from oomguard.terminal.client import SYSTEM_DIR, HolderError, connect_attach, request, runtime_dir
@@ -107,18 +107,6 @@ def holder_of_pid(pid: int) -> str | None:
     return fallback
 
 
-def job_process(pid: int) -> int:
-    """The init of the `oomguard exec` job `pid` is in (it holds the job's terminal and names
-    its holder), else `pid`."""
-    from oomguard.lifecycle.jobroot import job_root  # here: `exec` starts without it
-    from oomguard.sense.procfs import ProcReader
-
-    try:
-        return job_root(ProcReader(), pid)
-    except ProcessGone:
-        return pid
-
-
 def attach_to(path: str, say: Callable[[str], None] | None = None) -> int:
     """Show the job's terminal here until the job ends (its exit status is ours, as a shell's
     `fg`), is checkpointed, or the user detaches (0)."""
@@ -144,9 +132,11 @@ def attach_to(path: str, say: Callable[[str], None] | None = None) -> int:
     return 0
 
 
-def attach(target: str, call: Call) -> int:
+def attach(target: str, call: Call, job_of: Callable[[int], int] = lambda pid: pid) -> int:
+    """`job_of(pid)`: the init of the `oomguard exec` job a PID is in (it holds the job's
+    terminal and names its holder), else the PID (oomguard.lifecycle.jobroot.job_process)."""
     if names_a_pid(target):  # any process of an exec job: its init's terminal, else its own
-        path = holder_of_pid(job_process(int(target))) or holder_of_pid(int(target))
+        path = holder_of_pid(job_of(int(target))) or holder_of_pid(int(target))
         if path is None:
             raise HolderError(f"process {target} has no terminal oomguard holds (jobs started "
                               "on a terminal with `oomguard exec`, and jobs restored after "

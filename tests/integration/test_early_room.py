@@ -21,7 +21,7 @@ from oomguard.act.freezer import Frozen
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import load_config
-from oomguard.daemon.realparts import build_checkpointer, build_criu
+from oomguard.control.realparts import build_checkpointer, build_criu
 from oomguard.lifecycle.checkpoint import Checkpointer, tree_of
 from oomguard.model.errors import CheckpointFailed, StoreOverBudget
 from oomguard.sense.procfs import ProcReader

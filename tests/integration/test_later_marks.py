@@ -16,9 +16,9 @@ from oomguard.cgroup.mounts import read_layout
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.watch import RECLAIM
 from oomguard.config.loading import load_config
+from oomguard.control.realparts import build_checkpointer, build_criu
 from oomguard.daemon.guards import CgroupGuard
 from oomguard.daemon.loop import Daemon
-from oomguard.daemon.realparts import build_checkpointer, build_criu
 from oomguard.sense.procfs import ProcReader
 from tests.helpers import EMULATION_FACTOR, CgroupFactory, KeptLog, MiB
 

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 from oomguard.act.criu import find_criu
-from oomguard.act.criu_hook import drop_cache
 from oomguard.lifecycle.restore import WARM_BUDGET, warm_small_runs
 from oomguard.model.errors import StoreError
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import Store
+from oomguard.store.criu_hook import drop_cache
 from oomguard.store.pagemap import small_runs
 from tests.helpers import (
     REPO,

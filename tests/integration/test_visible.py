@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.config.loading import GpuConfig
 from oomguard.control.client import ControlClient
-from oomguard.daemon.realparts import build_gpu
+from oomguard.control.realparts import build_gpu
 from oomguard.store.checkpoints import Store
 from tests.helpers import (
     REPO,

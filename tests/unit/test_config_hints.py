@@ -1,6 +1,6 @@
 """check-config helps: a bare number gets the unit it lacked, an unknown key the nearest known
 one, a misspelt choice the nearest choice; a size of a few bytes and a cgroup that is not there
-are warnings, not errors (oomguard.config.values, oomguard.config.checks)."""
+are warnings, not errors (oomguard.config.values, oomguard.cgroup.configchecks)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.cgroup.configchecks import check_config, config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.config.checks import check_config, config_warnings
 from oomguard.config.loading import load_config_text
 from oomguard.model.errors import ConfigError, ConfigIssue
 

@@ -24,7 +24,6 @@ import pytest
 
 from oomguard import __version__
 from oomguard.cgroup.mounts import CgroupLayout
-from oomguard.cli.rendering import paged_out_detail
 from oomguard.control.client import ControlClient, ControlError, DaemonUnavailable
 from oomguard.control.limits import ConnectionLimiter
 from oomguard.control.protocol import (
@@ -36,6 +35,7 @@ from oomguard.control.protocol import (
 )
 from oomguard.control.server import ControlServer, dispatch
 from oomguard.control.service import Service
+from oomguard.observe.rendering import paged_out_detail
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.pagedout import PagedOutRecord, PagedOutTree

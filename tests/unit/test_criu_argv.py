@@ -25,11 +25,11 @@ from oomguard.act.criu import (
     probe_version,
     restore_argv,
 )
-from oomguard.act.runner import CommandResult
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.lifecycle.restore import cgroup_root_arg
 from oomguard.model.errors import CriuError
+from oomguard.model.runner import CommandResult
 from tests.unit._support import FIXTURES, make_executable
 
 # -- parse_version -------------------------------------------------------------------------------
@@ -434,7 +434,7 @@ def test_cgroup_root_arg(cgroup: V1MemoryCgroup | V2MemoryCgroup, expected: str)
 
 def test_runner_returns_as_soon_as_the_command_ends() -> None:
     """Popen.wait(timeout) polls with sleeps of up to 50 ms; the runner does not."""
-    from oomguard.act.runner import SubprocessRunner
+    from oomguard.model.runner import SubprocessRunner
 
     start = time.monotonic()
     result = SubprocessRunner().run(["sh", "-c", "sleep 0.12; echo hi"], timeout=30)
@@ -443,7 +443,7 @@ def test_runner_returns_as_soon_as_the_command_ends() -> None:
 
 
 def test_runner_kills_the_whole_group_at_the_timeout() -> None:
-    from oomguard.act.runner import SubprocessRunner
+    from oomguard.model.runner import SubprocessRunner
 
     start = time.monotonic()
     result = SubprocessRunner().run(["sh", "-c", "sleep 30 & sleep 30"], timeout=0.3)

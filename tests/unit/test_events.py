@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from oomguard.daemon.telemetry import EventTap
 from oomguard.lifecycle.checkpoint import CheckpointTimings
 from oomguard.lifecycle.restore import RestoreResult
 from oomguard.model.errors import FailedCheckpoint
@@ -28,7 +29,6 @@ from oomguard.observe.events import (
     VictimKilled,
 )
 from oomguard.observe.logsetup import RecordingLogger
-from oomguard.observe.telemetry import EventTap
 from oomguard.sense.owners import SlurmStep
 from tests.unit.test_store import make_meta
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.act.criu import Criu
-from oomguard.act.runner import CommandResult
+from oomguard.model.runner import CommandResult
 from oomguard.terminal import nsinit
 from oomguard.terminal.client import SYSTEM_DIR, runtime_dir
 from oomguard.terminal.commands import holder_of_checkpoint

@@ -14,18 +14,18 @@ from typing import Any
 
 import pytest
 
-from oomguard.daemon.exitwatch import (
+from oomguard.lifecycle.exitwatch import (
     ExitWatch,
     describe_exit,
     exit_fields,
     record_exit,
     rewatch_restored,
 )
-from oomguard.lifecycle.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.model.errors import CheckpointFailed
 from oomguard.sense.cnproc import ProcessEvent, ProcessExit, ProcessFork
 from oomguard.sense.procevents import EventBatch
 from oomguard.sense.procfs import ProcReader
+from oomguard.sense.selfguard import own_family, own_tree_members, refuse_own_tree
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from tests.helpers import wait_until
 from tests.unit._support import FakeProc, fake_proc_tree

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.hookgate import Gate
 from oomguard.sense.fdwait import wait_readable
+from oomguard.store.hookgate import Gate
 
 HIGH = 1500  # above FD_SETSIZE (1024)
 

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from oomguard.act.criu import KEEP_STOPPED_ENV, hook_script_text
-from oomguard.act.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
 from oomguard.act.freezer import Frozen, SigstopFreezer
 from oomguard.sense.procfs import ProcReader
+from oomguard.store.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
 from tests.helpers import REPO
 
 FORKSTORM = REPO / "tests" / "workloads" / "forkstorm.py"

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.runner import CommandResult, SubprocessRunner
 from oomguard.gpu import cudackpt
 from oomguard.gpu.cudackpt import (
     CudaCheckpointer,
@@ -27,6 +26,7 @@ from oomguard.gpu.cudackpt import (
     probe_tool,
     step_argv,
 )
+from oomguard.model.runner import CommandResult, SubprocessRunner
 from tests.unit._support import make_executable
 
 FAKE = r'''

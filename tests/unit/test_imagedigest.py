@@ -1,5 +1,5 @@
 """Checksums taken while CRIU writes (oomguard.store.digest), the gate to CRIU's action script
-(oomguard.act.hookgate + criu_hook.ask/answer) and the commit that uses them, on real files."""
+(oomguard.store.hookgate + criu_hook.ask/answer) and the commit that uses them, on real files."""
 
 from __future__ import annotations
 
@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act import criu_hook
-from oomguard.act.criu_hook import REPLY_OK, answer, ask
-from oomguard.act.hookgate import Gate, remove_gates
 from oomguard.model.errors import StoreError
-from oomguard.store import integrity
+from oomguard.store import criu_hook, integrity
 from oomguard.store.checkpoints import IMAGES, PARTIAL_PREFIX, Store
+from oomguard.store.criu_hook import REPLY_OK, answer, ask
 from oomguard.store.digest import GATE_NAME, Digests, FileDigest, ImageDigester
+from oomguard.store.hookgate import Gate, remove_gates
 from oomguard.store.integrity import SHA256, XXH3, digest_file, find_sums, read_sums
 from oomguard.store.names import CHECKPOINT_LOCK
 from tests.unit.test_store import make_meta

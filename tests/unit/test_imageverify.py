@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.criu_hook import REPLY_OK, VERIFY_GATE_ENV, answer, ask
 from oomguard.model.errors import StoreError
+from oomguard.store.criu_hook import REPLY_OK, VERIFY_GATE_ENV, answer, ask
 from oomguard.store.integrity import SHA256, XXH3, compute
 from oomguard.store.verify import GATE_NAME, RestoreVerifier
 

@@ -10,7 +10,7 @@ import pytest
 
 # oomguard.config.actions is the steps' grammar (the config parses chains with it): not acting.
 ACTING = ("oomguard.lifecycle", "oomguard.act.criu", "oomguard.act.freezer", "oomguard.respond.chain",
-          "oomguard.respond.actor", "oomguard.act.runner", "oomguard.store.checkpoints",
+          "oomguard.respond.actor", "oomguard.model.runner", "oomguard.store.checkpoints",
           "oomguard.daemon", "oomguard.control.service", "oomguard.terminal")
 
 
@@ -56,7 +56,7 @@ CONFIG_MAY_LOAD = ("oomguard.model", "oomguard.config", "oomguard.config.actions
 
 def test_the_config_is_at_the_bottom_of_the_import_graph() -> None:
     loaded = loaded_by("oomguard.config.discovery") - {"oomguard", "oomguard.act"}
-    assert "oomguard.config.loading" in loaded and "oomguard.config.checks" not in loaded
+    assert "oomguard.config.loading" in loaded and "oomguard.cgroup.configchecks" not in loaded
     assert not {n for n in loaded if not any(n == ok or n.startswith(ok + ".")
                                               for ok in CONFIG_MAY_LOAD)}, loaded
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.cli.restorewait import restore_when_it_fits
 from oomguard.control.server import dispatch
 from oomguard.lifecycle.restorefit import RestoreGuard, check_fits
-from oomguard.lifecycle.restorewait import restore_when_it_fits
 from oomguard.model.errors import NeverFits, NoRoom
 from tests.unit.test_restore_guards import Clock, MiB, attempts, fake_cgroup, snap
 

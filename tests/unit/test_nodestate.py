@@ -15,8 +15,8 @@ import pytest
 
 from oomguard.act.criu import Criu
 from oomguard.config.loading import load_config_text
+from oomguard.control.realparts import build_checkpointer, open_store
 from oomguard.daemon.locks import DaemonLocks, LockHeld
-from oomguard.daemon.realparts import build_checkpointer, open_store
 from oomguard.model.errors import ConfigError
 from oomguard.store.names import FROZEN_LEDGER, LIFTS_LEDGER, OOM_SHIELD, STORE_LOCK
 from oomguard.store.nodestate import NodeState, mount_type, node_state

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.runner import CommandResult
 from oomguard.act.swapfiles import PREFIX, SwapFiles
 from oomguard.lifecycle.pagedresume import Resumer
+from oomguard.model.runner import CommandResult
 from oomguard.sense.procfs import ProcReader
 from oomguard.sense.swaps import SwapReader
 from oomguard.store.names import PAGED_OUT

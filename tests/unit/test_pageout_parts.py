@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from oomguard.act.pageout import PageoutError, _after, pageout_ranges, parse_maps
-from oomguard.act.runner import CommandResult
 from oomguard.act.swapfiles import MIN_SIZE, PREFIX, SwapFiles
 from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.model.runner import CommandResult
 from oomguard.sense.swaps import SwapReader, parse_swaps
 
 MAPS = """\

@@ -292,7 +292,7 @@ CHECK = f"""
 def test_importing_oomguard_imports_no_pyroute2() -> None:
     assert fresh("""
         import sys
-        import oomguard.daemon.exitwatch, oomguard.act.freezer, oomguard.daemon.serve, oomguard.cli.doctor
+        import oomguard.lifecycle.exitwatch, oomguard.act.freezer, oomguard.daemon.serve, oomguard.cli.doctor
         import oomguard.sense.procevents
         print("pyroute2" in sys.modules)
     """) == "False"

@@ -1,4 +1,4 @@
-"""Output for people (oomguard.cli.rendering, the console log, the progress bar) and for machines
+"""Output for people (oomguard.observe.rendering, the console log, the progress bar) and for machines
 (JSON log lines unchanged)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import structlog
 
 from oomguard.cli.progress import BAR_WIDTH, progress, progress_line
-from oomguard.cli.rendering import (
+from oomguard.observe.logsetup import configure_logging, get_logger
+from oomguard.observe.rendering import (
     event_fields,
     human_value,
     humanize_event,
@@ -25,7 +26,6 @@ from oomguard.cli.rendering import (
     show_text,
     taken_line,
 )
-from oomguard.observe.logsetup import configure_logging, get_logger
 
 MiB = 1 << 20
 CHECKPOINT_ID = "20250301-120000-4242-abcd"

@@ -15,18 +15,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cli.main import main
+from oomguard.cli.restorewait import restore_when_it_fits
 from oomguard.config.loading import GuardConfig
 from oomguard.control.client import ControlError
 from oomguard.control.server import dispatch
 from oomguard.control.service import Service
-from oomguard.daemon.guards import CgroupGuard, SystemGuard
-from oomguard.lifecycle.restorefit import RestoreGuard, check_fits, daemon_lookup, guard_for
-from oomguard.lifecycle.restorewait import restore_when_it_fits
+from oomguard.daemon.guards import CgroupGuard, SystemGuard, daemon_lookup
+from oomguard.daemon.telemetry import EventTap
+from oomguard.lifecycle.restorefit import RestoreGuard, check_fits, guard_for
 from oomguard.model.errors import NoRoom, RestoreFailed
 from oomguard.observe.events import LogSink
 from oomguard.observe.events import RestoreFailed as RestoreFailedEvent
 from oomguard.observe.metrics import Metrics
-from oomguard.observe.telemetry import EventTap
 from oomguard.policy.pressure import free_under_threshold, restore_fits
 from oomguard.store.checkpoints import CheckpointMeta, Store
 

@@ -131,7 +131,7 @@ TIMINGS = CheckpointTimings(freeze_s=0.01, dump_s=1.2, commit_s=0.05, total_s=1.
     "/sys/fs/cgroup/memory/slurm/uid_1000/job_42",  # a cgroup rule's
 ])
 def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> None:
-    from oomguard.observe.telemetry import EventTap
+    from oomguard.daemon.telemetry import EventTap
     recorder = _Recorder()
     tap = EventTap(slurm=recorder)  # type: ignore[arg-type]
     tap.tell(CheckpointDone(make_meta("20261201-1-ab", extra=dict(SLURM_OWNER)), TIMINGS,
@@ -141,8 +141,8 @@ def test_the_job_comes_from_the_checkpoints_owner_fields(guard_name: str) -> Non
 
 
 def test_no_owner_fields_no_slurm_call() -> None:
+    from oomguard.daemon.telemetry import EventTap
     from oomguard.observe.events import slurm_owner
-    from oomguard.observe.telemetry import EventTap
     recorder = _Recorder()
     tap = EventTap(slurm=recorder)  # type: ignore[arg-type]
     tap.tell(CheckpointDone(make_meta("x"), TIMINGS,

@@ -1,4 +1,4 @@
-"""A gate between oomguard and its CRIU action script (oomguard/act/criu_hook.py): two FIFOs in a
+"""A gate between oomguard and its CRIU action script (oomguard/store/criu_hook.py): two FIFOs in a
 root-only checkpoint directory, BASE.req (the script's requests) and BASE.ack (oomguard's
 replies), both held open by oomguard for reading and writing. While oomguard lives, the script's
 requests find a reader and a reply it waits for stays in the FIFO until read; once oomguard is
@@ -13,8 +13,8 @@ import stat
 from pathlib import Path
 from types import TracebackType
 
-from oomguard.act.criu_hook import REPLY_SUFFIX, REQUEST_SUFFIX
 from oomguard.sense.fdwait import wait_readable
+from oomguard.store.criu_hook import REPLY_SUFFIX, REQUEST_SUFFIX
 
 _OPEN = os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 
