@@ -38,7 +38,7 @@ from oomguard.daemon.gpuwatch import GpuWatch
 from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
-from oomguard.daemon.settling import SettlingMixin
+from oomguard.daemon.settling import Settler
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
 from oomguard.daemon.storeupkeep import StoreUpkeep
@@ -67,7 +67,7 @@ LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pa
 STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
 
 
-class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
+class Daemon(ExaminingMixin, CgroupGuardsMixin):
     def __init__(self, config: DaemonConfig, checkpointer: Checkpointer, layout: CgroupLayout,
                  log: Any, *, proc: ProcReader | None = None,
                  clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
@@ -100,7 +100,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._open_wakeups(poller, files)
         self._next_rescan = 0.0
         self._next_system_poll = 0.0
-        self._next_settle: float | None = None  # None: nothing waits to be settled
         self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
         self.armer = Armer(checkpointer.own_snapshot, self.saved_high, self.psi_trigger,
@@ -119,7 +118,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         self._sweep_turn = 0
         self._dirs_stale = False
         self._examine_on_arm = True  # False while arm() builds the guards at start
-        self._limit_busy: set[str] = set()  # cgroups whose lifted limit could not be put back yet
         self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
                                   self.proc, self.log, protected=self.protected_pids,
                                   in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
@@ -163,7 +161,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         checkpointer, config, clock = self.checkpointer, self.config, self.clock
         self.upkeep = StoreUpkeep(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
-        self.upkeep.hold_back = self._leftover_waits
         checkpointer.on_pruned = self.upkeep.log_pruned  # made room for a new checkpoint
         self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
                                          events=self.events, clock=clock,
@@ -174,9 +171,17 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         # Paged-out trees continued once they fit (the chain's pageout step made them).
         self.auto_resume = AutoResumer(chains.pageout, self.log, clock=clock)
         self.actor = Actor(chains,
-                           self.log, dry_run=config.dry_run, on_checkpoint=self._after_dump,
+                           self.log, dry_run=config.dry_run, on_checkpoint=self.upkeep.after_dump,
                            clock=clock, decisions=self.decisions, on_done=self._action_done,
                            priority=self.priority, events=self.events)
+        self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
+                               upkeep=self.upkeep, auto_restore=self.auto_restore,
+                               auto_resume=self.auto_resume, actor=self.actor, proc=self.proc,
+                               log=self.log, clock=clock, guards=self._cgroup_guards,
+                               cgroup_at=self._cgroup_at, guard_at=self._guard_at,
+                               examine=self._examine_cgroup, config=lambda: self.config,
+                               starting=lambda: self._starting)
+        self.upkeep.hold_back = self.settler.leftover_waits
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -191,7 +196,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
         # Arm every guard before thawing what a dead run left stopped, and only then look at
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
-        self._drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
+        self.settler.drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
         self._examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:
@@ -204,7 +209,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin, SettlingMixin):
             self.park_watch.start()
             self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.upkeep.thaw_leftovers()
-            self._settle()  # limits a dead run lifted for a dump's headroom, leftovers
+            self.settler.settle()  # limits a dead run lifted for a dump's headroom, leftovers
             for guard in self._cgroup_guards():
                 if guard.present and guard.armed_limit is not None:
                     self._examine_cgroup(guard, self.clock(), source="arm")

@@ -47,6 +47,11 @@ class StoreUpkeep:
         """A checkpoint's state changed inside its own directory (a restore): read it again."""
         self._listing = None
 
+    def after_dump(self, image_bytes: int, dump_seconds: float) -> None:
+        """A checkpoint was committed: its throughput noted, the store pruned."""
+        self.note_dump(image_bytes, dump_seconds)
+        self.prune()
+
     def note_dump(self, image_bytes: int, dump_seconds: float) -> None:
         self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
 

@@ -93,12 +93,12 @@ class Settling:
     def due_in(self, now: float) -> float | None:
         if self.daemon._acted.is_set():
             return 0.0
-        at = self.daemon._next_settle
+        at = self.daemon.settler.next_at
         return None if at is None else at - now
 
     def fire(self, now: float, fired: Collection[Guard]) -> None:
         self.daemon._acted.clear()
-        self.daemon._settle()
+        self.daemon.settler.settle()
 
 
 class SafetyRescan:
@@ -114,7 +114,7 @@ class SafetyRescan:
     def fire(self, now: float, fired: Collection[Guard]) -> None:
         daemon = self.daemon
         daemon._safety_rescan()
-        daemon._settle()
+        daemon.settler.settle()
         daemon._next_rescan = self.clock() + daemon.config.rescan_interval
 
 
