@@ -42,7 +42,7 @@ from oomguard.daemon.settling import Settler
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
 from oomguard.daemon.storeupkeep import StoreUpkeep
-from oomguard.daemon.triggers import Trigger, daemon_triggers
+from oomguard.daemon.timers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, Settling, Timer
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
@@ -98,7 +98,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
         self._timed: dict[int, CgroupGuard] = {}  # the cgroup guards with a due_at
         self._open_wakeups(poller, files)
-        self._next_rescan = 0.0
         self._next_system_poll = 0.0
         self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
@@ -123,9 +122,29 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
                                   in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
                                   clock=clock) if checkpointer.gpu is not None else None
         self._gpu_watching = self._wants_gpu_watch()
-        self.triggers: list[Trigger] = daemon_triggers(self, clock)  # timed work, in order
         self._init_turns()
+        self._build_timers()
         self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
+
+    def _build_timers(self) -> None:
+        """The loop's timed work, in the order it fires (oomguard/daemon/timers.py)."""
+        self.rescan = SafetyRescan(lambda: self._safety_rescan(), self.settler.settle,
+                                   lambda: self.config.rescan_interval, self.clock)
+        self.timers: list[Timer] = [
+            MarksIn(self.later_marks, lambda: self._add_later_marks()),
+            GuardPolls(self._scheduled_polls, lambda g, now, source: self._examine(g, now, source)),
+            GpuPolls(self.gpu_watch, lambda: self._gpu_watching, lambda: self.guards),
+            Settling(self.settler, self._acted),
+            self.rescan]
+
+    def _scheduled_polls(self) -> list[tuple[Guard, float]]:
+        """The guards looked at on a schedule, with when: the system rule's, and the cgroup
+        guards that have a time set (the timetable `_timed`, never all of them)."""
+        found: list[tuple[Guard, float]] = [(g, self._next_system_poll)
+                                            for g in self._system_guards]
+        found += [(g, g.due_at) for g in self._timed.values()
+                  if g.present and g.due_at is not None]
+        return found
 
     def _init_turns(self) -> None:
         """What the loop's turns are watched by. Called after every turn: heartbeat (systemd
@@ -214,7 +233,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
                 if guard.present and guard.armed_limit is not None:
                     self._examine_cgroup(guard, self.clock(), source="arm")
             self._starting = False
-            self._next_rescan = self.clock() + self.config.rescan_interval
+            self.rescan.schedule()
             self.after_arming()
         finally:
             self.later_marks.release()
@@ -372,7 +391,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
     def _timeout(self) -> float:
         """Until the first piece of work falls due (the epoll wait's timeout, in seconds)."""
         now = self.clock()
-        waits = [wait for trigger in self.triggers if (wait := trigger.due_in(now)) is not None]
+        waits = [wait for timer in self.timers if (wait := timer.due_in(now)) is not None]
         if self.max_sleep is not None:
             waits.append(self.max_sleep)
         beat = self.heartbeat_due(now) if self.heartbeat_due is not None else None
@@ -420,11 +439,11 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
             self._examine(guard, woke, "event")
         if files_ready:
             self._apply_changes(self.files.read())
-        for trigger in self.triggers:
+        for timer in self.timers:
             now = self.clock()
-            wait = trigger.due_in(now)
+            wait = timer.due_in(now)
             if wait is not None and wait <= 0:
-                trigger.fire(now, fired)
+                timer.fire(now, fired)
 
     def _action_done(self, name: str) -> None:
         """From an Actor thread: an action ended; the loop settles what it left (a lifted

@@ -117,7 +117,7 @@ def test_it_sleeps_until_the_rescan_and_rescans_every_interval(tmp_path: Path,
         daemon.tick()
     assert epoll.timeouts == pytest.approx([30.0, 30.0, 30.0])
     assert clock.now == pytest.approx(armed_at + 90.0)
-    assert daemon._next_rescan == pytest.approx(clock.now + 30.0)  # scheduled again each time
+    assert daemon.rescan.next_at == pytest.approx(clock.now + 30.0)  # scheduled again each time
 
 
 def test_the_watchdog_interval_caps_the_sleep_and_each_turn_beats(tmp_path: Path,
@@ -215,14 +215,14 @@ class EveryFewSeconds:
         self.next_at = now + self.period
 
 
-def test_the_loop_sleeps_until_the_soonest_trigger_and_fires_only_those_due(
+def test_the_loop_sleeps_until_the_soonest_timer_and_fires_only_those_due(
         tmp_path: Path, closing: Any) -> None:
     daemon, clock, epoll, _log, _memory = make_daemon(tmp_path, rescan="1h")
     closing(daemon)
     daemon.arm()
     start = clock.now
     fast, slow = EveryFewSeconds(clock, 7.0), EveryFewSeconds(clock, 20.0)
-    daemon.triggers += [fast, slow]
+    daemon.timers += [fast, slow]
     for _ in range(4):
         daemon.tick()
     assert epoll.timeouts == pytest.approx([7.0, 7.0, 6.0, 1.0])  # 7, 14, 20, 21
@@ -230,15 +230,15 @@ def test_the_loop_sleeps_until_the_soonest_trigger_and_fires_only_those_due(
     assert [t - start for t in slow.fired_at] == pytest.approx([20.0])
 
 
-def test_every_trigger_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: Any) -> None:
-    from oomguard.daemon.triggers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, Settling
+def test_every_timer_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: Any) -> None:
+    from oomguard.daemon.timers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, Settling
 
     daemon, clock, _epoll, _log, _memory = make_daemon(tmp_path, rescan="30s")
     closing(daemon)
     daemon.arm()
-    kinds = [type(t) for t in daemon.triggers]
+    kinds = [type(t) for t in daemon.timers]
     assert kinds == [MarksIn, GuardPolls, GpuPolls, Settling, SafetyRescan]
-    marks, polls, gpu, settling, rescan = daemon.triggers
+    marks, polls, gpu, settling, rescan = daemon.timers
     assert marks.due_in(clock.now) is None  # no marks waiting to be added
     assert polls.due_in(clock.now) is None  # no guard polled
     assert gpu.due_in(clock.now) is None  # no GPU here
@@ -255,12 +255,12 @@ def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> No
 
     from oomguard.config.loading import GuardConfig
     from oomguard.daemon.guards import CgroupGuard
-    from oomguard.daemon.triggers import GuardPolls
+    from oomguard.daemon.timers import GuardPolls
 
     daemon, clock, _epoll, _log, _memory = make_daemon(tmp_path, rescan="1h")
     closing(daemon)
     daemon.arm()
-    polls = next(t for t in daemon.triggers if isinstance(t, GuardPolls))
+    polls = next(t for t in daemon.timers if isinstance(t, GuardPolls))
     quiet, timed = (CgroupGuard(spec=GuardConfig(cgroups=("x",)),
                                 cgroup=SimpleNamespace(path=Path(f"/x/{n}")))  # type: ignore[arg-type]
                     for n in ("quiet", "timed"))
