@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot, subtree_procs
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
@@ -51,41 +51,51 @@ PREDICT_SAMPLES = 20  # time-to-limit: the growth is measured over this many rec
 PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
 
 
-class ExaminingMixin:
-    """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
+class Examiner:
+    """Looks at a guard and decides. Owns when the system rule is looked at next
+    (`next_system_poll`); the guards' own schedule and their end are the daemon's, reached
+    through the callables it gives (`set_due`, `cgroup_gone`, `note_oom_kills`,
+    `protected_among`), and the config is read as it is now (a reload replaces it)."""
 
-    config: DaemonConfig
-    layout: CgroupLayout
-    log: Any
-    proc: ProcReader
-    clock: Callable[[], float]
-    meminfo: Callable[[], Any]
-    checkpointer: Checkpointer
-    actor: Actor
-    decisions: DecisionLog
-    upkeep: StoreUpkeep
-    ranking: ProcessRanking
-    newcomers: Newcomers
-    _next_system_poll: float
+    def __init__(self, *, config: Callable[[], DaemonConfig], layout: CgroupLayout, log: Any,
+                 proc: ProcReader, clock: Callable[[], float], meminfo: Callable[[], Any],
+                 checkpointer: Checkpointer, actor: Actor, decisions: DecisionLog,
+                 upkeep: StoreUpkeep, ranking: ProcessRanking, newcomers: Newcomers,
+                 cgroup_gone: Callable[[CgroupGuard], None],
+                 set_due: Callable[[CgroupGuard, float | None], None],
+                 note_oom_kills: Callable[[CgroupGuard, MemorySnapshot], None],
+                 protected_among: Callable[[list[ProcessInfo]], frozenset[int]]) -> None:
+        self._config = config
+        self.layout = layout
+        self.log = log
+        self.proc = proc
+        self.clock = clock
+        self.meminfo = meminfo
+        self.checkpointer = checkpointer
+        self.actor = actor
+        self.decisions = decisions
+        self.upkeep = upkeep
+        self.ranking = ranking
+        self.newcomers = newcomers
+        self._cgroup_gone = cgroup_gone
+        self._set_due = set_due
+        self._note_oom_kills = note_oom_kills
+        self.protected_among = protected_among
+        self.next_system_poll = 0.0
 
-    if TYPE_CHECKING:  # Daemon's (never defined here: they would shadow the real ones)
-        def _cgroup_gone(self, guard: CgroupGuard) -> None: ...
+    @property
+    def config(self) -> DaemonConfig:
+        return self._config()
 
-        def _set_due(self, guard: CgroupGuard, at: float | None) -> None: ...
-
-        def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None: ...
-
-        def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]: ...
-
-    def _examine(self, guard: Guard, woke: float, source: str) -> None:
+    def examine(self, guard: Guard, woke: float, source: str) -> None:
         if isinstance(guard, SystemGuard):
             self._examine_system(guard, woke, source)
         else:
-            self._examine_cgroup(guard, woke, source)
+            self.examine_cgroup(guard, woke, source)
 
     # -- cgroup rules ----------------------------------------------------------------------------
 
-    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+    def examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
                         limit_busy: str = "") -> None:
         """`limit_busy`: why a limit lifted for a dump could not be put back (the cgroup grew
         into the room): its trees are acted on even where a checkpoint was refused for good,
@@ -131,7 +141,7 @@ class ExaminingMixin:
         self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT,
                             limit_busy)
 
-    def _reclaim_due(self, guard: CgroupGuard, events: int) -> bool:
+    def reclaim_due(self, guard: CgroupGuard, events: int) -> bool:
         """The kernel's reclaim in the cgroup woke the loop (`events` windows): whether to look
         now (see policy.pressure.reclaim_due)."""
         guard.reclaim_events += events
@@ -225,7 +235,7 @@ class ExaminingMixin:
     def _examine_system(self, guard: SystemGuard, woke: float, source: str) -> None:
         memory = self.meminfo()
         floor = guard.spec.min_available
-        self._next_system_poll = self.clock() + next_poll(
+        self.next_system_poll = self.clock() + next_poll(
             memory.available, memory.total, floor, self.config.poll_interval)
         near = preparing(memory.available, memory.total, floor)
         self.newcomers.follow(near)  # births since the ranking: fork events
@@ -267,9 +277,9 @@ class ExaminingMixin:
 
         assert guard.parts is not None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
-                                 self._cgroup_of, still_pressing,
+                                 self.cgroup_of, still_pressing,
                                  refresh=None if guard.spec.victim_cgroups else refresh))
-        self._next_system_poll = self.clock()
+        self.next_system_poll = self.clock()
 
     def _full_avg10(self) -> float:
         try:
@@ -324,14 +334,14 @@ class ExaminingMixin:
                 continue
         return list(dict.fromkeys(pids))
 
-    def _in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
+    def in_cgroups(self, pid: int, roots: tuple[str, ...]) -> bool:
         try:
             rel = self.proc.memory_cgroup(pid) or "/"
         except ProcessGone:
             return False
         return in_cgroups(rel, str(self.layout.memory_mount or ""), roots)
 
-    def _cgroup_of(self, tree: ProcessTree) -> MemoryCgroup | None:
+    def cgroup_of(self, tree: ProcessTree) -> MemoryCgroup | None:
         try:
             rel = self.proc.memory_cgroup(tree.root.pid)
             return open_cgroup(rel, self.layout) if rel and self.layout.memory_mount else None

@@ -33,7 +33,7 @@ from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.autoresume import AutoResumer
 from oomguard.daemon.cgroupguards import CgroupGuardsMixin
-from oomguard.daemon.examining import ExaminingMixin
+from oomguard.daemon.examining import Examiner
 from oomguard.daemon.gpuwatch import GpuWatch
 from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
@@ -67,7 +67,7 @@ LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pa
 STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
 
 
-class Daemon(ExaminingMixin, CgroupGuardsMixin):
+class Daemon(CgroupGuardsMixin):
     def __init__(self, config: DaemonConfig, checkpointer: Checkpointer, layout: CgroupLayout,
                  log: Any, *, proc: ProcReader | None = None,
                  clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
@@ -98,7 +98,6 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
         self._timed: dict[int, CgroupGuard] = {}  # the cgroup guards with a due_at
         self._open_wakeups(poller, files)
-        self._next_system_poll = 0.0
         self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
         self.armer = Armer(checkpointer.own_snapshot, self.saved_high, self.psi_trigger,
@@ -119,7 +118,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
         self._examine_on_arm = True  # False while arm() builds the guards at start
         self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
                                   self.proc, self.log, protected=self.protected_pids,
-                                  in_cgroups=self._in_cgroups, cgroup_of=self._cgroup_of,
+                                  in_cgroups=self.examiner.in_cgroups, cgroup_of=self.examiner.cgroup_of,
                                   clock=clock) if checkpointer.gpu is not None else None
         self._gpu_watching = self._wants_gpu_watch()
         self._init_turns()
@@ -137,10 +136,17 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
             Settling(self.settler, self._acted),
             self.rescan]
 
+    def _examine(self, guard: Guard, woke: float, source: str) -> None:
+        self.examiner.examine(guard, woke, source)
+
+    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                        limit_busy: str = "") -> None:
+        self.examiner.examine_cgroup(guard, woke, source, limit_busy)
+
     def _scheduled_polls(self) -> list[tuple[Guard, float]]:
         """The guards looked at on a schedule, with when: the system rule's, and the cgroup
         guards that have a time set (the timetable `_timed`, never all of them)."""
-        found: list[tuple[Guard, float]] = [(g, self._next_system_poll)
+        found: list[tuple[Guard, float]] = [(g, self.examiner.next_system_poll)
                                             for g in self._system_guards]
         found += [(g, g.due_at) for g in self._timed.values()
                   if g.present and g.due_at is not None]
@@ -193,6 +199,14 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
                            self.log, dry_run=config.dry_run, on_checkpoint=self.upkeep.after_dump,
                            clock=clock, decisions=self.decisions, on_done=self._action_done,
                            priority=self.priority, events=self.events)
+        self.examiner = Examiner(
+            config=lambda: self.config, layout=self.layout, log=self.log, proc=self.proc,
+            clock=clock, meminfo=self.meminfo, checkpointer=checkpointer, actor=self.actor,
+            decisions=self.decisions, upkeep=self.upkeep, ranking=self.ranking,
+            newcomers=self.newcomers, cgroup_gone=lambda guard: self._cgroup_gone(guard),
+            set_due=lambda guard, at: self._set_due(guard, at),
+            note_oom_kills=lambda guard, snap: self._note_oom_kills(guard, snap),
+            protected_among=lambda processes: self.protected_among(processes))
         self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
                                upkeep=self.upkeep, auto_restore=self.auto_restore,
                                auto_resume=self.auto_resume, actor=self.actor, proc=self.proc,
@@ -426,7 +440,7 @@ class Daemon(ExaminingMixin, CgroupGuardsMixin):
             guard, kind = owner
             events = consume(fd, kind)
             if kind == RECLAIM and isinstance(guard, CgroupGuard) \
-                    and not self._reclaim_due(guard, events):
+                    and not self.examiner.reclaim_due(guard, events):
                 continue  # reclaim, but not enough since the last look to reach the threshold
             if guard not in fired:
                 fired.append(guard)

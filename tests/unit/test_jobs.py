@@ -303,7 +303,7 @@ def test_job_fields_name_cmd_and_its_host_pid() -> None:
 def test_a_system_rule_reading_its_ranking_reads_the_jobs_init_too(tmp_path: Path) -> None:
     """With a standing ranking only the largest processes are read in full at the crossing:
     the init of a chosen process's job is read too, and the tree taken is the init's."""
-    from oomguard.daemon.examining import ExaminingMixin
+    from oomguard.daemon.examining import Examiner
     from oomguard.sense.ranking import ProcessRanking
 
     small = [FakeProc(pid, 1, rss_kib=20 << 10) for pid in range(900, 940)]
@@ -317,11 +317,8 @@ def test_a_system_rule_reading_its_ranking_reads_the_jobs_init_too(tmp_path: Pat
         pages = (p.rss_kib or 0) // 4
         (root / str(p.pid) / "statm").write_text(f"{pages * 2} {pages} 10 1 0 {pages} 0\n")
 
-    class Examiner(ExaminingMixin):
-        def protected_among(self, processes: list[ProcessInfo]) -> frozenset[int]:
-            return frozenset()
-
-    examiner = Examiner()
+    examiner = Examiner.__new__(Examiner)  # only what a system rule's ranking path reads
+    examiner.protected_among = lambda processes: frozenset()
     examiner.proc = ProcReader(root)
     examiner.ranking = ProcessRanking(root, page_size=4096)
     examiner.ranking.refresh()
