@@ -38,7 +38,7 @@ from oomguard.respond.pageoutstep import PageoutAction
 from oomguard.sense.owners import KubeContainer, kube_container
 
 if TYPE_CHECKING:
-    from oomguard.respond.chain import ChainRunner
+    from oomguard.respond.steptools import StepTools
 
 
 class StepAction(Protocol):
@@ -49,7 +49,7 @@ class FreezeAction:
     """SIGSTOP the tree and wait until it is stopped (children forked meanwhile too); tasks
     the user stopped are left as they were. Never settles: it holds the tree for the next."""
 
-    def __init__(self, tools: ChainRunner) -> None:
+    def __init__(self, tools: StepTools) -> None:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
@@ -85,7 +85,7 @@ class SignalAction:
     """Cooperative: a stopped process cannot handle a signal, so thaw first; then wait for it
     to exit or for the pressure to pass (settled), or the grace to end (the next step)."""
 
-    def __init__(self, tools: ChainRunner) -> None:
+    def __init__(self, tools: StepTools) -> None:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
@@ -115,7 +115,7 @@ class VramAction:
     cuda-checkpoint (`oomguard gpu-resume PID` moves it back). The next step runs where the
     tree holds no GPU memory, there is no cuda-checkpoint, or it failed and was undone."""
 
-    def __init__(self, tools: ChainRunner) -> None:
+    def __init__(self, tools: StepTools) -> None:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
@@ -153,7 +153,7 @@ class CheckpointAction:
     the tree is gone (dumped, or dumped with the commit failed, or exited); refused (no room
     in the store, a container without kubelet access) or failed and thawed: the next step."""
 
-    def __init__(self, tools: ChainRunner) -> None:
+    def __init__(self, tools: StepTools) -> None:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
@@ -279,7 +279,7 @@ class KillAction:
     """The last resort: SIGTERM, then SIGKILL, of the tree and everything held stopped (the
     freeze may have caught a child the tree does not list). Always settles."""
 
-    def __init__(self, tools: ChainRunner) -> None:
+    def __init__(self, tools: StepTools) -> None:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
@@ -294,7 +294,7 @@ class KillAction:
         return Settled(ChainOutcome(ChainResult.KILLED, KILL, run.reason))
 
 
-def step_actions(tools: ChainRunner) -> dict[str, StepAction]:
+def step_actions(tools: StepTools) -> dict[str, StepAction]:
     """Every kind of step (oomguard.config.actions) and the object that runs it."""
     return {FREEZE: FreezeAction(tools), SIGNAL: SignalAction(tools), VRAM: VramAction(tools),
             CHECKPOINT: CheckpointAction(tools), PAGEOUT: PageoutAction(tools),

@@ -34,7 +34,7 @@ from oomguard.store.names import SWAP_DIR
 from oomguard.store.pagedout import PagedOutRecord, PagedOutTree
 
 if TYPE_CHECKING:
-    from oomguard.respond.chain import ChainRunner
+    from oomguard.respond.steptools import StepTools
 
 SWAP_SLACK = 32 << 20  # a swap file is made this much larger than the tree's memory
 
@@ -58,7 +58,7 @@ class PageoutTools:
 
 
 class PageoutAction:
-    def __init__(self, tools: ChainRunner) -> None:
+    def __init__(self, tools: StepTools) -> None:
         self.tools = tools
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
