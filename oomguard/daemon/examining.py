@@ -5,8 +5,8 @@ reads the sensors, schedules the next look and hands the action to the Actor."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +21,17 @@ from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.policy.forecast import forecast
+from oomguard.policy.forecast import predict
 from oomguard.policy.jobs import below_namespace_init, lift_to_jobs
 from oomguard.policy.preferences import select_victims
 from oomguard.policy.pressure import (
+    CacheWatch,
     Verdict,
     below_min_available,
     evaluate,
-    next_watch_look,
     reclaim_due,
     reclaim_room,
-    watch_baseline,
+    watch_next,
 )
 from oomguard.policy.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
 from oomguard.policy.victims import (
@@ -47,7 +47,6 @@ from oomguard.sense.procfs import ProcessInfo, ProcReader
 from oomguard.sense.psi import parse_pressure
 from oomguard.sense.ranking import ProcessRanking, stand_in
 
-PREDICT_SAMPLES = 20  # time-to-limit: the growth is measured over this many recent readings
 PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
 
 
@@ -126,7 +125,7 @@ class Examiner:
                 return
             reason = predicted
         else:
-            guard.samples = None
+            guard.growth = replace(guard.growth, samples=())
         if snap.under_oom:  # parked at the limit: never left waiting for an event
             self._set_due(guard, min(guard.due_at or 1e18, self.clock() + PARKED_RETRY))
         if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock(),
@@ -153,19 +152,15 @@ class Examiner:
         time-to-limit and polled guards every poll_interval."""
         now = self.clock()
         due: float | None = None
-        if guard.poll_only or guard.predicting:
+        if guard.poll_only or guard.growth.predicting:
             due = now + self.config.poll_interval
         if guard.watching and snap.limit_bytes is not None:
-            look = next_watch_look(now, snap.unreclaimable_bytes,
-                                   snap.limit_bytes * guard.spec.threshold,
-                                   watch_baseline(guard.watch_sample, now, woken),
-                                   guard.watch_interval, self.config.poll_interval)
-            guard.watch_sample = (now, snap.unreclaimable_bytes)
-            guard.watch_interval = look.idle_interval
-            due = min(due or 1e18, now + look.delay)
+            delay, guard.cache_watch = watch_next(
+                guard.cache_watch, now, snap.unreclaimable_bytes,
+                snap.limit_bytes * guard.spec.threshold, woken, self.config.poll_interval)
+            due = min(due or 1e18, now + delay)
         else:
-            guard.watch_sample = None
-            guard.watch_interval = 0.0
+            guard.cache_watch = CacheWatch()
         self._set_due(guard, due)
 
     def _act_on_cgroup(self, guard: CgroupGuard, snap: MemorySnapshot, woke: float, reason: str,
@@ -208,23 +203,15 @@ class Examiner:
         self.log.warning("threshold.crossed", cgroup=name, **fields)
 
     def _predict(self, guard: CgroupGuard, snap: MemorySnapshot) -> str | None:
-        """Time-to-limit: over `predict_from` of the limit, keep recent usage samples and act
-        when, at the current growth, the limit comes before a checkpoint could finish."""
+        """Time-to-limit (policy.forecast.predict): the guard's growth history in, the new
+        one out; a reason to act when the limit comes before a checkpoint could finish."""
         limit = snap.limit_bytes
         if not guard.spec.time_to_limit or limit is None:
             return None
-        guard.predicting = snap.usage_bytes >= limit * guard.spec.predict_from
-        if not guard.predicting:
-            guard.samples = None
-            return None
-        if guard.samples is None:
-            guard.samples = deque(maxlen=PREDICT_SAMPLES)
-        guard.samples.append((self.clock(), snap.usage_bytes))
-        outlook = forecast(list(guard.samples), limit, snap.anon_bytes, self.upkeep.throughput)
-        if outlook is None or not outlook.act:
-            return None
-        guard.samples = None
-        return outlook.reason()
+        reason, guard.growth = predict(guard.growth, self.clock(), snap.usage_bytes,
+                                       snap.anon_bytes, limit, guard.spec.predict_from,
+                                       self.upkeep.throughput)
+        return reason
 
     def _vram(self) -> dict[int, int]:
         gpu = self.checkpointer.gpu

@@ -5,7 +5,6 @@ oomguard.cgroup.watch whatever the cgroup version) or the whole system (a PSI tr
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,8 @@ from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, Replaced, claimed_key, put_
 from oomguard.config.loading import GuardConfig
 from oomguard.lifecycle.restorefit import GuardLookup, RestoreGuard, guard_for
 from oomguard.model.errors import CgroupGone
+from oomguard.policy.forecast import GrowthHistory
+from oomguard.policy.pressure import CacheWatch
 from oomguard.sense.cgroupfiles import Stamp
 from oomguard.sense.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store.ledger import SavedLimits
@@ -39,14 +40,11 @@ class CgroupGuard:
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
-    predicting: bool = False  # time-to-limit: usage is in the zone where growth is watched
-    # time-to-limit's recent (time, usage) readings; made only once usage enters its zone
-    samples: deque[tuple[float, int]] | None = None
+    growth: GrowthHistory = field(default_factory=GrowthHistory)  # policy.forecast.predict
     last_snapshot: MemorySnapshot | None = None  # the latest reading (for the gauges)
     limit_stamp: Stamp | None = None  # the limit file when last read (the safety rescan)
     due_at: float | None = None  # look again then without an event (polls, a cache-only watch)
-    watch_sample: tuple[float, int] | None = None  # (when, resident) at the last watch look
-    watch_interval: float = 0.0  # the cache-only watch's current interval when not growing
+    cache_watch: CacheWatch = field(default_factory=CacheWatch)  # policy.pressure.watch_next
     reclaim_room: int = 0  # reclaim needed for resident memory to reach the threshold, at the last look
     reclaim_events: int = 0  # the kernel's reclaim windows counted since (watch.RECLAIM)
 
@@ -63,7 +61,6 @@ class SystemGuard:
     watching: bool = False
     present: bool = True
     parts: Any = None
-    predicting: bool = False
 
     @property
     def name(self) -> str:

@@ -59,3 +59,29 @@ def updated_throughput(previous: float, image_bytes: int, dump_seconds: float,
         return previous
     measured = image_bytes / dump_seconds
     return measured if previous <= 0 else (1 - weight) * previous + weight * measured
+
+
+PREDICT_SAMPLES = 20  # the growth is measured over this many recent readings
+
+
+@dataclass(frozen=True)
+class GrowthHistory:
+    """A guard's time-to-limit history, taken and returned by predict (the previous look's
+    data, as systemd-oomd passes the previous tick's)."""
+
+    predicting: bool = False  # usage is in the zone where growth is watched
+    samples: tuple[tuple[float, int], ...] = ()  # recent (time, usage), once in that zone
+
+
+def predict(history: GrowthHistory, now: float, usage: int, victim_bytes: int, limit: int,
+            predict_from: float, throughput: float) -> tuple[str | None, GrowthHistory]:
+    """Over `predict_from` of the limit, recent usage samples are kept and the verdict is to
+    act (its reason) when, at the current growth, the limit comes before a checkpoint of
+    `victim_bytes` could finish. Returns that reason (None: not now) and the new history."""
+    if usage < limit * predict_from:
+        return None, GrowthHistory()
+    samples = (*history.samples, (now, usage))[-PREDICT_SAMPLES:]
+    outlook = forecast(samples, limit, victim_bytes, throughput)
+    if outlook is None or not outlook.act:
+        return None, GrowthHistory(True, samples)
+    return outlook.reason(), GrowthHistory(True, ())

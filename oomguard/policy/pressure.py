@@ -94,6 +94,23 @@ def watch_baseline(previous: tuple[float, int] | None, now: float,
     return previous
 
 
+@dataclass(frozen=True)
+class CacheWatch:
+    """A cache-only watch's history, taken and returned by watch_next."""
+
+    sample: tuple[float, int] | None = None  # (when, resident) at the last watch look
+    interval: float = 0.0  # the watch's current interval while resident memory does not grow
+
+
+def watch_next(history: CacheWatch, now: float, resident: int, mark: float, woken: bool,
+               poll_interval: float) -> tuple[float, CacheWatch]:
+    """Seconds until the cache-only watch looks again (next_watch_look, from the reading
+    watch_baseline keeps), and its history with this reading."""
+    look = next_watch_look(now, resident, mark, watch_baseline(history.sample, now, woken),
+                           history.interval, poll_interval)
+    return look.delay, CacheWatch((now, resident), look.idle_interval)
+
+
 def reclaim_room(snapshot: MemorySnapshot, threshold: float) -> int:
     """How much the kernel must reclaim in the cgroup before resident memory can reach the
     threshold: the way there, less the free room under the limit (which it can grow into

@@ -18,6 +18,7 @@ from oomguard.policy.forecast import (
 )
 
 MB = 1_000_000
+MiB = 1 << 20
 
 
 def linear(rate: float, *, start: int = 0, t0: float = 0.0, step: float = 0.25,
@@ -197,3 +198,36 @@ def test_updated_throughput(previous: float, image_bytes: int, seconds: float,
                             kwargs: dict[str, float], expected: float) -> None:
     assert updated_throughput(previous, image_bytes, seconds, **kwargs) == pytest.approx(
         expected, rel=1e-12)
+
+
+# -- the guard's history as a value (policy.forecast.predict, policy.pressure.watch_next) -------
+
+def test_predict_takes_the_history_and_returns_the_next() -> None:
+    from oomguard.policy.forecast import PREDICT_SAMPLES, GrowthHistory, predict
+
+    limit, mib = 1000 * MiB, MiB
+    below = predict(GrowthHistory(True, ((0.0, 1),)), 1.0, 500 * mib, 0, limit, 0.8, 200e6)
+    assert below == (None, GrowthHistory())  # out of the zone: the history goes
+    history = GrowthHistory()
+    for i in range(PREDICT_SAMPLES + 5):  # slow growth: kept, never more than the window
+        reason, history = predict(history, i * 1.0, 800 * mib + i * mib, 10 * mib, limit,
+                                  0.8, 200e6)
+        assert reason is None and history.predicting
+    assert len(history.samples) == PREDICT_SAMPLES and history.samples[-1][0] == 24.0
+    # Fast growth with a large victim: act, and start afresh.
+    fast = GrowthHistory(True, ((0.0, 900 * mib),))
+    reason, after = predict(fast, 0.1, 950 * mib, 900 * mib, limit, 0.8, 200e6)
+    assert reason is not None and "growing" in reason and after == GrowthHistory(True, ())
+    assert fast.samples == ((0.0, 900 * mib),)  # the value taken is not changed
+
+
+def test_watch_next_carries_the_last_reading_and_the_backed_off_interval() -> None:
+    from oomguard.policy.pressure import CacheWatch, next_watch_look, watch_baseline, watch_next
+
+    first_delay, first = watch_next(CacheWatch(), 10.0, 100 * MiB, 200 * MiB, False, 1.0)
+    assert first.sample == (10.0, 100 * MiB)
+    assert first_delay == next_watch_look(10.0, 100 * MiB, 200 * MiB, None, 0.0, 1.0).delay
+    delay, later = watch_next(first, 10.5, 100 * MiB, 200 * MiB, False, 1.0)  # not growing
+    look = next_watch_look(10.5, 100 * MiB, 200 * MiB, watch_baseline(first.sample, 10.5, False),
+                           first.interval, 1.0)
+    assert (delay, later) == (look.delay, CacheWatch((10.5, 100 * MiB), look.idle_interval))
