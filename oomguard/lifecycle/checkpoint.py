@@ -194,9 +194,10 @@ class Checkpointer:
         refuse_before_stop(tree, cgroup, self.proc, requester)
         # Lifted now, before the store's budget is asked and the tree stopped, and handed to
         # the dump as its first lift (put back with it, before the tree's mates go on).
-        bridge = self.room.early(cgroup, self.headroom if headroom is None else headroom)
-        request = _Request(tree, cgroup, reason, on_frozen, after_signal, requester,
-                           self.headroom if headroom is None else headroom, rights_of, start)
+        room_given = self.headroom if headroom is None else headroom
+        bridge = self.room.early(cgroup, room_given)
+        request = _Request(tree, cgroup, reason, on_frozen, after_signal, requester, room_given,
+                           rights_of, start)
         try:
             with room_for(self.budget, self.on_pruned, tree, cgroup) as room:
                 return self._checkpoint_recorded(request, held, room, bridge)

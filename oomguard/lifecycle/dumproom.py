@@ -40,10 +40,7 @@ class DumpRoom:
     def hold(self, cgroup: MemoryCgroup, room: int) -> Undo | None:
         """The limit lifted by `room` over what the cgroup uses now (bounded as a dump's lift
         is). Returns the release, or None (room enough, no limit, or none asked for)."""
-        if room <= 0:
-            return None
-        raised = headroom_needed(self.reading(cgroup, own=True), room)
-        return None if raised is None else self.lift(cgroup, raised, cap=room)
+        return self.over(cgroup, room, own=True, undo=None)
 
     def over(self, cgroup: MemoryCgroup | None, room: int, own: bool,
              undo: Undo | None) -> Undo | None:
