@@ -21,7 +21,7 @@ from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
 from oomguard.config.schema import GuardConfig
 from oomguard.model.errors import CgroupGone
-from oomguard.sense.psi import parse_pressure
+from oomguard.model.pressure import parse_pressure
 
 EVENTFD, KERNFS, PSI = "eventfd", "kernfs", "psi"
 RECLAIM = "reclaim"  # v1 vmpressure: an eventfd that counts the cgroup's reclaim windows

@@ -3,7 +3,7 @@
 Every problem is collected (file, key, reason) and raised at once as ConfigError; what parses
 but looks like a mistake is kept in DaemonConfig.warnings. The dataclasses live in
 oomguard.config.schema (their public names are importable from here too), the value kinds in
-oomguard.config.values. The checks against the machine (cgroups that exist) are
+oomguard.config.values and oomguard.model.quantities. The checks against the machine (cgroups that exist) are
 oomguard.cgroup.configchecks, which alone of these reads the cgroup tree: loading a config touches
 nothing but the model (the CLI finds the daemon's socket in it before anything else loads).
 """
@@ -28,11 +28,7 @@ from oomguard.config.schema import (
     SlurmConfig,
 )
 from oomguard.config.values import (
-    DURATION_OR_NONE,
     GUARD_KEYS,
-    POSITIVE_DURATION,
-    SIZE_OR_SHARE,
-    SIZE_SHARE_OR_NONE,
     ConfigReader,
     absolute_path,
     boolean,
@@ -45,13 +41,19 @@ from oomguard.config.values import (
     niceness,
     nonempty_str,
     port,
-    size,
     table,
     url,
-    wait,
     zstd_level,
 )
+from oomguard.detect.registry import keys_of as signal_keys
 from oomguard.model.errors import ConfigError, ConfigIssue
+from oomguard.model.quantities import (
+    DURATION_OR_NONE,
+    POSITIVE_DURATION,
+    SIZE_SHARE_OR_NONE,
+    size,
+    wait,
+)
 from oomguard.model.units import HOUR
 
 __all__ = [
@@ -213,10 +215,11 @@ def _guard_config(read: ConfigReader, issues: list[ConfigIssue], source: str, in
         issues.append(ConfigIssue(source, f"{prefix}cgroups", "empty: no cgroup to guard"))
     g = GuardConfig(cgroups=())
     system = read.take(rule, prefix, "system", boolean, False)
-    min_available = read.take(rule, prefix, "min_available", SIZE_OR_SHARE, 0.10)
+    signals = tuple((key.name, read.take(rule, prefix, key.name, key.convert, key.default))
+                    for key in signal_keys())
     values: dict[str, Any] = {key: read.take(rule, prefix, key, convert, getattr(g, key))
                               for key, convert in GUARD_KEYS.items()}
-    spec = GuardConfig(cgroups=cgroups, system=system, min_available=min_available, **values)
+    spec = GuardConfig(cgroups=cgroups, system=system, signals=signals, **values)
     read.leftovers(rule, prefix)
     return spec
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from oomguard.config.actions import Step
+from oomguard.detect.memavailable import MIN_AVAILABLE
+from oomguard.detect.registry import defaults as signal_defaults
 from oomguard.model.checksums import ALGORITHMS, XXH3
 from oomguard.model.errors import ConfigIssue
 
@@ -80,9 +83,7 @@ class GuardConfig:
     oom_kill_disable: bool = True  # v1: tasks at the limit wait for oomguard, never OOM-killed
     park_deadline: float = 30.0  # v1: ...but for this long at most (the park watchdog)
     system: bool = False  # a system-wide rule (MemAvailable), for hosts without cgroup limits
-    min_available: float | int = 0.10  # system rules: fraction of MemTotal (float) or bytes (int)
     victim_cgroups: tuple[str, ...] = ()  # system rules: only processes in these subtrees
-    psi_full_avg10: float | None = None  # system rules: also act at this PSI "full" avg10
     auto_restore: bool = False  # restore this cgroup's checkpoints once memory is free again
     restore_quiet: float = 10.0  # ...for this long without interruption
     restore_margin: int = 64 << 20  # room left under the threshold after a restore
@@ -105,6 +106,28 @@ class GuardConfig:
     store_margin: int = 256 << 20  # free space wanted in the store beyond the image estimate
     gpu: str = "neutral"  # GPU processes in victim choice: neutral | prefer | avoid
     gpu_threshold: float | None = None  # also act when a GPU's memory reaches this share
+    # System rules: the detection plug-ins' keys (oomguard.detect: min_available, a share of
+    # MemTotal or bytes; psi_full_avg10...) as (key, value) pairs, every plug-in's key present
+    # (a key not given takes its plug-in's default), in key order.
+    signals: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        given = dict(self.signals)
+        unknown = sorted(set(given) - set(signal_defaults()))
+        if unknown:
+            raise ValueError(f"no detection plug-in has the key {unknown[0]!r}")
+        object.__setattr__(self, "signals", tuple(sorted({**signal_defaults(), **given}.items())))
+
+    def signal_settings(self) -> dict[str, Any]:
+        """Every detection plug-in's key, at this rule's value."""
+        return dict(self.signals)
+
+    @property
+    def min_available(self) -> float | int:
+        """The MemAvailable floor (oomguard.detect.memavailable): a share of MemTotal (float)
+        or bytes (int). The system rule's polling follows it too."""
+        value: float | int = self.signal_settings()[MIN_AVAILABLE]
+        return value
 
 
 DEFAULT_STORE = Path("/var/lib/oomguard")  # the checkpoint store, in one place

@@ -1,7 +1,8 @@
 """Looking at a guard when something woke the daemon (a kernel event, a due poll, arming) and
 deciding whether to act: the cgroup rules (resident memory against the threshold, time to the
-limit) and the system rules (MemAvailable, PSI). The decisions are the policy's; this module
-reads the sensors, schedules the next look and hands the action to the Actor."""
+limit) and the system rules (the detection plug-ins of oomguard.detect: MemAvailable, PSI).
+The decisions are the policy's and the plug-ins'; this module reads the sensors, schedules the
+next look and hands the action to the Actor."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.daemon.storeupkeep import StoreUpkeep
+from oomguard.detect.base import SystemSignal
+from oomguard.detect.registry import first_reason
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
@@ -27,13 +30,12 @@ from oomguard.policy.preferences import select_victims
 from oomguard.policy.pressure import (
     CacheWatch,
     Verdict,
-    below_min_available,
     evaluate,
     reclaim_due,
     reclaim_room,
     watch_next,
 )
-from oomguard.policy.systemrule import floor_reason, in_cgroups, next_poll, preparing, pressure_reason
+from oomguard.policy.systemrule import in_cgroups, next_poll, preparing
 from oomguard.policy.victims import (
     ProcessTree,
     build_trees,
@@ -44,8 +46,8 @@ from oomguard.policy.victims import (
 from oomguard.respond.actor import Actor, Request
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
-from oomguard.sense.psi import parse_pressure
 from oomguard.sense.ranking import ProcessRanking, stand_in
+from oomguard.sense.systemlook import PRESSURE_FILE, SystemLook
 
 PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
 
@@ -63,7 +65,9 @@ class Examiner:
                  cgroup_gone: Callable[[CgroupGuard], None],
                  set_due: Callable[[CgroupGuard, float | None], None],
                  note_oom_kills: Callable[[CgroupGuard, MemorySnapshot], None],
-                 protected_among: Callable[[list[ProcessInfo]], frozenset[int]]) -> None:
+                 protected_among: Callable[[list[ProcessInfo]], frozenset[int]],
+                 signals: tuple[SystemSignal, ...] | None = None,
+                 pressure_file: Path = PRESSURE_FILE) -> None:
         self._config = config
         self.layout = layout
         self.log = log
@@ -81,6 +85,8 @@ class Examiner:
         self._note_oom_kills = note_oom_kills
         self.protected_among = protected_among
         self.next_system_poll = 0.0
+        self.signals = signals  # the system rules' detections; None: the registry's
+        self.pressure_file = pressure_file
 
     @property
     def config(self) -> DaemonConfig:
@@ -228,14 +234,11 @@ class Examiner:
         self.newcomers.follow(near)  # births since the ranking: fork events
         if near:
             self.ranking.prepare()  # the crossing then reads a few processes, not all
-        if below_min_available(memory.available, memory.total, floor):
-            reason = floor_reason(memory.available, floor)
-        else:
-            pressed = pressure_reason(self._full_avg10(), guard.spec.psi_full_avg10)
-            if pressed is None:
-                self.decisions.forget(guard.name)
-                return
-            reason = pressed
+        settings = guard.spec.signal_settings()
+        reason = first_reason(SystemLook(memory, self.pressure_file), settings, self.signals)
+        if reason is None:
+            self.decisions.forget(guard.name)
+            return
         if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock()):
             return
         self._say_crossed(guard.name, source=source, available=memory.available,
@@ -258,22 +261,14 @@ class Examiner:
             return self._refresh_tree(tree, sessions)
 
         def still_pressing() -> bool:
-            now = self.meminfo()
-            return below_min_available(now.available, now.total, floor) or pressure_reason(
-                self._full_avg10(), guard.spec.psi_full_avg10) is not None
+            look = SystemLook(self.meminfo(), self.pressure_file)
+            return first_reason(look, settings, self.signals) is not None
 
         assert guard.parts is not None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,
                                  self.cgroup_of, still_pressing,
                                  refresh=None if guard.spec.victim_cgroups else refresh))
         self.next_system_poll = self.clock()
-
-    def _full_avg10(self) -> float:
-        try:
-            pressure = parse_pressure(Path("/proc/pressure/memory").read_text())
-        except (OSError, ValueError):
-            return 0.0
-        return pressure.full.avg10 if pressure.full is not None else 0.0
 
     def _ranked_processes(self, take_sessions: bool) -> list[ProcessInfo]:
         """A system rule's candidates: with a ranking, the largest processes read afresh, and

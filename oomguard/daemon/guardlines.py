@@ -7,17 +7,13 @@ from __future__ import annotations
 import re
 
 from oomguard.daemon.guards import CgroupGuard, Guard
+from oomguard.detect.registry import descriptions
 from oomguard.gpu.runtime import GpuSupport
+from oomguard.model.units import size_text
 from oomguard.respond.actor import RuleParts, rule_parts
 
 # NVML's "library not found" (12) and "driver not loaded" (9): no NVIDIA driver at all.
 _NO_DRIVER = re.compile(r"NVML error (9|12)\b|libnvidia-ml\.so not found")
-
-
-def size_text(n_bytes: float) -> str:
-    """400 MiB, 1.5 GiB: whole MiB below a GiB."""
-    mib = n_bytes / (1 << 20)
-    return f"{mib:.0f} MiB" if mib < 1024 else f"{mib / 1024:.1f} GiB"
 
 
 def _actions(parts: RuleParts | None, guard: Guard) -> str:
@@ -43,14 +39,8 @@ def guard_line(guard: Guard, limit: int | None, mem_total: int = 0,
                           f"{spec.predict_from:.0%})")
         where = guard.name
     else:
-        floor = spec.min_available
-        if isinstance(floor, float):
-            level = (f"act ({actions}) when MemAvailable is at or below {floor:.0%} of "
-                     f"{size_text(mem_total)} ({size_text(mem_total * floor)})")
-        else:
-            level = f"act ({actions}) when MemAvailable is at or below {size_text(floor)}"
-        if spec.psi_full_avg10 is not None:
-            level += f" or memory pressure (full avg10) reaches {spec.psi_full_avg10:.0%}"
+        level = f"act ({actions}) when " + " or ".join(
+            descriptions(spec.signal_settings(), mem_total))
         if spec.victim_cgroups:
             level += f", on processes in {', '.join(spec.victim_cgroups)}"
         where = "the system"

@@ -110,3 +110,9 @@ def format_size(n_bytes: float) -> str:
             return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def size_text(n_bytes: float) -> str:
+    """400 MiB, 1.5 GiB: whole MiB below a GiB (the daemon's startup lines)."""
+    mib = n_bytes / (1 << 20)
+    return f"{mib:.0f} MiB" if mib < 1024 else f"{mib / 1024:.1f} GiB"

@@ -132,12 +132,6 @@ def reclaim_due(events: int, room: int, window_bytes: int) -> bool:
     return (events + 1) * window_bytes * 2 >= room
 
 
-def below_min_available(available: int, total: int, min_available: float | int) -> bool:
-    """System rules: MemAvailable at or under the floor (a fraction of MemTotal, or bytes)."""
-    floor = int(total * min_available) if isinstance(min_available, float) else min_available
-    return available <= floor
-
-
 def headroom_needed(snapshot: MemorySnapshot, headroom: int) -> int | None:
     """The raised limit that gives the frozen tree `headroom` bytes to be seized and dumped
     (a task stuck at the limit cannot be; the parasite charges memory to the victim), or None."""

@@ -1,18 +1,15 @@
-"""System-wide rules (no per-cgroup limits, a workstation): MemAvailable against a floor, like
-earlyoom. The pieces that are pure functions of the numbers."""
+"""System-wide rules (no per-cgroup limits, a workstation): when to look at MemAvailable again
+and when to keep a ranking ready, like earlyoom, and which processes are in the rule's cgroups.
+Whether to act is the detection plug-ins' (oomguard.detect)."""
 
 from __future__ import annotations
 
-from oomguard.model.units import format_size
+from oomguard.detect.memavailable import floor_bytes
 
 # Poll MemAvailable the way earlyoom does: the closer to the floor, the more often; it assumes
 # memory can be eaten at up to 6 GB/s (earlyoom's figure).
 WORST_GROWTH_BYTES_PER_S = 6e9
 SYSTEM_MAX_POLL = 1.0
-
-
-def floor_bytes(total: int, floor: float | int) -> int:
-    return int(total * floor) if isinstance(floor, float) else floor
 
 
 def next_poll(available: int, total: int, floor: float | int, min_interval: float) -> float:
@@ -31,13 +28,6 @@ def preparing(available: int, total: int, floor: float | int) -> bool:
     return available - room < max(room, PREPARE_MIN_BYTES)
 
 
-def floor_reason(available: int, floor: float | int) -> str:
-    if isinstance(floor, float):
-        return (f"MemAvailable {format_size(available)} at or below the floor "
-                f"({floor:.0%} of MemTotal)")
-    return f"MemAvailable {format_size(available)} at or below {format_size(floor)}"
-
-
 def in_cgroups(rel_path: str, mount: str, roots: tuple[str, ...]) -> bool:
     """Is a process whose memory cgroup is `rel_path` at or below one of `roots` (filesystem
     paths under `mount`, or hierarchy paths)?"""
@@ -47,11 +37,3 @@ def in_cgroups(rel_path: str, mount: str, roots: tuple[str, ...]) -> bool:
         if inner == "/" or rel_path == inner or rel_path.startswith(inner + "/"):
             return True
     return False
-
-
-def pressure_reason(full_avg10: float, threshold: float | None) -> str | None:
-    """systemd-oomd's measure: the share of the last 10 s in which every task waited on memory
-    ("full" avg10, in percent in the kernel's file) at or above `threshold` (a fraction)."""
-    if threshold is None or full_avg10 / 100 < threshold:
-        return None
-    return f"memory pressure: full avg10 {full_avg10:.1f}% >= {threshold:.0%}"

@@ -1,5 +1,5 @@
-"""Pressure stall information: parsing /proc/pressure/memory and memory.pressure, and PSI
-triggers (Documentation/accounting/psi.rst).
+"""Pressure stall information: PSI triggers on /proc/pressure/memory and memory.pressure
+(Documentation/accounting/psi.rst); the files' numbers are parsed by oomguard.model.pressure.
 
 A trigger is "<some|full> <stall us> <window us>" written into the pressure file and ending
 with a NUL byte (the kernel overwrites the last byte). The fd then polls POLLPRI when the
@@ -11,41 +11,11 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 CAP_SYS_RESOURCE = 24
 MIN_WINDOW_US = 500_000
 UNPRIVILEGED_WINDOW_US = 2_000_000
-
-
-@dataclass(frozen=True)
-class PressureLine:
-    avg10: float
-    avg60: float
-    avg300: float
-    total_us: int
-
-
-@dataclass(frozen=True)
-class Pressure:
-    some: PressureLine
-    full: PressureLine | None
-
-
-def parse_pressure(text: str) -> Pressure:
-    lines: dict[str, PressureLine] = {}
-    for line in text.splitlines():
-        kind, _, rest = line.partition(" ")
-        values = dict(item.split("=", 1) for item in rest.split())
-        try:
-            lines[kind] = PressureLine(float(values["avg10"]), float(values["avg60"]),
-                                       float(values["avg300"]), int(values["total"]))
-        except (KeyError, ValueError) as exc:
-            raise ValueError(f"malformed pressure line: {line!r}") from exc
-    if "some" not in lines:
-        raise ValueError("pressure file has no 'some' line")
-    return Pressure(some=lines["some"], full=lines.get("full"))
 
 
 def has_cap_sys_resource(status_text: str) -> bool:

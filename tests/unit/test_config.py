@@ -279,8 +279,9 @@ def test_shipped_commented_guards_are_valid() -> None:
                     actions=(Step("checkpoint"),),
                     protect=("^(sshd|systemd|Xorg|gnome-shell)$",), gpu="neutral",
                     gpu_threshold=0.95),
-        GuardConfig(cgroups=(), system=True, min_available=0.10,
-                    victim_cgroups=("/sys/fs/cgroup/user.slice",), psi_full_avg10=0.6,
+        GuardConfig(cgroups=(), system=True,
+                    signals=(("min_available", 0.10), ("psi_full_avg10", 0.6)),
+                    victim_cgroups=("/sys/fs/cgroup/user.slice",),
                     headroom=64 * MiB,
                     on_failure="thaw"),
     )

@@ -26,7 +26,8 @@ def loaded_by(module: str) -> set[str]:
                                     "oomguard.policy.forecast", "oomguard.policy.retention",
                                     "oomguard.policy.systemrule", "oomguard.policy.rights",
                                     "oomguard.sense.cgroupfiles", "oomguard.sense.ranking",
-                                    "oomguard.sense.procevents", "oomguard.sense.cnproc"])
+                                    "oomguard.sense.procevents", "oomguard.sense.cnproc",
+                                    "oomguard.detect.registry"])
 def test_lower_layers_load_nothing_that_acts(module: str) -> None:
     loaded = loaded_by(module)
     assert not {name for name in loaded for acting in ACTING
@@ -36,8 +37,10 @@ def test_lower_layers_load_nothing_that_acts(module: str) -> None:
 POLICY = ("pressure", "victims", "preferences", "forecast", "retention", "systemrule", "rights",
           "jobs")
 # What a pure policy may load: the model, other policy modules, and the modules whose frozen
-# types it takes (MemorySnapshot: cgroup; ProcessInfo: sense.procfs), never called from here.
-POLICY_MAY_LOAD = ("oomguard.model", "oomguard.policy", "oomguard.cgroup", "oomguard.sense.procfs")
+# types it takes (MemorySnapshot: cgroup; ProcessInfo: sense.procfs), never called from here,
+# and the detection plug-ins (pure judgements of readings, below the config).
+POLICY_MAY_LOAD = ("oomguard.model", "oomguard.policy", "oomguard.cgroup", "oomguard.sense.procfs",
+                   "oomguard.detect")
 
 
 @pytest.mark.parametrize("name", POLICY)
@@ -49,9 +52,11 @@ def test_the_policy_loads_only_the_model_and_the_types_it_decides_on(name: str) 
 
 
 # What loading a config may load: the model and the config itself (the chain's grammar is
-# oomguard.config.actions, which loads only the model). Not its checks against the machine, which
-# read the cgroup tree. The CLI finds the daemon's socket in the config before anything else.
-CONFIG_MAY_LOAD = ("oomguard.model", "oomguard.config", "oomguard.config.actions")
+# oomguard.config.actions, which loads only the model), and the detection plug-ins, whose keys
+# a rule holds (they load only the model). Not its checks against the machine, which read the
+# cgroup tree. The CLI finds the daemon's socket in the config before anything else.
+CONFIG_MAY_LOAD = ("oomguard.model", "oomguard.config", "oomguard.config.actions",
+                   "oomguard.detect")
 
 
 def test_the_config_is_at_the_bottom_of_the_import_graph() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import oomguard
 
 # Bottom first. The top-level modules (__main__) sit above them all.
-LAYERS = ("model", "config", "sense", "cgroup", "policy", "store", "act", "gpu", "terminal",
-          "lifecycle", "observe", "respond", "control", "daemon", "cli")
+LAYERS = ("model", "detect", "config", "sense", "cgroup", "policy", "store", "act", "gpu",
+          "terminal", "lifecycle", "observe", "respond", "control", "daemon", "cli")
 PACKAGE = Path(oomguard.__file__).parent
 
 

@@ -79,12 +79,13 @@ class Log:
 
 
 def make_daemon(tmp_path: Path, rules: str = "", *, available: int = 12 * GiB,
-                rescan: str = "30s") -> tuple[Daemon, Clock, FakeEpoll, Log, dict[str, int]]:
+                rescan: str = "30s", daemon_keys: str = "",
+                ) -> tuple[Daemon, Clock, FakeEpoll, Log, dict[str, int]]:
     clock = Clock()
     polls: dict[str, FakeEpoll] = {}
     memory = {"available": available}
     text = f'[daemon]\nstore = "{tmp_path / "store"}"\nrescan_interval = "{rescan}"\nnice = 0\n' \
-        + rules
+        + daemon_keys + rules
     config = load_config_text(text, str(tmp_path / "oomguard.toml"))
     checkpointer = Checkpointer(Criu(binary="/nonexistent/criu", version=(4, 2)),
                                 Store(config.store), SigstopFreezer(), clock=clock)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from oomguard.policy.pressure import below_min_available
+from oomguard.detect.memavailable import below_min_available
 from oomguard.policy.victims import ProcessTree, build_trees, is_protected, rank_victims, system_candidates
 from oomguard.sense.procfs import ProcessInfo
 from tests.unit._support import MiB, proc_info

@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 
 import oomguard.sense.psi as psi
+from oomguard.model.pressure import Pressure, PressureLine, parse_pressure
 from oomguard.sense.psi import (
-    Pressure,
-    PressureLine,
     has_cap_sys_resource,
     open_trigger,
-    parse_pressure,
     shortest_window_us,
     trigger_string,
 )

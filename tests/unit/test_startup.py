@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 from oomguard.config.actions import parse_chain
 from oomguard.config.loading import GuardConfig
-from oomguard.daemon.guardlines import gpu_summary, guard_line, size_text
+from oomguard.daemon.guardlines import gpu_summary, guard_line
 from oomguard.daemon.guards import CgroupGuard, SystemGuard
 from oomguard.gpu.runtime import GpuSupport
+from oomguard.model.units import size_text
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -51,14 +52,16 @@ def test_a_cgroup_without_a_limit_says_there_is_nothing_to_act_on() -> None:
 
 
 def test_a_system_rule_says_the_floor_in_bytes() -> None:
-    spec = GuardConfig(cgroups=(), system=True, min_available=0.10, psi_full_avg10=0.2,
+    spec = GuardConfig(cgroups=(), system=True,
+                       signals=(("min_available", 0.10), ("psi_full_avg10", 0.2)),
                        victim_cgroups=("/user.slice",))
     guard = SystemGuard(spec=spec, detection="MemAvailable (adaptive polling)")
     assert guard_line(guard, None, 32 * GiB) == (
         "guarding the system: act (checkpoint) when MemAvailable is at or below 10% of "
         "32.0 GiB (3.2 GiB) or memory pressure (full avg10) reaches 20%, on processes in "
         "/user.slice, MemAvailable (adaptive polling)")
-    fixed = SystemGuard(spec=GuardConfig(cgroups=(), system=True, min_available=512 * MiB),
+    fixed = SystemGuard(spec=GuardConfig(cgroups=(), system=True,
+                                                  signals=(("min_available", 512 * MiB),)),
                         detection="MemAvailable (adaptive polling)")
     assert "at or below 512 MiB, MemAvailable" in guard_line(fixed, None, 32 * GiB)
 

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.policy.systemrule import (
-    SYSTEM_MAX_POLL,
-    floor_bytes,
-    floor_reason,
-    in_cgroups,
-    next_poll,
-    pressure_reason,
-)
+from oomguard.detect.memavailable import floor_bytes, floor_reason
+from oomguard.detect.psifull import pressure_reason
+from oomguard.policy.systemrule import SYSTEM_MAX_POLL, in_cgroups, next_poll
 
 GiB = 1 << 30
 
