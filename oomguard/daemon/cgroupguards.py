@@ -9,10 +9,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import select
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from oomguard.cgroup import watch
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
@@ -49,58 +48,87 @@ def sweep_slice(guards: list[CgroupGuard], turn: int) -> tuple[list[CgroupGuard]
     return guards[turn::slices], turn
 
 
-class CgroupGuardsMixin:
-    """Part of Daemon (oomguard/daemon/loop.py): the attributes below are Daemon's."""
+class CgroupGuards:
+    """The Daemon's cgroup guards (oomguard/daemon/loop.py) as a collaborator. Owns the rules'
+    globs, their compiled parts, the safety rescan's turn, whether the directories watched are
+    stale, and whether a guard is looked at as soon as it is armed (`examine_on_arm`). Shares
+    three values with the Daemon, which hands them in and only ever empties them in place:
+    every guard (`guards`, the system rule's too), the owner of each fd the loop polls
+    (`fd_owner`) and the timetable of the guards with a time set (`timed`). What it reads of
+    the Daemon that can change (the config after a reload, the standby the app sets) it reads
+    through callables."""
 
-    config: DaemonConfig
-    layout: CgroupLayout
-    log: Any
-    guards: list[Guard]
-    epoll: select.epoll
-    checkpointer: Checkpointer
-    saved_high: SavedLimits
-    armer: Armer
-    later_marks: LaterMarks
-    files: CgroupFiles
-    park_watch: ParkWatchdog
-    standby: Standby | None
-    _fd_owner: dict[int, tuple[Guard, str]]
-    _timed: dict[int, CgroupGuard]  # id -> the guard, for those with a due_at
-    _globs: list[tuple[GuardConfig, str]]
-    _examine_on_arm: bool
-    _rule_parts: dict[int, Any]  # id(rule) -> its compiled parts (acting.RuleParts)
-    _sweep_turn: int  # which slice of the guards the next safety rescan looks at
-    _dirs_stale: bool  # a guard went: the directories watched must be worked out again
+    def __init__(self, *, config: Callable[[], DaemonConfig], layout: CgroupLayout, log: Any,
+                 epoll: Any, checkpointer: Checkpointer, saved_high: SavedLimits, armer: Armer,
+                 later_marks: LaterMarks, files: CgroupFiles,
+                 park_watch: Callable[[], ParkWatchdog],
+                 standby: Callable[[], Standby | None], clock: Callable[[], float],
+                 examine_cgroup: Callable[[CgroupGuard, float, str], None],
+                 guards: list[Guard], fd_owner: dict[int, tuple[Guard, str]],
+                 timed: dict[int, CgroupGuard]) -> None:
+        self._config = config
+        self.layout = layout
+        self.log = log
+        self.epoll = epoll
+        self.checkpointer = checkpointer
+        self.saved_high = saved_high
+        self.armer = armer
+        self.later_marks = later_marks
+        self.files = files
+        self._park_watch = park_watch
+        self._standby = standby
+        self.clock = clock
+        self._examine_cgroup = examine_cgroup
+        self.guards = guards
+        self.fd_owner = fd_owner
+        self.timed = timed  # id -> the guard, for those with a due_at
+        self.globs: list[tuple[GuardConfig, str]] = []
+        self.rule_parts: dict[int, Any] = {}  # id(rule) -> its compiled parts (RuleParts)
+        self.sweep_turn = 0  # which slice of the guards the next safety rescan looks at
+        self.dirs_stale = False  # a guard went: the directories watched must be worked out again
+        self.examine_on_arm = True  # False while the daemon's arm() builds the guards at start
 
-    clock: Callable[[], float]
+    @property
+    def config(self) -> DaemonConfig:
+        return self._config()
 
-    if TYPE_CHECKING:
-        def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
-                            limit_busy: str = "") -> None: ...
+    @property
+    def park_watch(self) -> ParkWatchdog:
+        return self._park_watch()
+
+    @property
+    def standby(self) -> Standby | None:
+        return self._standby()
+
+    def forget_rules(self) -> None:
+        """A reload: the rules' globs and parts go with the old rules (the guards, the fds and
+        the timetable are emptied by the Daemon, which shares them)."""
+        self.globs = []
+        self.rule_parts = {}
 
     # -- building and arming ---------------------------------------------------------------------
 
-    def _new_cgroup_guard(self, spec: GuardConfig, path: str, pattern: str = "") -> CgroupGuard:
+    def new_guard(self, spec: GuardConfig, path: str, pattern: str = "") -> CgroupGuard:
         guard = CgroupGuard(spec=spec, cgroup=open_cgroup(path, self.layout), pattern=pattern)
-        guard.parts = self._rule_parts.get(id(spec))
+        guard.parts = self.rule_parts.get(id(spec))
         if guard.parts is None:  # compiled once per rule, shared by all its cgroups
-            guard.parts = self._rule_parts[id(spec)] = rule_parts(spec)
+            guard.parts = self.rule_parts[id(spec)] = rule_parts(spec)
         self.guards.append(guard)
         return guard
 
-    def _glob_matches(self) -> list[CgroupGuard]:
+    def glob_matches(self) -> list[CgroupGuard]:
         """Rules may name cgroups by glob (`/slurm/uid_*/job_*`): a guard for each that exists
         now and has none; those that went away are dropped."""
         new = []
         known = {g.name for g in self.guards if isinstance(g, CgroupGuard)}
-        for spec, pattern in self._globs:
+        for spec, pattern in self.globs:
             for match in sorted(glob.glob(self._fs_pattern(pattern))):
                 if match not in known and os.path.isdir(match):
-                    new.append(self._new_cgroup_guard(spec, match, pattern))
+                    new.append(self.new_guard(spec, match, pattern))
                     known.add(match)
         for guard in list(self.guards):
             if isinstance(guard, CgroupGuard) and guard.pattern and not guard.cgroup.exists():
-                self._cgroup_gone(guard)
+                self.cgroup_gone(guard)
                 self.guards.remove(guard)
         return new
 
@@ -109,14 +137,10 @@ class CgroupGuardsMixin:
         return pattern if mount is None or pattern.startswith(str(mount)) else \
             str(mount) + "/" + pattern.lstrip("/")
 
-    def _expand_globs(self) -> None:
-        self._arm_guards(self._glob_matches())
-        self._watch_directories()
-
-    def _arm_guards(self, guards: list[CgroupGuard]) -> None:
+    def arm(self, guards: list[CgroupGuard]) -> None:
         """Arm these guards together (concurrently: see arming.py), then register and report
         each, and look at each that is over its threshold already; their marks beyond the
-        threshold follow from beside the loop (_add_later_marks)."""
+        threshold follow from beside the loop (add_later_marks)."""
         if not guards:  # a rescan that found nothing: the directories watched stand
             return
         armed: list[Prepared] = []
@@ -134,9 +158,9 @@ class CgroupGuardsMixin:
                     armed.append(prepared)
             guards = again
         self.later_marks.start(armed)
-        self._watch_directories()  # where the missing would appear, beside the present
+        self.watch_directories()  # where the missing would appear, beside the present
 
-    def _add_later_marks(self) -> None:
+    def add_later_marks(self) -> None:
         """The marks beyond the threshold that came in from beside the loop: added to each
         guard still armed as it was when they were asked for, closed for the others (armed
         again, gone, released)."""
@@ -155,7 +179,7 @@ class CgroupGuardsMixin:
             for fd in marks.fds:
                 guard.fds[fd] = watch.EVENTFD
                 self.epoll.register(fd, watch.EPOLL_MASK[watch.EVENTFD])
-                self._fd_owner[fd] = (guard, watch.EVENTFD)
+                self.fd_owner[fd] = (guard, watch.EVENTFD)
             added += bool(marks.fds)
         if added:
             self.log.info("guard.marks_added", guards=added,
@@ -196,8 +220,8 @@ class CgroupGuardsMixin:
             if guard.poll_only:
                 polled = f"polling every {self.config.poll_interval * 1000:.0f}ms"
                 guard.detection = f"{guard.detection} + {polled}" if guard.fds else polled
-                self._set_due(guard, self.clock())
-            self._register(guard)
+                self.set_due(guard, self.clock())
+            self.register(guard)
             parking = watch.parks_at_limit(guard)
             if parking is not None:
                 self.park_watch.watch(guard.name, parking, guard.spec.park_deadline)
@@ -209,8 +233,8 @@ class CgroupGuardsMixin:
                       threshold=guard.spec.threshold, usage=snap.usage_bytes,
                       summary=guard_line(guard, snap.limit_bytes, dry_run=self.config.dry_run))
         # Already over the threshold when armed: no crossing will come, look now.
-        if self._examine_on_arm and snap.limit_bytes is not None:
-            self._examine_cgroup(guard, self.clock(), source="arm")
+        if self.examine_on_arm and snap.limit_bytes is not None:
+            self._examine_cgroup(guard, self.clock(), "arm")
         return False
 
     def _limit_moved(self, guard: CgroupGuard, armed: int | None) -> bool:
@@ -223,19 +247,19 @@ class CgroupGuardsMixin:
         except (CgroupGone, OSError):
             return False  # gone: the directory watch and the rescan say so
 
-    def _set_due(self, guard: CgroupGuard, at: float | None) -> None:
+    def set_due(self, guard: CgroupGuard, at: float | None) -> None:
         """When to look at `guard` without an event (None: only on events), in the
         timetable the loop's GuardPolls reads."""
         guard.due_at = at
         if at is None:
-            self._timed.pop(id(guard), None)
+            self.timed.pop(id(guard), None)
         else:
-            self._timed[id(guard)] = guard
+            self.timed[id(guard)] = guard
 
-    def _register(self, guard: Guard) -> None:
+    def register(self, guard: Guard) -> None:
         for fd, kind in guard.fds.items():
             self.epoll.register(fd, watch.EPOLL_MASK[kind])
-            self._fd_owner[fd] = (guard, kind)
+            self.fd_owner[fd] = (guard, kind)
 
     def _disarm(self, guard: Guard) -> None:
         if isinstance(guard, CgroupGuard):
@@ -243,39 +267,39 @@ class CgroupGuardsMixin:
         for fd in guard.fds:
             with contextlib.suppress(OSError):
                 self.epoll.unregister(fd)
-            self._fd_owner.pop(fd, None)
+            self.fd_owner.pop(fd, None)
             with contextlib.suppress(OSError):
                 os.close(fd)
         guard.fds.clear()
 
     # -- what the kernel says changed ------------------------------------------------------------
 
-    def _cgroup_guards(self) -> list[CgroupGuard]:
+    def cgroup_guards(self) -> list[CgroupGuard]:
         return [g for g in self.guards if isinstance(g, CgroupGuard)]
 
-    def _apply_changes(self, changes: Changes) -> None:
+    def apply_changes(self, changes: Changes) -> None:
         """inotify: limits written, cgroups gone, entries where rules look for cgroups."""
         if changes.overflow:
-            self._safety_rescan(everything=True)
+            self.safety_rescan(everything=True)
             return
         by_name: dict[str, list[CgroupGuard]] = {}
-        for guard in self._cgroup_guards():
+        for guard in self.cgroup_guards():
             by_name.setdefault(guard.name, []).append(guard)
-        beside = [g for g in self._cgroup_guards()
+        beside = [g for g in self.cgroup_guards()
                   if str(g.cgroup.path.parent) in changes.directories]
         for guard in [*(g for n in changes.gone for g in by_name.get(n, [])), *beside]:
             if guard.present and not guard.cgroup.exists():
-                self._cgroup_gone(guard)
+                self.cgroup_gone(guard)
         rearm = [g for name in changes.limits for g in by_name.get(name, [])
                  if self._limit_changed(g)]
         if changes.directories:
-            if self._globs:
-                rearm += self._glob_matches()
-            rearm += [g for g in self._cgroup_guards() if not g.present and not g.pattern
+            if self.globs:
+                rearm += self.glob_matches()
+            rearm += [g for g in self.cgroup_guards() if not g.present and not g.pattern
                       and g.cgroup.exists() and g not in rearm]
-        self._arm_guards(rearm)
+        self.arm(rearm)
         if changes.directories or changes.gone:
-            self._watch_directories()
+            self.watch_directories()
 
     def _limit_changed(self, guard: CgroupGuard) -> bool:
         """Whether `guard` must be armed again: it came back, or its own limit changed (a
@@ -286,21 +310,21 @@ class CgroupGuardsMixin:
         try:
             snap = guard.cgroup.snapshot()
         except CgroupGone:
-            self._cgroup_gone(guard)
+            self.cgroup_gone(guard)
             return False
         guard.last_snapshot = snap
         lifted = self.checkpointer.limit_lifted(guard.cgroup.path)
         return snap.limit_bytes != guard.armed_limit and not lifted
 
-    def _safety_rescan(self, everything: bool = False) -> None:
+    def safety_rescan(self, everything: bool = False) -> None:
         """Every rescan_interval (and, for `everything`, when inotify lost events): what
         notifications could have missed. Each guard looked at costs one stat(2) of its limit
         file unless it changed; with inotify at work a slice of the guards is looked at each
         time (see SWEEP_SLICES), without it all of them."""
-        rearm = self._glob_matches() if self._globs else []
-        guards = self._cgroup_guards()
+        rearm = self.glob_matches() if self.globs else []
+        guards = self.cgroup_guards()
         if self.files.available and not everything:
-            guards, self._sweep_turn = sweep_slice(guards, self._sweep_turn)
+            guards, self.sweep_turn = sweep_slice(guards, self.sweep_turn)
         new = {id(guard) for guard in rearm}
         for guard in guards:
             if id(guard) in new:
@@ -308,7 +332,7 @@ class CgroupGuardsMixin:
             now = stamp(f"{guard.name}/{guard.cgroup.limit_file}")  # (no Path made: 8 us each)
             if now is None:
                 if guard.present and not guard.cgroup.exists():
-                    self._cgroup_gone(guard)
+                    self.cgroup_gone(guard)
                 continue
             if not guard.present or now != guard.limit_stamp:
                 if self._limit_changed(guard):
@@ -316,18 +340,18 @@ class CgroupGuardsMixin:
                 elif guard.present and self.files.available:
                     self.files.watch_limit(guard.name,
                                            guard.cgroup.path / guard.cgroup.limit_file)
-        self._arm_guards(rearm)
-        if self._globs or self._dirs_stale:  # glob directories may have come or gone
-            self._watch_directories()
+        self.arm(rearm)
+        if self.globs or self.dirs_stale:  # glob directories may have come or gone
+            self.watch_directories()
 
-    def _watch_directories(self) -> None:
+    def watch_directories(self) -> None:
         """Where cgroups would appear: below each glob's fixed part, and the nearest existing
         ancestor of each configured cgroup that does not exist (yet)."""
         wanted: set[str] = set()
-        for _spec, pattern in self._globs:
+        for _spec, pattern in self.globs:
             wanted.update(directories_to_watch(self._fs_pattern(pattern)))
-        self._dirs_stale = False
-        for guard in self._cgroup_guards():
+        self.dirs_stale = False
+        for guard in self.cgroup_guards():
             if guard.pattern:
                 continue  # its parent is among its glob's directories
             if guard.present:
@@ -338,16 +362,16 @@ class CgroupGuardsMixin:
 
     # -- letting go --------------------------------------------------------------------------------
 
-    def _cgroup_gone(self, guard: CgroupGuard) -> None:
+    def cgroup_gone(self, guard: CgroupGuard) -> None:
         if guard.present:
             self.log.warning("guard.cgroup_gone", cgroup=guard.name)
             self._disarm(guard)
             self.files.unwatch_limit(guard.name)
             self.saved_high.forget_many(self._put_back(guard))  # the cgroup is gone: forgets
             guard.present = False
-            self._set_due(guard, None)
+            self.set_due(guard, None)
             guard.limit_stamp = None
-            self._dirs_stale = True  # watch where it would be made again
+            self.dirs_stale = True  # watch where it would be made again
 
     def _put_back(self, guard: CgroupGuard) -> list[str]:
         """memory.high and oom_kill_disable as they were; returns the SavedLimits keys."""
@@ -356,7 +380,7 @@ class CgroupGuardsMixin:
             self.standby.forget(guard.name)
         return watch.put_back(guard)
 
-    def _release_cgroup_guards(self) -> None:
+    def release(self) -> None:
         self.later_marks.join()
         forgotten: list[str] = []
         for guard in self.guards:
@@ -366,12 +390,12 @@ class CgroupGuardsMixin:
                 forgotten += self._put_back(guard)
         self.saved_high.forget_many(forgotten)
         self.files.watch_directories(set())
-        self._add_later_marks()  # every guard let go: what came in is closed
+        self.add_later_marks()  # every guard let go: what came in is closed
 
-    def _put_back_leftovers(self) -> None:
+    def put_back_leftovers(self) -> None:
         """What a dead run changed on cgroups that no rule now changes the same way."""
         for cgroup, setting in put_back_leftovers(
-                self.saved_high, claimed_keys(self._cgroup_guards()),
+                self.saved_high, claimed_keys(self.cgroup_guards()),
                 lambda path: open_cgroup(path, self.layout)):
             self.log.info("guard.setting_restored", cgroup=cgroup, setting=setting,
                           explanation="put back after a previous run that did not stop cleanly")
@@ -379,21 +403,21 @@ class CgroupGuardsMixin:
             self.log.info("guard.setting_restored", pid=pid, setting="oom_score_adj",
                           explanation="put back after a previous run that did not stop cleanly")
 
-    def _note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
+    def note_oom_kills(self, guard: CgroupGuard, snap: MemorySnapshot) -> None:
         if snap.oom_kills > guard.oom_kills:
             self.log.error("oom.kill_seen", cgroup=guard.name,
                            kills=snap.oom_kills - guard.oom_kills,
                            explanation="the kernel OOM killer acted before oomguard could")
         guard.oom_kills = snap.oom_kills
 
-    def _cgroup_at(self, path: str) -> MemoryCgroup | None:
+    def cgroup_at(self, path: str) -> MemoryCgroup | None:
         try:
             return open_cgroup(path, self.layout)
         except ValueError:
             return None
 
-    def _guard_at(self, path: Path) -> CgroupGuard | None:
-        for guard in self._cgroup_guards():
+    def guard_at(self, path: Path) -> CgroupGuard | None:
+        for guard in self.cgroup_guards():
             if guard.present and guard.cgroup.path == path:
                 return guard
         return None

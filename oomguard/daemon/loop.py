@@ -28,11 +28,11 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.configchecks import check_config, config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import RECLAIM, consume
-from oomguard.config.loading import DaemonConfig, GuardConfig, load_config
+from oomguard.config.loading import DaemonConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.autoresume import AutoResumer
-from oomguard.daemon.cgroupguards import CgroupGuardsMixin
+from oomguard.daemon.cgroupguards import CgroupGuards
 from oomguard.daemon.examining import Examiner
 from oomguard.daemon.gpuwatch import GpuWatch
 from oomguard.daemon.guardlines import guard_line
@@ -67,7 +67,7 @@ LAZY_STOP_WAIT = 300.0  # at most this long at exit for lazily restored jobs' pa
 STALE_TURN = 10.0  # the loop inside one turn this long: wedged (for the park watchdog's reason)
 
 
-class Daemon(CgroupGuardsMixin):
+class Daemon:
     def __init__(self, config: DaemonConfig, checkpointer: Checkpointer, layout: CgroupLayout,
                  log: Any, *, proc: ProcReader | None = None,
                  clock: Callable[[], float] = time.monotonic, self_pid: int | None = None,
@@ -105,17 +105,20 @@ class Daemon(CgroupGuardsMixin):
         self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wakeup.wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self._starting = False  # arm() is settling what a dead run (or its standby) left
+        self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
+        self.cgroup_guards = CgroupGuards(
+            config=lambda: self.config, layout=layout, log=log, epoll=self.epoll,
+            checkpointer=checkpointer, saved_high=self.saved_high, armer=self.armer,
+            later_marks=self.later_marks, files=self.files,
+            park_watch=lambda: self.park_watch, standby=lambda: self.standby, clock=clock,
+            examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source),
+            guards=self.guards, fd_owner=self._fd_owner, timed=self._timed)
         self._build_workers(restorer, containers, wall_clock)
         self._reload = False
         # A reload's rules are checked with this before they replace the running ones (the
         # app's: the new cgroups' locks, LockHeld where another daemon guards one).
         self.claim: Callable[[DaemonConfig], None] = lambda new: None
         self.on_reload: Callable[[DaemonConfig], None] = lambda new: None  # the app's: hooks
-        self._globs: list[tuple[GuardConfig, str]] = []
-        self._rule_parts: dict[int, Any] = {}
-        self._sweep_turn = 0
-        self._dirs_stale = False
-        self._examine_on_arm = True  # False while arm() builds the guards at start
         self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
                                   self.proc, self.log, protected=self.protected_pids,
                                   in_cgroups=self.examiner.in_cgroups, cgroup_of=self.examiner.cgroup_of,
@@ -123,14 +126,13 @@ class Daemon(CgroupGuardsMixin):
         self._gpu_watching = self._wants_gpu_watch()
         self._init_turns()
         self._build_timers()
-        self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
 
     def _build_timers(self) -> None:
         """The loop's timed work, in the order it fires (oomguard/daemon/timers.py)."""
-        self.rescan = SafetyRescan(lambda: self._safety_rescan(), self.settler.settle,
+        self.rescan = SafetyRescan(lambda: self.cgroup_guards.safety_rescan(), self.settler.settle,
                                    lambda: self.config.rescan_interval, self.clock)
         self.timers: list[Timer] = [
-            MarksIn(self.later_marks, lambda: self._add_later_marks()),
+            MarksIn(self.later_marks, lambda: self.cgroup_guards.add_later_marks()),
             GuardPolls(self._scheduled_polls, lambda g, now, source: self._examine(g, now, source)),
             GpuPolls(self.gpu_watch, lambda: self._gpu_watching, lambda: self.guards),
             Settling(self.settler, self._acted),
@@ -203,15 +205,15 @@ class Daemon(CgroupGuardsMixin):
             config=lambda: self.config, layout=self.layout, log=self.log, proc=self.proc,
             clock=clock, meminfo=self.meminfo, checkpointer=checkpointer, actor=self.actor,
             decisions=self.decisions, upkeep=self.upkeep, ranking=self.ranking,
-            newcomers=self.newcomers, cgroup_gone=lambda guard: self._cgroup_gone(guard),
-            set_due=lambda guard, at: self._set_due(guard, at),
-            note_oom_kills=lambda guard, snap: self._note_oom_kills(guard, snap),
+            newcomers=self.newcomers, cgroup_gone=lambda guard: self.cgroup_guards.cgroup_gone(guard),
+            set_due=lambda guard, at: self.cgroup_guards.set_due(guard, at),
+            note_oom_kills=lambda guard, snap: self.cgroup_guards.note_oom_kills(guard, snap),
             protected_among=lambda processes: self.protected_among(processes))
         self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
                                upkeep=self.upkeep, auto_restore=self.auto_restore,
                                auto_resume=self.auto_resume, actor=self.actor, proc=self.proc,
-                               log=self.log, clock=clock, guards=self._cgroup_guards,
-                               cgroup_at=self._cgroup_at, guard_at=self._guard_at,
+                               log=self.log, clock=clock, guards=self.cgroup_guards.cgroup_guards,
+                               cgroup_at=self.cgroup_guards.cgroup_at, guard_at=self.cgroup_guards.guard_at,
                                examine=self._examine_cgroup, config=lambda: self.config,
                                starting=lambda: self._starting)
         self.upkeep.hold_back = self.settler.leftover_waits
@@ -230,20 +232,20 @@ class Daemon(CgroupGuardsMixin):
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
         self.settler.drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
-        self._examine_on_arm = False
+        self.cgroup_guards.examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:
             self._build_guards()
         finally:
-            self._examine_on_arm = True
+            self.cgroup_guards.examine_on_arm = True
         try:
             self._take_over_standby()  # before the leftovers are continued: it may hold some
-            self._put_back_leftovers()
+            self.cgroup_guards.put_back_leftovers()
             self.park_watch.start()
             self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.upkeep.thaw_leftovers()
             self.settler.settle()  # limits a dead run lifted for a dump's headroom, leftovers
-            for guard in self._cgroup_guards():
+            for guard in self.cgroup_guards.cgroup_guards():
                 if guard.present and guard.armed_limit is not None:
                     self._examine_cgroup(guard, self.clock(), source="arm")
             self._starting = False
@@ -276,7 +278,7 @@ class Daemon(CgroupGuardsMixin):
                 self.guards.append(system)
                 self._system_guards.append(system)
                 arm_system(system, self.psi_trigger)
-                self._register(system)
+                self.cgroup_guards.register(system)
                 self.log.info("guard.armed", cgroup="system", detection=system.detection,
                               min_available=spec.min_available,
                               summary=guard_line(system, None, self.meminfo().total,
@@ -284,15 +286,15 @@ class Daemon(CgroupGuardsMixin):
                 continue
             for path in spec.cgroups:
                 if glob.has_magic(path):
-                    self._globs.append((spec, path))
+                    self.cgroup_guards.globs.append((spec, path))
                     continue
-                fixed.append(self._new_cgroup_guard(spec, path))
+                fixed.append(self.cgroup_guards.new_guard(spec, path))
         # Where cgroups appear is watched before the globs are read: one made in between
         # (a scheduler's next job, while the daemon starts) is reported, not missed until the
         # next rescan (the v2 lane caught it).
-        self._watch_directories()
-        self._arm_guards(fixed + self._glob_matches())  # one batch: see arming.py
-        self._watch_directories()
+        self.cgroup_guards.watch_directories()
+        self.cgroup_guards.arm(fixed + self.cgroup_guards.glob_matches())  # one batch: see arming.py
+        self.cgroup_guards.watch_directories()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -331,11 +333,10 @@ class Daemon(CgroupGuardsMixin):
                                  explanation="this setting takes effect at the next start")
         self._warn_config(warnings)
         self._release_guards()
-        self.guards = []
+        self.guards.clear()  # shared with the cgroup guards: emptied in place
         self._system_guards = []
-        self._timed = {}
-        self._globs = []
-        self._rule_parts = {}
+        self._timed.clear()
+        self.cgroup_guards.forget_rules()
         self.config = replace(new, store=self.config.store, state_dir=self.config.state_dir,
                               socket=self.config.socket,
                               criu=self.config.criu, nice=self.config.nice)
@@ -366,7 +367,7 @@ class Daemon(CgroupGuardsMixin):
         """Let actions in flight finish, then unregister every guard and put back what
         oomguard changed on its cgroup (memory.high, oom_kill_disable)."""
         self.actor.join()
-        self._release_cgroup_guards()
+        self.cgroup_guards.release()
 
     def close(self) -> None:
         if self.standby is not None:
@@ -452,7 +453,7 @@ class Daemon(CgroupGuardsMixin):
         for guard in fired:  # first: a crossing never waits behind bookkeeping
             self._examine(guard, woke, "event")
         if files_ready:
-            self._apply_changes(self.files.read())
+            self.cgroup_guards.apply_changes(self.files.read())
         for timer in self.timers:
             now = self.clock()
             wait = timer.due_in(now)
@@ -496,13 +497,13 @@ class Daemon(CgroupGuardsMixin):
     def preferences_for(self, cgroup: MemoryCgroup) -> Preferences | None:
         """The victim preferences of the rule guarding `cgroup` (parts are set when a guard
         is made)."""
-        guard = self._guard_at(cgroup.path)
+        guard = self.cgroup_guards.guard_at(cgroup.path)
         return None if guard is None else cast(RuleParts, guard.parts).prefs
 
     def user_headroom(self, cgroup: MemoryCgroup) -> int:
         """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its
         rule says `user_headroom = true`."""
-        guard = self._guard_at(cgroup.path)
+        guard = self.cgroup_guards.guard_at(cgroup.path)
         return guard.spec.headroom if guard is not None and guard.spec.user_headroom else 0
 
     def protected_pids(self) -> frozenset[int]:

@@ -250,7 +250,7 @@ def test_every_timer_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: 
 
 
 def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> None:
-    """A cgroup guard is polled when it has a time set (_set_due) and is present, not by a
+    """A cgroup guard is polled when it has a time set (set_due) and is present, not by a
     scan of every guard; taken off the timetable, it is no longer due."""
     from types import SimpleNamespace
 
@@ -269,7 +269,7 @@ def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> No
     examined: list[str] = []
     daemon._examine = lambda guard, now, source: examined.append(guard.name)  # type: ignore[method-assign]
     assert polls.due_in(clock.now) is None
-    daemon._set_due(timed, clock.now + 5)
+    daemon.cgroup_guards.set_due(timed, clock.now + 5)
     assert polls.due_in(clock.now) == pytest.approx(5.0)
     polls.fire(clock.now, [])
     assert examined == []
@@ -280,7 +280,7 @@ def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> No
     timed.present = False
     assert polls.due_in(clock.now) is None
     timed.present = True
-    daemon._set_due(timed, None)
+    daemon.cgroup_guards.set_due(timed, None)
     assert polls.due_in(clock.now) is None and daemon._timed == {}
 
 
