@@ -4,34 +4,47 @@ On any failure the tree is thawed and keeps running, and the raised CheckpointFa
 and why (a rule's kill after a failed checkpoint is its action chain's next step: chain.py).
 A process is never left stopped, and one the user had stopped is never continued (meta.json
 names it: restore leaves it stopped too).
+
+Beside it: the refusals before the stop (precheck.py), the store's room (storeroom.py), the
+limit lifted for the dump (dumproom.py), a GPU tree's hand-off (gpuhandoff.py), the new
+checkpoint's description (newmeta.py), the run's state (checkpointrun.py) and the errors a
+failure raises (dumpfailure.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
 import psutil
 
 from oomguard.act.bystanders import Bystanders, Held
-from oomguard.act.criu import Criu, format_version
+from oomguard.act.criu import Criu
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, SigstopFreezer
 from oomguard.act.lifts import LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import shields_needed
-from oomguard.gpu.offload import GpuHold, GpuRefused, back_to_gpu, move_off_gpu, put_back_limit
+from oomguard.gpu.offload import GpuHold, back_to_gpu, put_back_limit
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.lifecycle import fileids
+from oomguard.lifecycle.checkpointrun import (
+    CheckpointRequest,
+    CheckpointResult,
+    CheckpointRun,
+    CheckpointTimings,
+)
+from oomguard.lifecycle.dumpfailure import commit_failed, dump_failed
 from oomguard.lifecycle.dumproom import DumpRoom, limited
 from oomguard.lifecycle.fileids import FILES_RECORD
+from oomguard.lifecycle.gpuhandoff import hand_off_gpu
+from oomguard.lifecycle.newmeta import describe_tree, ns_pids
 from oomguard.lifecycle.precheck import refuse_before_stop
 from oomguard.lifecycle.storeroom import disk_full, fit_stopped, room_for
 from oomguard.model.errors import (
@@ -44,12 +57,9 @@ from oomguard.model.errors import (
     StoreOverBudget,
     TreeNotYours,
 )
-from oomguard.policy.jobs import job_fields
 from oomguard.policy.retention import Prune
 from oomguard.policy.rights import foreign_of
-from oomguard.policy.unfit import lasting_failure
 from oomguard.policy.victims import ProcessTree
-from oomguard.sense.owners import owner_fields
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.budget import BudgetExceeded, Reservation, StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
@@ -62,65 +72,6 @@ from oomguard.terminal.checkpointing import DumpTerminals
 DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
-
-
-@dataclass(frozen=True)
-class CheckpointTimings:
-    freeze_s: float
-    dump_s: float
-    commit_s: float
-    total_s: float
-    holders_s: float = 0.0  # of dump_s: waiting for terminal holders to answer `dumping`
-
-
-@dataclass(frozen=True)
-class CheckpointResult:
-    meta: CheckpointMeta
-    path: Path
-    timings: CheckpointTimings
-
-
-@dataclass(frozen=True)
-class _Request:
-    """What one checkpoint was asked for (Checkpointer.checkpoint's arguments)."""
-
-    tree: ProcessTree
-    cgroup: MemoryCgroup | None
-    reason: str
-    on_frozen: Callable[[Frozen, float], None] | None
-    after_signal: Callable[[], None] | None
-    requester: int | None
-    headroom: int  # the room lifted over the cgroup's limit for the dump (0: none)
-    rights_of: int | None
-    start: float  # monotonic
-
-
-@dataclass
-class _Run:
-    """One checkpoint from the stop on: what has been done so far, so what is left to undo
-    (each step that undoes a thing sets it back to None, False or empty)."""
-
-    frozen: Frozen
-    pids: list[int]  # the tree as it stopped
-    shielding: bool  # shielded from the OOM killer until stopped (cgroup v2)
-    hold: GpuHold | None  # its CUDA state moved off the GPU
-    others: Held  # the rest of its cgroup, held stopped while it is dumped
-    undo_limit: Callable[[], str | None] | None  # the limits lifted for it, latest first
-    terminals: DumpTerminals
-    checkpoint_id: str
-    left: list[int] = field(default_factory=list)  # reparented out of the tree, let go
-    began: bool = False  # the checkpoint's directory exists
-    dumped: bool = False  # CRIU has killed the tree: the images are all there is of it
-    lock_fd: int | None = None
-    frozen_at: float = 0.0
-    dumped_at: float = 0.0
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 class Checkpointer:
@@ -196,7 +147,7 @@ class Checkpointer:
         # the dump as its first lift (put back with it, before the tree's mates go on).
         room_given = self.headroom if headroom is None else headroom
         bridge = self.room.early(cgroup, room_given)
-        request = _Request(tree, cgroup, reason, on_frozen, after_signal, requester, room_given,
+        request = CheckpointRequest(tree, cgroup, reason, on_frozen, after_signal, requester, room_given,
                            rights_of, start)
         try:
             with room_for(self.budget, self.on_pruned, tree, cgroup) as room:
@@ -206,7 +157,7 @@ class Checkpointer:
                 with contextlib.suppress(OSError, CgroupGone):
                     bridge()
 
-    def _checkpoint_recorded(self, request: _Request, held: Collection[int],
+    def _checkpoint_recorded(self, request: CheckpointRequest, held: Collection[int],
                              room: Reservation | None,
                              bridge: Callable[[], str | None] | None) -> CheckpointResult:
         """Durably noted before the first SIGSTOP: a crash from here on is thawed at the next
@@ -230,8 +181,8 @@ class Checkpointer:
                 request.after_signal()
             return self._dump_and_commit(request, run, room)
 
-    def _stop(self, request: _Request, held: Collection[int],
-              bridge: Callable[[], str | None] | None) -> _Run:
+    def _stop(self, request: CheckpointRequest, held: Collection[int],
+              bridge: Callable[[], str | None] | None) -> CheckpointRun:
         """SIGSTOP to the tree (not yet waited for), shielded from the OOM killer until then
         where the cgroup needs it (v2 has no oom_kill_disable: memory taken inside one system
         call fails there instead of killing the job), its CUDA state off the GPU first; the
@@ -261,11 +212,11 @@ class Checkpointer:
         others = Held()
         if cgroup is not None and request.headroom > 0 and limited(cgroup):
             others = self.bystanders.hold(cgroup, frozen.pids, request.requester)
-        return _Run(frozen=frozen, pids=frozen.pids, shielding=shielding, hold=hold,
+        return CheckpointRun(frozen=frozen, pids=frozen.pids, shielding=shielding, hold=hold,
                     others=others, undo_limit=bridge, terminals=DumpTerminals(tree.root.uid),
                     checkpoint_id=new_id(tree.root.pid, self.wall_clock()))
 
-    def _dump_and_commit(self, request: _Request, run: _Run,
+    def _dump_and_commit(self, request: CheckpointRequest, run: CheckpointRun,
                          room: Reservation | None) -> CheckpointResult:
         try:
             self._settle(request, run)
@@ -289,7 +240,7 @@ class Checkpointer:
                                     holders_s=run.terminals.told_in)
         return CheckpointResult(meta=meta, path=path, timings=timings)
 
-    def _settle(self, request: _Request, run: _Run) -> None:
+    def _settle(self, request: CheckpointRequest, run: CheckpointRun) -> None:
         """The stop waited for: arrivals in the cgroup held too, the headroom lifted over the
         cgroup's own limit, the children forked meanwhile stopped and recorded (with the
         connector), and the tasks the user stopped too left to them."""
@@ -312,7 +263,8 @@ class Checkpointer:
         run.frozen = run.frozen.plus_user_stopped(self.freezer.stopped_again(run.frozen.ours))
         self._unrecord(run.frozen.user_stopped)
 
-    def _refuse_stopped(self, request: _Request, run: _Run, room: Reservation | None) -> None:
+    def _refuse_stopped(self, request: CheckpointRequest, run: CheckpointRun,
+                        room: Reservation | None) -> None:
         """Refused once stopped, nothing dumped: a task that is not the asking user's (as
         after a setuid program's exec), or a tree grown past the store's budget. The limit
         is put back first (nothing runs meanwhile), then only the tasks oomguard stopped are
@@ -336,21 +288,21 @@ class Checkpointer:
                                   "the processes oomguard stopped continued",
                                   FailedCheckpoint.THAWED, exc.figures) from exc
 
-    def _let_go(self, run: _Run) -> None:
+    def _let_go(self, run: CheckpointRun) -> None:
         if run.undo_limit is not None:
             with contextlib.suppress(OSError, CgroupGone):
                 run.undo_limit()
             run.undo_limit = None
         self.freezer.thaw(run.frozen.ours)
 
-    def _lift_for_dump(self, request: _Request, run: _Run, own: bool) -> None:
+    def _lift_for_dump(self, request: CheckpointRequest, run: CheckpointRun, own: bool) -> None:
         """The headroom over the cgroup's `own` limit (before the stop is waited for), or over
         the limit in force (once stopped: a task inside one system call, mmap MAP_POPULATE...,
         stops only on its way out, and may have used up the limit, or the headroom given
         before, by then). Undone with the lifts before it."""
         run.undo_limit = self.room.over(request.cgroup, request.headroom, own, run.undo_limit)
 
-    def _meta_of_stopped(self, request: _Request, run: _Run) -> CheckpointMeta:
+    def _meta_of_stopped(self, request: CheckpointRequest, run: CheckpointRun) -> CheckpointMeta:
         """The tree unshielded (back to its own oom_score_adj, which CRIU saves with the
         images), lifted again if it must be, and described as it stopped, which is what CRIU
         dumps (and a restore needs free): not the tree chosen before the freeze, whose
@@ -360,18 +312,19 @@ class Checkpointer:
         if run.shielding:
             self.shield.unshield(run.pids + list(tree.pids) + run.left)
         self._lift_for_dump(request, run, own=False)
-        meta = self._meta(run.checkpoint_id, tree, request.cgroup, request.reason, 0.0)
+        meta = describe_tree(run.checkpoint_id, tree, request.cgroup, request.reason,
+                             self.criu.version, self.wall_clock())
         meta.pids = list(run.pids)
         run.terminals = DumpTerminals.of(self.proc.root, run.pids, tree.root.uid)
         run.terminals.record(meta.extra)
         run.terminals.start_dumping(run.checkpoint_id)  # answered while the dump is prepared
-        meta.stopped_nspids = self._ns_pids(run.frozen.user_stopped)
+        meta.stopped_nspids = ns_pids(self.proc, run.frozen.user_stopped)
         if run.hold is not None:
             meta.gpu_pids, meta.vram_bytes = run.hold.ns_pids, run.hold.vram_bytes
             meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
         return meta
 
-    def _dump(self, request: _Request, run: _Run, meta: CheckpointMeta) -> Digests | None:
+    def _dump(self, request: CheckpointRequest, run: CheckpointRun, meta: CheckpointMeta) -> Digests | None:
         """CRIU dumps the stopped tree into a new checkpoint's images (two dumps at a time),
         checksummed as written and compressed alongside where asked; once the tree's memory
         is back, the lifted limit is put back and the rest of the cgroup continued."""
@@ -407,7 +360,8 @@ class Checkpointer:
                 digests = with_packed(digests, *packer.finish())
         return digests
 
-    def _fail_after_dump(self, request: _Request, run: _Run, exc: BaseException) -> NoReturn:
+    def _fail_after_dump(self, request: CheckpointRequest, run: CheckpointRun,
+                         exc: BaseException) -> NoReturn:
         """Dumped, the commit failed: never deleted, the partial stays, listed as incomplete,
         completed at the next start (or restore) once the store can take the commit. The tree
         is gone: the room lifted for it is put back before its holders are told."""
@@ -415,13 +369,9 @@ class Checkpointer:
         self._put_back_room(run.undo_limit, run.others)
         run.undo_limit, run.others = None, Held()
         run.terminals.committed(run.checkpoint_id, request.tree.root.command, pid)
-        raise CheckpointFailed(
-            f"checkpoint of {pid}: the process was dumped and is gone, but "
-            f"the commit failed ({exc}); its images are intact and it is listed as "
-            f"incomplete ({run.checkpoint_id}): it is completed at the daemon's next start "
-            "or when restored", OUTCOME_INCOMPLETE) from exc
+        raise commit_failed(pid, run.checkpoint_id, exc) from exc
 
-    def _fail(self, request: _Request, run: _Run, exc: BaseException) -> NoReturn:
+    def _fail(self, request: CheckpointRequest, run: CheckpointRun, exc: BaseException) -> NoReturn:
         """The dump failed (or was refused once stopped): CRIU's log kept, the partial gone,
         the limit put back before anything else (the tree cannot grow meanwhile), the
         terminals' holders told, the tree thawed (and back on the GPU)."""
@@ -446,19 +396,9 @@ class Checkpointer:
             trouble = back_to_gpu(self.gpu, run.hold.pids)
             gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
                         f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-        busy_note = (f"; the limit lifted for its dump could not be put back: {busy}"
-                     if busy else "")
-        if full is not None:
-            raise StoreOverBudget(
-                f"checkpoint of {pid} failed: the store's disk filled during "
-                f"the dump ({full.describe()}): {exc}{gpu_note}{busy_note}", outcome,
-                full.fields(), limit_busy=busy) from exc
-        raise CheckpointFailed(f"checkpoint of {pid} failed: {exc}{gpu_note}"
-                               f"{busy_note}", outcome,
-                               lasting=lasting_failure(str(exc)) or "",
-                               limit_busy=busy) from exc
+        raise dump_failed(pid, exc, outcome, full, gpu_note, busy) from exc
 
-    def _end(self, request: _Request, run: _Run) -> None:
+    def _end(self, request: CheckpointRequest, run: CheckpointRun) -> None:
         """What every ending undoes, whatever undid what before it: the shield, the GPU's
         lifted limit, the checkpoint's lock, the dump's lift and the held others, and the
         crash ledger's entries."""
@@ -499,27 +439,12 @@ class Checkpointer:
     def _off_gpu(self, tree: ProcessTree, cgroup: MemoryCgroup | None,
                  held: Collection[int]) -> GpuHold | None:
         """A tree holding GPU memory: its CUDA state into host memory first (the ledger has
-        the pids already); refused, untouched, when that is not possible."""
+        the pids already); refused, untouched, when that is not possible (gpuhandoff.py)."""
         if self.gpu is None or not self.gpu.accounting:
             return None
-
-        def thaw_ours(pids: list[int]) -> None:  # a task the user had stopped stays stopped
-            self.freezer.thaw([pid for pid in pids if pid in held or not self._stopped(pid)])
-
-        def lift(cgroup: MemoryCgroup, new_limit: int) -> Callable[[], None]:
-            release = self.room.lift(cgroup, new_limit)
-
-            def put_back() -> None:
-                release()  # one that cannot be put back yet stays pending: the settling's
-            return put_back
-        try:
-            return move_off_gpu(self.gpu, tree, cgroup, margin=self.gpu_margin,
-                                mem_available=self.mem_available, lift=lift, thaw=thaw_ours)
-        except GpuRefused as exc:
-            with contextlib.suppress(OSError):
-                self.ledger.clear(list(tree.pids))
-            raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
-                                   f"{exc}", OUTCOME_UNTOUCHED) from exc
+        return hand_off_gpu(self.gpu, tree, cgroup, held, margin=self.gpu_margin,
+                            mem_available=self.mem_available, room=self.room,
+                            freezer=self.freezer, proc=self.proc, ledger=self.ledger)
 
     def limit_lifted(self, path: Path) -> bool:
         """Whether oomguard has lifted this cgroup's limit (or still owes putting it back)."""
@@ -553,31 +478,6 @@ class Checkpointer:
         if user_stopped:
             with contextlib.suppress(OSError):
                 self.ledger.clear(user_stopped)
-
-    def _stopped(self, pid: int) -> bool:
-        try:
-            return self.proc.state(pid) == USER_STOPPED_STATE
-        except ProcessGone:
-            return False
-
-    def _ns_pids(self, pids: list[int]) -> list[int]:
-        """PIDs in the tree's own PID namespace (NSpid's last field): what a restore maps back
-        to host PIDs (a tree started by `oomguard exec` gets new host PIDs)."""
-        return sorted(info.nspid[-1] for info in self.proc.processes(pids))
-
-    def _meta(self, checkpoint_id: str, tree: ProcessTree, cgroup: MemoryCgroup | None,
-              reason: str, dump_seconds: float) -> CheckpointMeta:
-        root = tree.root
-        return CheckpointMeta(
-            id=checkpoint_id, pid=root.pid, pids=list(tree.pids), command=root.command,
-            comm=root.comm, uid=root.uid, user=user_name(root.uid),
-            cgroup=cgroup.rel_path if cgroup is not None else "",
-            cgroup_version=cgroup.version if cgroup is not None else 0,
-            rss_bytes=tree.rss_bytes, reason=reason,
-            criu_version=format_version(self.criu.version), created=self.wall_clock(),
-            pidns=root.is_pidns_init, dump_seconds=round(dump_seconds, 3),
-            extra=owner_fields(cgroup.rel_path) if cgroup is not None else {}, **job_fields(tree),
-        )
 
 
 def tree_of(pid: int, proc: ProcReader) -> ProcessTree:

@@ -19,7 +19,7 @@ from oomguard.observe.dbus import restore_command
 from oomguard.sense.owners import SlurmStep
 
 if TYPE_CHECKING:
-    from oomguard.lifecycle.checkpoint import CheckpointTimings
+    from oomguard.lifecycle.checkpointrun import CheckpointTimings
     from oomguard.lifecycle.restore import RestoreResult
     from oomguard.model.checkpointmeta import CheckpointMeta
 

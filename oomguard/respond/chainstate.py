@@ -9,7 +9,7 @@ from typing import Any
 
 from oomguard.act.freezer import Frozen
 from oomguard.cgroup.base import MemoryCgroup
-from oomguard.lifecycle.checkpoint import CheckpointResult
+from oomguard.lifecycle.checkpointrun import CheckpointResult
 from oomguard.policy.victims import ProcessTree
 
 

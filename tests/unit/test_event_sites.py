@@ -18,7 +18,8 @@ from oomguard.config.loading import GuardConfig, load_config_text
 from oomguard.control.service import Service
 from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.loop import Daemon
-from oomguard.lifecycle.checkpoint import Checkpointer, CheckpointResult, CheckpointTimings
+from oomguard.lifecycle.checkpoint import Checkpointer
+from oomguard.lifecycle.checkpointrun import CheckpointResult, CheckpointTimings
 from oomguard.lifecycle.restore import RestoreResult
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint, StoreOverBudget

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from oomguard.daemon.telemetry import EventTap
-from oomguard.lifecycle.checkpoint import CheckpointTimings
+from oomguard.lifecycle.checkpointrun import CheckpointTimings
 from oomguard.lifecycle.restore import RestoreResult
 from oomguard.model.errors import FailedCheckpoint
 from oomguard.observe.events import (

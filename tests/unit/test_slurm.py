@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.lifecycle.checkpoint import CheckpointTimings
+from oomguard.lifecycle.checkpointrun import CheckpointTimings
 from oomguard.observe.events import CheckpointDone
 from oomguard.observe.slurm import SlurmError, SlurmNotifier, admin_comment, find_scontrol
 from tests.unit.test_store import make_meta
