@@ -20,6 +20,7 @@ from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
 from oomguard.cgroup.v1 import V1MemoryCgroup
 from oomguard.cgroup.v2 import V2MemoryCgroup, rearm_watch
 from oomguard.config.schema import GuardConfig
+from oomguard.detect.registry import watched_from
 from oomguard.model.errors import CgroupGone
 from oomguard.model.pressure import parse_pressure
 
@@ -79,13 +80,13 @@ def threshold_marks(limit: int, threshold: float) -> list[int]:
 
 
 def v1_marks(guard: Watched, limit: int) -> tuple[list[int], list[int]]:
-    """The usage levels to register on v1, as (first, later): first the threshold itself (and,
-    with time_to_limit, the level where growth starts being watched), which make the guard
+    """The usage levels to register on v1, as (first, later): first the threshold itself (and
+    where a detection plug-in starts watching: time_to_limit's growth), which make the guard
     armed; then the marks beyond the threshold, which only catch up with page cache."""
     marks = threshold_marks(limit, guard.spec.threshold)
     first = marks[:1]
-    if guard.spec.time_to_limit:  # wake where growth starts being watched
-        first.insert(0, int(limit * guard.spec.predict_from))
+    for share in watched_from(guard.spec.signal_settings()):  # where a plug-in starts watching
+        first.insert(0, int(limit * share))
     return first, marks[1:]
 
 

@@ -31,7 +31,6 @@ from oomguard.config.values import (
     GUARD_KEYS,
     ConfigReader,
     absolute_path,
-    boolean,
     call_rate_value,
     cgroup_list,
     choice,
@@ -51,6 +50,7 @@ from oomguard.model.quantities import (
     DURATION_OR_NONE,
     POSITIVE_DURATION,
     SIZE_SHARE_OR_NONE,
+    boolean,
     size,
     wait,
 )

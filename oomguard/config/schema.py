@@ -99,16 +99,15 @@ class GuardConfig:
     # the jobs below them are (oomguard.policy.sessions).
     take_sessions: bool = False
     post_action_delay: float = 0.0  # after acting on a cgroup, wait before acting there again
-    time_to_limit: bool = False  # act early when growth would hit the limit before a dump ends
-    predict_from: float = 0.5  # watch growth (poll) once usage passes this share of the limit
     freeze_deadline: float = 60.0  # a freeze ends (dump, thaw or kill) within this
     kill_grace: float = 5.0  # SIGTERM, then SIGKILL after this
     store_margin: int = 256 << 20  # free space wanted in the store beyond the image estimate
     gpu: str = "neutral"  # GPU processes in victim choice: neutral | prefer | avoid
     gpu_threshold: float | None = None  # also act when a GPU's memory reaches this share
-    # System rules: the detection plug-ins' keys (oomguard.detect: min_available, a share of
-    # MemTotal or bytes; psi_full_avg10...) as (key, value) pairs, every plug-in's key present
-    # (a key not given takes its plug-in's default), in key order.
+    # The detection plug-ins' keys (oomguard.detect: a system rule's min_available, a share of
+    # MemTotal or bytes, and psi_full_avg10; a cgroup rule's time_to_limit and predict_from...)
+    # as (key, value) pairs, every plug-in's key present (a key not given takes its plug-in's
+    # default), in key order.
     signals: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from oomguard.model.quantities import (
     POSITIVE_DURATION,
     SHARE,
     Quantity,
+    boolean,
     size,
     wait,
 )
@@ -63,12 +64,6 @@ class ConfigReader:
             near = difflib.get_close_matches(key, known, n=1)
             reason = f"unknown key (did you mean '{near[0]}'?)" if near else "unknown key"
             self.issues.append(ConfigIssue(self.source, f"{prefix}{key}", reason))
-
-
-def boolean(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
 
 
 def nonempty_str(value: Any) -> str:
@@ -203,7 +198,7 @@ GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "restore_quiet": wait(), "restore_margin": size(), "actions": parse_chain,
     "prefer": regex_list, "avoid": regex_list, "protect": regex_list,
     "protect_session_leaders": boolean, "take_sessions": boolean, "post_action_delay": wait(),
-    "time_to_limit": boolean, "predict_from": SHARE, "freeze_deadline": POSITIVE_DURATION,
+    "freeze_deadline": POSITIVE_DURATION,
     "kill_grace": wait(), "store_margin": size(), "restore_attempts": positive_count,
     "restore_retry": POSITIVE_DURATION,
     "gpu": lambda v: choice(v, GPU_PREFERENCES), "gpu_threshold": SHARE,

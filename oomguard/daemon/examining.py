@@ -7,7 +7,7 @@ next look and hands the action to the Actor."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +18,12 @@ from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.daemon.storeupkeep import StoreUpkeep
-from oomguard.detect.base import SystemSignal
-from oomguard.detect.registry import first_reason
+from oomguard.detect.base import CgroupSignal, SystemSignal
+from oomguard.detect.registry import cgroup_signals, first_reason, judge_cgroup
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
-from oomguard.policy.forecast import predict
 from oomguard.policy.jobs import below_namespace_init, lift_to_jobs
 from oomguard.policy.preferences import select_victims
 from oomguard.policy.pressure import (
@@ -52,6 +51,28 @@ from oomguard.sense.systemlook import PRESSURE_FILE, SystemLook
 PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
 
 
+@dataclass(frozen=True)
+class CgroupLook:
+    """One look at a guarded cgroup, as the cgroup detection plug-ins read it
+    (oomguard.detect.base.CgroupReadings)."""
+
+    snapshot: MemorySnapshot
+    now: float
+    dump_throughput: float
+
+    @property
+    def usage_bytes(self) -> int:
+        return self.snapshot.usage_bytes
+
+    @property
+    def anon_bytes(self) -> int:
+        return self.snapshot.anon_bytes
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return self.snapshot.limit_bytes
+
+
 class Examiner:
     """Looks at a guard and decides. Owns when the system rule is looked at next
     (`next_system_poll`); the guards' own schedule and their end are the daemon's, reached
@@ -67,6 +88,7 @@ class Examiner:
                  note_oom_kills: Callable[[CgroupGuard, MemorySnapshot], None],
                  protected_among: Callable[[list[ProcessInfo]], frozenset[int]],
                  signals: tuple[SystemSignal, ...] | None = None,
+                 cgroup_signals: tuple[CgroupSignal, ...] | None = None,
                  pressure_file: Path = PRESSURE_FILE) -> None:
         self._config = config
         self.layout = layout
@@ -86,6 +108,7 @@ class Examiner:
         self.protected_among = protected_among
         self.next_system_poll = 0.0
         self.signals = signals  # the system rules' detections; None: the registry's
+        self.cgroup_signals = cgroup_signals  # the cgroup rules' beside the threshold; None: same
         self.pressure_file = pressure_file
 
     @property
@@ -123,7 +146,9 @@ class Examiner:
                           "watching until it drops")
         guard.watching = watching
         reason = decision.reason
-        predicted = self._predict(guard, snap) if decision.verdict is not Verdict.ACT else None
+        fired, predicted = None, None
+        if decision.verdict is not Verdict.ACT:
+            fired, predicted = self._judge_signals(guard, snap)
         self._schedule(guard, snap, woken=source == "event")
         if decision.verdict is not Verdict.ACT:
             if predicted is None:
@@ -131,7 +156,9 @@ class Examiner:
                 return
             reason = predicted
         else:
-            guard.growth = replace(guard.growth, samples=())
+            guard.signal_states = {
+                signal.name: signal.after_action(guard.signal_states.get(signal.name))
+                for signal in cgroup_signals(self.cgroup_signals)}
         if snap.under_oom:  # parked at the limit: never left waiting for an event
             self._set_due(guard, min(guard.due_at or 1e18, self.clock() + PARKED_RETRY))
         if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock(),
@@ -144,7 +171,7 @@ class Examiner:
                           anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,
                           limit=snap.limit_bytes, reason=reason)
         self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT,
-                            limit_busy)
+                            limit_busy, fired)
 
     def reclaim_due(self, guard: CgroupGuard, events: int) -> bool:
         """The kernel's reclaim in the cgroup woke the loop (`events` windows): whether to look
@@ -158,7 +185,8 @@ class Examiner:
         time-to-limit and polled guards every poll_interval."""
         now = self.clock()
         due: float | None = None
-        if guard.poll_only or guard.growth.predicting:
+        if guard.poll_only or any(signal.polls(guard.signal_states.get(signal.name))
+                                  for signal in cgroup_signals(self.cgroup_signals)):
             due = now + self.config.poll_interval
         if guard.watching and snap.limit_bytes is not None:
             delay, guard.cache_watch = watch_next(
@@ -170,11 +198,14 @@ class Examiner:
         self._set_due(guard, due)
 
     def _act_on_cgroup(self, guard: CgroupGuard, snap: MemorySnapshot, woke: float, reason: str,
-                       acting: bool, limit_busy: str = "") -> None:
+                       acting: bool, limit_busy: str = "",
+                       fired: CgroupSignal | None = None) -> None:
+        """`acting`: over the threshold; else on the reason of the plug-in that `fired`, which
+        goes on while resident memory stays above where it watches from (or the threshold)."""
         cgroup = guard.cgroup
         threshold = guard.spec.threshold
-        floor = 0 if acting else int((snap.limit_bytes or 0)
-                                     * min(threshold, guard.spec.predict_from))
+        watched = fired.watched_from(guard.spec.signal_settings()) if fired is not None else None
+        floor = 0 if acting else int((snap.limit_bytes or 0) * min(threshold, watched or 1.0))
 
         def still_pressing() -> bool:
             try:
@@ -208,16 +239,14 @@ class Examiner:
             return
         self.log.warning("threshold.crossed", cgroup=name, **fields)
 
-    def _predict(self, guard: CgroupGuard, snap: MemorySnapshot) -> str | None:
-        """Time-to-limit (policy.forecast.predict): the guard's growth history in, the new
-        one out; a reason to act when the limit comes before a checkpoint could finish."""
-        limit = snap.limit_bytes
-        if not guard.spec.time_to_limit or limit is None:
-            return None
-        reason, guard.growth = predict(guard.growth, self.clock(), snap.usage_bytes,
-                                       snap.anon_bytes, limit, guard.spec.predict_from,
-                                       self.upkeep.throughput)
-        return reason
+    def _judge_signals(self, guard: CgroupGuard,
+                       snap: MemorySnapshot) -> tuple[CgroupSignal | None, str | None]:
+        """The cgroup detection plug-ins (time-to-limit...): each takes its state from the
+        guard's last look and gives back the next; the first with a reason to act names it."""
+        look = CgroupLook(snap, self.clock(), self.upkeep.throughput)
+        fired, reason, guard.signal_states = judge_cgroup(
+            look, guard.spec.signal_settings(), guard.signal_states, self.cgroup_signals)
+        return fired, reason
 
     def _vram(self) -> dict[int, int]:
         gpu = self.checkpointer.gpu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from oomguard.daemon.guards import CgroupGuard, Guard
-from oomguard.detect.registry import descriptions
+from oomguard.detect.registry import cgroup_descriptions, descriptions
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.model.units import size_text
 from oomguard.respond.actor import RuleParts, rule_parts
@@ -34,9 +34,8 @@ def guard_line(guard: Guard, limit: int | None, mem_total: int = 0,
         else:
             level = (f"act ({actions}) at {spec.threshold:.0%} of {size_text(limit)} "
                      f"({size_text(limit * spec.threshold)})")
-            if spec.time_to_limit:
-                level += (f", earlier when growth would reach the limit first (watched from "
-                          f"{spec.predict_from:.0%})")
+            for words in cgroup_descriptions(spec.signal_settings()):
+                level += f", {words}"
         where = guard.name
     else:
         level = f"act ({actions}) when " + " or ".join(

@@ -15,7 +15,6 @@ from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, Replaced, claimed_key, put_
 from oomguard.config.loading import GuardConfig
 from oomguard.lifecycle.restorefit import GuardLookup, RestoreGuard, guard_for
 from oomguard.model.errors import CgroupGone
-from oomguard.policy.forecast import GrowthHistory
 from oomguard.policy.pressure import CacheWatch
 from oomguard.sense.cgroupfiles import Stamp
 from oomguard.sense.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
@@ -40,7 +39,8 @@ class CgroupGuard:
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
-    growth: GrowthHistory = field(default_factory=GrowthHistory)  # policy.forecast.predict
+    # What each cgroup detection plug-in kept from its last look (oomguard.detect: by name).
+    signal_states: dict[str, Any] = field(default_factory=dict)
     last_snapshot: MemorySnapshot | None = None  # the latest reading (for the gauges)
     limit_stamp: Stamp | None = None  # the limit file when last read (the safety rescan)
     due_at: float | None = None  # look again then without an event (polls, a cache-only watch)

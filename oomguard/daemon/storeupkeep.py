@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from oomguard.config.loading import DaemonConfig
+from oomguard.detect.timetolimit import DEFAULT_THROUGHPUT
 from oomguard.model.errors import StoreError
-from oomguard.policy.forecast import DEFAULT_THROUGHPUT, updated_throughput
+from oomguard.policy.forecast import updated_throughput
 from oomguard.policy.retention import Prune
 from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store

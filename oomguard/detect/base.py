@@ -1,5 +1,8 @@
 """What a detection plug-in is: its config keys, its judgement of a look's readings, and its
-words for the startup line."""
+words for the startup line. A system rule's (SystemSignal) judges the machine; a cgroup rule's
+(CgroupSignal) judges one cgroup, and keeps a state of its own per guard from look to look (as
+systemd-oomd passes the previous tick's data): the examiner hands it in and keeps what comes
+back."""
 
 from __future__ import annotations
 
@@ -52,4 +55,57 @@ class SystemSignal(Protocol):
     def describe(self, settings: Settings, mem_total: int) -> str | None:
         """What it watches, in the words of the startup line ("MemAvailable is at or below
         10% of 23.5 GiB (2.3 GiB)"); None when the rule leaves it off."""
+        ...
+
+
+class CgroupReadings(Protocol):
+    """One look at a guarded cgroup: its memory (a MemorySnapshot has these), when, and what
+    this machine's dumps have shown they write per second."""
+
+    @property
+    def usage_bytes(self) -> int: ...
+
+    @property
+    def anon_bytes(self) -> int: ...
+
+    @property
+    def limit_bytes(self) -> int | None: ...
+
+    @property
+    def now(self) -> float: ...  # monotonic seconds
+
+    @property
+    def dump_throughput(self) -> float: ...  # bytes/s
+
+
+class CgroupSignal(Protocol):
+    """A cgroup rule's detection beside its threshold: a reason to act before the threshold is
+    crossed. `state`: what it kept at the guard's last look (None at first)."""
+
+    name: str
+    keys: tuple[Key, ...]
+
+    def judge(self, readings: CgroupReadings, settings: Settings,
+              state: Any) -> tuple[str | None, Any]:
+        """(why the rule acts now, or None; the state to keep for the next look)."""
+        ...
+
+    def polls(self, state: Any) -> bool:
+        """Whether the guard must be looked at every poll_interval for it (no kernel event
+        tells what it watches)."""
+        ...
+
+    def after_action(self, state: Any) -> Any:
+        """The state once the rule has acted (what it saw before is no guide any more)."""
+        ...
+
+    def watched_from(self, settings: Settings) -> float | None:
+        """The share of the limit from which it watches (None: off): the kernel wakes the
+        daemon there (a v1 mark), and an action taken on its reason goes on while resident
+        memory stays above it (or above the threshold, whichever is lower)."""
+        ...
+
+    def describe(self, settings: Settings) -> str | None:
+        """Its words on the startup line ("earlier when growth would reach the limit first
+        (watched from 50%)"); None when the rule leaves it off."""
         ...

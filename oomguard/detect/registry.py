@@ -1,19 +1,30 @@
 """Every detection plug-in, in the order their reasons are asked for (the first that has one
-names why a rule acts). A new one: its module in oomguard/detect/, and a line here. The
-functions read SYSTEM_SIGNALS when called (`signals=None`), so the config, the examiner and the
-startup line always agree on the plug-ins."""
+names why a rule acts): the system rules' (SYSTEM_SIGNALS) and the cgroup rules' beside their
+threshold (CGROUP_SIGNALS). A new one: its module in oomguard/detect/, and a line here. The
+functions read these when called (`signals=None`), so the config, the examiner, the arming
+and the startup line always agree on the plug-ins."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from oomguard.detect import memavailable, psifull
-from oomguard.detect.base import Key, Settings, SystemReadings, SystemSignal
+from oomguard.detect import memavailable, psifull, timetolimit
+from oomguard.detect.base import (
+    CgroupReadings,
+    CgroupSignal,
+    Key,
+    Settings,
+    SystemReadings,
+    SystemSignal,
+)
 
 SYSTEM_SIGNALS: tuple[SystemSignal, ...] = (
     memavailable.SIGNAL,
     psifull.SIGNAL,
+)
+CGROUP_SIGNALS: tuple[CgroupSignal, ...] = (
+    timetolimit.SIGNAL,
 )
 
 
@@ -21,12 +32,14 @@ def _chosen(signals: Iterable[SystemSignal] | None) -> Iterable[SystemSignal]:
     return SYSTEM_SIGNALS if signals is None else signals
 
 
-def keys_of(signals: Iterable[SystemSignal] | None = None) -> tuple[Key, ...]:
-    return tuple(key for signal in _chosen(signals) for key in signal.keys)
+def keys_of() -> tuple[Key, ...]:
+    """Every plug-in's keys, system and cgroup rules' alike (a rule holds them all)."""
+    system = tuple(key for signal in SYSTEM_SIGNALS for key in signal.keys)
+    return system + tuple(key for signal in CGROUP_SIGNALS for key in signal.keys)
 
 
-def defaults(signals: Iterable[SystemSignal] | None = None) -> dict[str, Any]:
-    return {key.name: key.default for key in keys_of(signals)}
+def defaults() -> dict[str, Any]:
+    return {key.name: key.default for key in keys_of()}
 
 
 def first_reason(readings: SystemReadings, settings: Settings,
@@ -44,3 +57,34 @@ def descriptions(settings: Settings, mem_total: int,
                  signals: Iterable[SystemSignal] | None = None) -> list[str]:
     return [text for signal in _chosen(signals)
             if (text := signal.describe(settings, mem_total)) is not None]
+
+
+def cgroup_signals(signals: Iterable[CgroupSignal] | None = None) -> Iterable[CgroupSignal]:
+    return CGROUP_SIGNALS if signals is None else signals
+
+
+def judge_cgroup(readings: CgroupReadings, settings: Settings, states: dict[str, Any],
+                 signals: Iterable[CgroupSignal] | None = None,
+                 ) -> tuple[CgroupSignal | None, str | None, dict[str, Any]]:
+    """Every cgroup plug-in judges the look (each keeps its own history), the first with a
+    reason names it: (that plug-in, its reason, the states for the next look)."""
+    found: tuple[CgroupSignal | None, str | None] = (None, None)
+    kept = dict(states)
+    for signal in cgroup_signals(signals):
+        reason, kept[signal.name] = signal.judge(readings, settings, states.get(signal.name))
+        if reason is not None and found[1] is None:
+            found = (signal, reason)
+    return found[0], found[1], kept
+
+
+def watched_from(settings: Settings,
+                 signals: Iterable[CgroupSignal] | None = None) -> list[float]:
+    """The shares of the limit from which the cgroup plug-ins on in `settings` watch."""
+    return [share for signal in cgroup_signals(signals)
+            if (share := signal.watched_from(settings)) is not None]
+
+
+def cgroup_descriptions(settings: Settings,
+                        signals: Iterable[CgroupSignal] | None = None) -> list[str]:
+    return [text for signal in cgroup_signals(signals)
+            if (text := signal.describe(settings)) is not None]

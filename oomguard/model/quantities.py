@@ -20,6 +20,14 @@ from oomguard.model.units import (
     parse_fraction,
 )
 
+
+def boolean(value: Any) -> bool:
+    """A TOML boolean (no quantity, but as plainly written: true or false)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*$")
 _LEADING_NUMBER = re.compile(r"^\s*(\d+(?:\.\d+)?)")
 TINY_SIZE = 1024  # a bare size below this many bytes was almost surely meant in another unit

@@ -224,7 +224,7 @@ def test_gone_refused_and_unlimited_cgroups_are_told_apart(tmp_path: Path, journ
 
 
 def test_one_guard_is_armed_inline_without_a_pool(tmp_path: Path, journal: Journal) -> None:
-    (guard,) = guards_for(tmp_path, journal, 1, time_to_limit=True)
+    (guard,) = guards_for(tmp_path, journal, 1, signals=(("time_to_limit", True),))
     before = threading.active_count()
     Armer(snapshot_of, SavedLimits(tmp_path / "s.json"), "").arm([guard])
     marks = [int(e[2]) for e in journal.entries if e[0] == "mark"]

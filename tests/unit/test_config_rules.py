@@ -105,10 +105,13 @@ def regex_error(pattern: str) -> str:
 )
 def test_guard_key_parses(line: str, attr: str, expected: Any) -> None:
     spec = guard(line)
-    assert getattr(spec, attr) == expected
-    assert type(getattr(spec, attr)) is type(expected)
+    plugin = attr in spec.signal_settings()  # a detection plug-in's key (oomguard.detect)
+    got = spec.signal_settings()[attr] if plugin else getattr(spec, attr)
+    assert got == expected
+    assert type(got) is type(expected)
     # nothing else moved
-    assert GuardConfig(cgroups=("/jobs/a",), **{attr: expected}) == spec
+    given = {"signals": ((attr, expected),)} if plugin else {attr: expected}
+    assert GuardConfig(cgroups=("/jobs/a",), **given) == spec
 
 
 @pytest.mark.parametrize(
@@ -171,9 +174,10 @@ restore_margin = "32M"
     assert spec == GuardConfig(
         cgroups=("/jobs/a",), actions=(Step(FREEZE), Step(CHECKPOINT), Step(KILL)),
         prefer=("^python",), avoid=("^firefox",), protect=("^sshd$",),
-        protect_session_leaders=True, post_action_delay=15.0, time_to_limit=True,
-        predict_from=0.5, freeze_deadline=30.0, kill_grace=2.0, store_margin=512 * MiB,
-        auto_restore=True, restore_quiet=20.0, restore_margin=32 * MiB)
+        protect_session_leaders=True, post_action_delay=15.0,
+        signals=(("time_to_limit", True), ("predict_from", 0.5)), freeze_deadline=30.0,
+        kill_grace=2.0, store_margin=512 * MiB, auto_restore=True, restore_quiet=20.0,
+        restore_margin=32 * MiB)
 
 
 def test_guard_defaults_for_new_keys() -> None:
@@ -182,8 +186,8 @@ def test_guard_defaults_for_new_keys() -> None:
     assert (spec.prefer, spec.avoid, spec.protect) == ((), (), ())
     assert spec.protect_session_leaders is False
     assert spec.post_action_delay == 0.0
-    assert spec.time_to_limit is False
-    assert spec.predict_from == 0.5
+    assert spec.signal_settings()["time_to_limit"] is False
+    assert spec.signal_settings()["predict_from"] == 0.5
     assert (spec.freeze_deadline, spec.kill_grace, spec.store_margin) == (60.0, 5.0, 256 * MiB)
     assert (spec.auto_restore, spec.restore_quiet, spec.restore_margin) == (False, 10.0, 64 * MiB)
     assert (spec.restore_attempts, spec.restore_retry) == (3, 60.0)

@@ -1,14 +1,19 @@
-"""Detections as plug-ins (issue 30, item 3): a system rule's reasons to act come from the
-modules of oomguard.detect, listed once in its registry. A plug-in written here (a PSI "some"
-avg60 window, which oomguard does not ship) is added with one registry line and nothing else:
-the config file takes its key with its kind's hints, the startup line says it, the daemon's
-look judges it and names its reason, and the plug-ins after the first reason are not asked
-(their readings are not taken)."""
+"""Detections as plug-ins (issue 30, item 3): a system rule's reasons to act, and a cgroup
+rule's beside its threshold, come from the modules of oomguard.detect, listed once in its
+registry. Plug-ins written here (a PSI "some" avg60 window; anonymous memory over a share for
+a few looks), which oomguard does not ship, are added with one registry line and nothing else:
+the config file takes their keys with their kinds' hints, the startup line says them, the
+daemon's look judges them and names their reason (the system rule's plug-ins after the first
+reason are not asked: their readings are not taken), a cgroup plug-in keeps its own state
+from look to look and is armed for where it starts watching."""
 
 from __future__ import annotations
 
 from collections import namedtuple
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,9 +21,10 @@ from oomguard.config.loading import GuardConfig, load_config_text
 from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import SystemGuard
 from oomguard.detect import registry
-from oomguard.detect.base import Key, Settings, SystemReadings
+from oomguard.detect.base import CgroupReadings, Key, Settings, SystemReadings
 from oomguard.detect.memavailable import MemAvailableFloor
 from oomguard.detect.psifull import PsiFull
+from oomguard.detect.timetolimit import GrowthHistory, TimeToLimit
 from oomguard.model.errors import ConfigError
 from oomguard.model.pressure import Pressure, PressureLine
 from oomguard.model.quantities import SHARE
@@ -75,13 +81,17 @@ class Readings:
 def test_the_shipped_plugins_are_the_floor_then_full_pressure() -> None:
     names = [signal.name for signal in registry.SYSTEM_SIGNALS]
     assert names == ["memavailable", "psi_full"]
-    assert [key.name for key in registry.keys_of()] == ["min_available", "psi_full_avg10"]
-    assert registry.defaults() == {"min_available": 0.10, "psi_full_avg10": None}
+    assert [signal.name for signal in registry.CGROUP_SIGNALS] == ["time_to_limit"]
+    assert [key.name for key in registry.keys_of()] == [
+        "min_available", "psi_full_avg10", "time_to_limit", "predict_from"]
+    assert registry.defaults() == {"min_available": 0.10, "psi_full_avg10": None,
+                                   "time_to_limit": False, "predict_from": 0.5}
 
 
 def test_a_rule_holds_every_plugins_key_at_its_value_or_default() -> None:
     spec = load_config_text(SYSTEM + 'min_available = "2G"\n', "c.toml").guards[0]
-    assert spec.signal_settings() == {"min_available": 2 * GiB, "psi_full_avg10": None}
+    assert spec.signal_settings() == {"min_available": 2 * GiB, "psi_full_avg10": None,
+                                      "time_to_limit": False, "predict_from": 0.5}
     assert spec.min_available == 2 * GiB
     assert spec == GuardConfig(cgroups=(), system=True, signals=(("min_available", 2 * GiB),))
     with pytest.raises(ValueError, match="no detection plug-in has the key 'min_avail'"):
@@ -168,3 +178,98 @@ def test_the_floor_and_full_pressure_say_what_they_watch() -> None:
     assert MemAvailableFloor().describe({"min_available": 512 << 20}, 32 * GiB) == (
         "MemAvailable is at or below 512 MiB")
     assert PsiFull().describe({"psi_full_avg10": None}, 32 * GiB) is None
+
+
+# -- the cgroup rules' plug-ins (beside the threshold) ---------------------------------------------
+
+class AnonCount:
+    """A cgroup plug-in a user would add: act once anonymous memory has been over a share of
+    the limit for `anon_looks` looks in a row (its state: the looks counted so far), watched
+    from that share on (polled meanwhile)."""
+
+    name: str = "anon_count"
+    keys: tuple[Key, ...] = (Key("anon_share", SHARE, None), Key("anon_looks", int, 3))
+
+    def judge(self, readings: CgroupReadings, settings: Settings,
+              state: Any) -> tuple[str | None, Any]:
+        share, limit = settings["anon_share"], readings.limit_bytes
+        if share is None or limit is None or readings.anon_bytes < limit * share:
+            return None, 0
+        looks = (state or 0) + 1
+        if looks < settings["anon_looks"]:
+            return None, looks
+        return f"anonymous memory over {share:.0%} for {looks} looks", looks
+
+    def polls(self, state: Any) -> bool:
+        return bool(state)
+
+    def after_action(self, state: Any) -> Any:
+        return 0
+
+    def watched_from(self, settings: Settings) -> float | None:
+        share: float | None = settings["anon_share"]
+        return share
+
+    def describe(self, settings: Settings) -> str | None:
+        share = settings["anon_share"]
+        return None if share is None else f"or when anonymous memory stays over {share:.0%}"
+
+
+@dataclass(frozen=True)
+class Look:
+    usage_bytes: int
+    anon_bytes: int
+    limit_bytes: int | None
+    now: float = 0.0
+    dump_throughput: float = 200e6
+
+
+@pytest.fixture
+def with_cgroup_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(registry, "CGROUP_SIGNALS", (*registry.CGROUP_SIGNALS, AnonCount()))
+
+
+def test_a_new_cgroup_plugin_keeps_its_state_from_look_to_look(
+        with_cgroup_plugin: None) -> None:
+    spec = load_config_text('[[guard]]\ncgroup = "/jobs/a"\nanon_share = "60%"\n'
+                            "anon_looks = 2\n", "c.toml").guards[0]
+    settings = spec.signal_settings()
+    over = Look(usage_bytes=700, anon_bytes=650, limit_bytes=1000)
+    fired, reason, states = registry.judge_cgroup(over, settings, {})
+    assert (fired, reason) == (None, None) and states["anon_count"] == 1
+    assert any(signal.polls(states.get(signal.name)) for signal in registry.cgroup_signals())
+    fired, reason, states = registry.judge_cgroup(over, settings, states)
+    assert isinstance(fired, AnonCount) and reason == "anonymous memory over 60% for 2 looks"
+    under = Look(usage_bytes=700, anon_bytes=100, limit_bytes=1000)
+    assert registry.judge_cgroup(under, settings, states)[2]["anon_count"] == 0
+    # time-to-limit judged beside it, its history kept under its own name
+    assert states["time_to_limit"] == GrowthHistory()
+
+
+def test_a_new_cgroup_plugin_is_armed_for_and_said_at_start(with_cgroup_plugin: None) -> None:
+    from oomguard.cgroup.watch import threshold_marks, v1_marks
+
+    spec = load_config_text('[[guard]]\ncgroup = "/jobs/a"\nthreshold = "90%"\n'
+                            'anon_share = "60%"\n', "c.toml").guards[0]
+    guard = SimpleNamespace(spec=spec)
+    first, later = v1_marks(guard, 1000 << 20)  # type: ignore[arg-type]
+    assert first == [int((1000 << 20) * 0.6), threshold_marks(1000 << 20, 0.9)[0]]
+    assert later == threshold_marks(1000 << 20, 0.9)[1:]
+    assert registry.cgroup_descriptions(spec.signal_settings()) == [
+        "or when anonymous memory stays over 60%"]
+
+
+def test_time_to_limit_is_the_shipped_cgroup_plugin() -> None:
+    plugin = TimeToLimit()
+    settings = {"time_to_limit": True, "predict_from": 0.5}
+    mib = 1 << 20
+    reason, history = plugin.judge(Look(600 * mib, 500 * mib, 1000 * mib, now=0.0), settings,
+                                   None)
+    assert reason is None and plugin.polls(history) and plugin.watched_from(settings) == 0.5
+    reason, history = plugin.judge(Look(990 * mib, 900 * mib, 1000 * mib, now=0.1), settings,
+                                   history)
+    assert reason is not None and reason.startswith("growing ")
+    assert plugin.after_action(history) == GrowthHistory(True, ())
+    off = {"time_to_limit": False, "predict_from": 0.5}
+    assert plugin.judge(Look(990 * mib, 900 * mib, 1000 * mib), off, None)[0] is None
+    assert plugin.watched_from(off) is None and plugin.describe(off) is None

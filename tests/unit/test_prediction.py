@@ -1,4 +1,5 @@
-"""oomguard.policy.forecast: growth rate, time-to-limit forecast and the dump throughput estimate."""
+"""Time-to-limit (oomguard.detect.timetolimit): growth rate and forecast; the dump throughput
+estimate (oomguard.policy.forecast)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ import random
 
 import pytest
 
-from oomguard.policy.forecast import (
+from oomguard.detect.timetolimit import (
     DEFAULT_THROUGHPUT,
     MIN_SPAN,
     SAFETY_SECONDS,
     Forecast,
     forecast,
     growth_rate,
-    updated_throughput,
 )
+from oomguard.policy.forecast import updated_throughput
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -203,7 +204,7 @@ def test_updated_throughput(previous: float, image_bytes: int, seconds: float,
 # -- the guard's history as a value (policy.forecast.predict, policy.pressure.watch_next) -------
 
 def test_predict_takes_the_history_and_returns_the_next() -> None:
-    from oomguard.policy.forecast import PREDICT_SAMPLES, GrowthHistory, predict
+    from oomguard.detect.timetolimit import PREDICT_SAMPLES, GrowthHistory, predict
 
     limit, mib = 1000 * MiB, MiB
     below = predict(GrowthHistory(True, ((0.0, 1),)), 1.0, 500 * mib, 0, limit, 0.8, 200e6)

@@ -36,7 +36,8 @@ def test_a_v1_cgroup_guard_in_one_line() -> None:
 
 
 def test_actions_prediction_and_dry_run_are_said() -> None:
-    spec = GuardConfig(cgroups=(JOBS,), threshold=0.9, time_to_limit=True, predict_from=0.6,
+    spec = GuardConfig(cgroups=(JOBS,), threshold=0.9,
+                       signals=(("time_to_limit", True), ("predict_from", 0.6)),
                        actions=parse_chain(["checkpoint", "kill"]))
     line = guard_line(cgroup_guard(spec, "polling every 100ms"), 2 * GiB, dry_run=True)
     assert line.startswith(f"guarding {JOBS}: act (checkpoint, then kill) at 90% of 2.0 GiB "
