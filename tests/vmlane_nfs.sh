@@ -4,8 +4,10 @@
 # The guest's kernel serves NFS (nfsd; this machine's nfs-kernel-server programs, which the
 # guest sees through its read-only root) from a directory of the lane's scratch disk (ext4)
 # and mounts it over 127.0.0.1 as NFSv4.2 with the options a cluster node would use (hard,
-# the server's locks); "another node" mounts it again in a mount namespace with nosharecache. Then tests/integration/test_nfs_store.py runs against that mount
-# ($OOMGUARD_NFS_STORE): real daemons, CRIU writing its images over NFS, restores from it.
+# the server's locks); "another node" mounts it again in a mount namespace with nosharecache.
+# Then tests/integration/test_nfs_store.py runs against that mount ($OOMGUARD_NFS_STORE): real
+# daemons, CRIU writing its images over NFS, restores from it. A test gets 300 s at most: one
+# that hangs is ended with every thread's stack on stderr.
 # Exit 3: no NFS programs on this machine (scripts/setup installs them): a skip.
 set -euo pipefail
 scratch=${OOMGUARD_VM_SCRATCH:?run inside scripts/vm-lane}
@@ -42,7 +44,7 @@ mount -t nfs4 -o vers=4.2,hard,timeo=600 127.0.0.1:/ "$mnt" || { say "FAIL: cann
 say "store file system: $(findmnt -n -o FSTYPE,SOURCE,OPTIONS "$mnt" | cut -c1-120)"
 export OOMGUARD_NFS_STORE=$mnt
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -q -rfEs -o timeout=900 \
+.venv/bin/python -m pytest -p no:cacheprovider -q -rfEs -o timeout=300 -o timeout_method=thread \
   --basetemp "$scratch/pytest" tests/integration/test_nfs_store.py
 rc=$?
 umount "$mnt" 2>/dev/null
