@@ -11,7 +11,11 @@ scratch=${OOMGUARD_VM_SCRATCH:?run inside scripts/vm-lane}
 repo=$(pwd)
 py=$repo/.venv/bin/python
 local_dir=/run/cluster-lane
-mkdir -p "$local_dir"/{state,spool} /shared
+# The guest's root is the host's, read-only: the shared file system is mounted under a tmpfs
+# on /mnt, at the same path on both nodes.
+mountpoint -q /mnt || mount -t tmpfs -o mode=755 mnt /mnt
+shared=/mnt/shared
+mkdir -p "$local_dir"/{state,spool} "$shared"
 me=node$role
 if [ "$role" = a ]; then addr=10.91.0.1; peer=10.91.0.2; else addr=10.91.0.2; peer=10.91.0.1; fi
 say() { printf '[cluster-lane %s] %s\n' "$me" "$*" >&2; }
@@ -19,7 +23,7 @@ fail() {
   say "FAIL: $*"
   [ "$role" = a ] && echo "FAIL: $*" > "$dir/result"
   touch "$dir/finished.$role"
-  for f in "$dir"/log/*-"$me".log /shared/out/*; do
+  for f in "$dir"/log/*-"$me".log $shared/out/*; do
     [ -f "$f" ] && { echo "== $f" >&2; tail -n 30 "$f" >&2; }
   done
   exit 1
@@ -43,7 +47,10 @@ done
 ip addr add "$addr/24" dev "$nic"
 ip link set "$nic" up
 hostname "$me"
-printf '10.91.0.1 nodea\n10.91.0.2 nodeb\n' >> /etc/hosts
+# The guest's root is the host's, read-only: its /etc/hosts is a copy with the nodes added.
+cp /etc/hosts "$local_dir/hosts"
+printf '10.91.0.1 nodea\n10.91.0.2 nodeb\n' >> "$local_dir/hosts"
+mount --bind "$local_dir/hosts" /etc/hosts
 # No ping on this machine: a UDP datagram makes the kernel resolve the peer's address (ARP);
 # its answer, the peer's MAC in the neighbour table, says the link works.
 for i in $(seq 1 120); do
@@ -55,7 +62,7 @@ for i in $(seq 1 120); do
 done
 say "link up: $nic $addr, $peer is $(ip neigh show "$peer" | grep -o 'lladdr [^ ]*')"
 
-# -- the shared store: NFS from node A, mounted by both at /shared ----------------------------
+# -- the shared store: NFS from node A, mounted by both at /mnt/shared ------------------------
 if [ "$role" = a ]; then
   export_dir=$scratch/shared
   mkdir -p "$export_dir"/{store,out,work}
@@ -81,14 +88,16 @@ else
   modprobe nfsv4 || fail "no nfsv4 in the guest kernel"
   wait_file "$dir/nfs-ready" 300 || fail "node A never exported the store"
 fi
-mount -t nfs4 -o vers=4.2,hard,timeo=600 nodea:/ /shared || fail "cannot mount nodea:/ at /shared"
-say "store: $(findmnt -n -o FSTYPE,SOURCE /shared)"
+mount -t nfs4 -o vers=4.2,hard,timeo=600 nodea:/ "$shared" || fail "cannot mount nodea:/ at $shared"
+say "store: $(findmnt -n -o FSTYPE,SOURCE "$shared")"
 
 # -- munge and Slurm ----------------------------------------------------------------------------
-mkdir -p /run/munge /var/lib/munge /var/log/munge /etc/munge
-cp "$dir/munge.key" /etc/munge/og.key && chmod 400 /etc/munge/og.key
-munged --force --key-file=/etc/munge/og.key --socket=/run/munge/munge.socket.2 \
-  --log-file="$dir/log/munged-$me.log" --pid-file=/run/munge/munged.pid --num-threads=2
+# Everything munged writes in /run (the root is read-only): the key, its seed, its socket.
+mkdir -p /run/munge && chmod 700 /run/munge
+cp "$dir/munge.key" /run/munge/og.key && chmod 400 /run/munge/og.key
+munged --force --key-file=/run/munge/og.key --socket=/run/munge/munge.socket.2 \
+  --seed-file=/run/munge/munged.seed --log-file="$dir/log/munged-$me.log" \
+  --pid-file=/run/munge/munged.pid --num-threads=2 || fail "munged did not start"
 export SLURM_CONF=$dir/slurm.conf
 if [ "$role" = a ]; then
   # Node A is too small for the job once it asks for 3 x 256M: only node B can take it then.
@@ -141,7 +150,7 @@ slurmd -N "$me" || fail "slurmd did not start"
 sock=/run/oomguard-lane.sock
 cat > "$local_dir/oomguard.toml" <<EOF
 [daemon]
-store = "/shared/store"
+store = "$shared/store"
 socket = "$sock"
 rescan_interval = "1s"
 store_max_size = "50%"
@@ -183,18 +192,18 @@ scontrol update NodeName=nodeb State=DRAIN Reason=cluster-lane
 # A job's PIDs must be free on the node it is restored on: start A's far above B's (a real
 # cluster runs jobs with `oomguard exec`, PID 1 of a namespace of their own: docs/cluster.md).
 echo 30000 > /proc/sys/kernel/ns_last_pid  # pid_max: 32768 on a 1-CPU guest
-cat > /shared/work/job.sh <<EOF
+cat > $shared/work/job.sh <<EOF
 #!/bin/bash
 if [ "\${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-  exec "$py" -m oomguard --store /shared/store --socket "$sock" --log-format json resume-job
+  exec "$py" -m oomguard --store $shared/store --socket "$sock" --log-format json resume-job
 fi
 sleep 3
-exec "$py" "$repo/tests/workloads/hog.py" --log /shared/out/hog.log --target 320 --rate 20 \
+exec "$py" "$repo/tests/workloads/hog.py" --log $shared/out/hog.log --target 320 --rate 20 \
   --count 400 --tick 0.02
 EOF
-chmod 755 /shared/work/job.sh
-job=$(sbatch --parsable --mem=256M --requeue -D /shared/work -o "/shared/out/job-%j.out" \
-  /shared/work/job.sh) || fail "sbatch failed"
+chmod 755 $shared/work/job.sh
+job=$(sbatch --parsable --mem=256M --requeue -D $shared/work -o "$shared/out/job-%j.out" \
+  $shared/work/job.sh) || fail "sbatch failed"
 say "submitted job $job"
 for _ in $(seq 1 300); do
   scontrol show job "$job" | grep -q "JobState=RUNNING" && break
@@ -205,7 +214,7 @@ say "first run:$first"
 echo "$first" | grep -q nodea || fail "the first run is not on nodea ($first)"
 scontrol update NodeName=nodeb State=RESUME
 for _ in $(seq 1 1200); do
-  grep -q "^done " /shared/out/hog.log 2>/dev/null && break
+  grep -q "^done " $shared/out/hog.log 2>/dev/null && break
   sleep 1
 done
 info=$(scontrol show job "$job")
@@ -214,9 +223,9 @@ restarts=$(echo "$info" | grep -o 'Restarts=[0-9]*' | head -n1)
 say "then:$second $restarts"
 grep -q '"checkpoint.done"' "$dir/log/oomguard-nodea.log" || fail "no checkpoint on nodea"
 grep -q '"slurm.notified"' "$dir/log/oomguard-nodea.log" || fail "Slurm was not told on nodea"
-grep -q "^done 400 ok" /shared/out/hog.log || fail "the job did not finish intact ($second $restarts)"
+grep -q "^done 400 ok" $shared/out/hog.log || fail "the job did not finish intact ($second $restarts)"
 echo "$second" | grep -q nodeb || fail "the job did not finish on nodeb ($second)"
-counts=$(grep -E '^[0-9]+ ' /shared/out/hog.log | cut -d' ' -f1 | tr '\n' ' ')
+counts=$(grep -E '^[0-9]+ ' $shared/out/hog.log | cut -d' ' -f1 | tr '\n' ' ')
 [ "$counts" = "$(seq -s ' ' 1 400) " ] || fail "counts out of order or missing"
 grep -q '"restore.done"\|"restore.exited"' "$dir/log/oomguard-nodeb.log" ||
   say "note: no restore event in nodeb's daemon log"
