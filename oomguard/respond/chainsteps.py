@@ -158,7 +158,12 @@ class CheckpointAction:
 
     def run(self, step: Step, run: ChainRun) -> StepResult:
         outcome = self._checkpoint(step, run)
-        run.after_signal = None
+        if outcome.result is not ChainResult.REFUSED:
+            run.after_signal = None  # called once the checkpoint had stopped the tree
+        # Refused before the stop (a traced tree, no room, a container): the checkpoint never
+        # called it, so a cgroup v2 freeze is still on; the next step that stops the tree (a
+        # page-out's freeze) thaws the cgroup once its SIGSTOPs are sent, or the tree would
+        # wait in the cgroup's freezer, never stopped (the v2 lane's traced job, issue 29).
         if outcome.result in TREE_ENDED:
             run.frozen = []
             return Settled(outcome)

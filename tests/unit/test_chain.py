@@ -22,7 +22,7 @@ import pytest
 
 from oomguard.act.freezer import Frozen
 from oomguard.config.actions import CHECKPOINT, KILL, Step, parse_step
-from oomguard.model.errors import CheckpointFailed, ProcessGone
+from oomguard.model.errors import CheckpointFailed, FailedCheckpoint, ProcessGone
 from oomguard.policy.victims import ProcessTree
 from oomguard.respond.chain import ChainOutcome, ChainRunner, ChainSettings
 from oomguard.sense.procfs import ProcReader
@@ -186,6 +186,7 @@ class FakeCheckpointer:
         self.advance = advance
         self.calls: list[dict[str, Any]] = []
         self.events = events if events is not None else []
+        self.on_call: Callable[[dict[str, Any]], None] | None = None  # as the call begins
 
     def checkpoint(self, tree: ProcessTree, cgroup: Any, reason: str,
                    on_frozen: Callable[[Frozen, float], None] | None = None, *,
@@ -197,6 +198,8 @@ class FakeCheckpointer:
                            "after_signal": after_signal,
                            "held": list(held)})
         self.events.append(("checkpoint", tree.root.pid))
+        if self.on_call is not None:
+            self.on_call(self.calls[-1])
         if self.clock is not None:
             self.clock.advance(self.advance)
         if self.error is not None:
@@ -959,6 +962,33 @@ def test_a_freeze_continues_holding_the_tree_and_a_refused_checkpoint_continues(
     ended = rig.runner.actions["kill"].run(parse_step("kill"), state)
     assert isinstance(ended, Settled) and ended.outcome.result == "killed"
     assert killed == [[ROOT, CHILD]] and state.frozen == []
+
+
+@pytest.mark.parametrize(("error", "called_by"), [
+    (CheckpointFailed("pid 1 is traced by pid 2 (strace): CRIU cannot dump a traced task",
+                      FailedCheckpoint.UNTOUCHED, lasting="traced"), "freeze"),
+    (CheckpointFailed("criu dump failed", FailedCheckpoint.THAWED), "checkpoint")])
+def test_a_checkpoint_refused_before_the_stop_leaves_after_signal_to_the_next_freeze(
+        tmp_path: Path, error: CheckpointFailed, called_by: str) -> None:
+    """after_signal (the daemon's thaw of a v2-frozen cgroup) runs once the tree's SIGSTOPs
+    are sent. A checkpoint refused before the stop never sent them: the freeze of the next
+    step (a page-out's) must thaw the cgroup, else the tree waits in the cgroup's freezer and
+    never stops (issue 29, the v2 lane's traced job). A checkpoint that stopped the tree
+    called it: no second call."""
+    from oomguard.respond.chainstate import CONTINUE, ChainRun
+
+    rig = make_rig(tmp_path, freezer=FakeFreezer([ROOT, CHILD]), error=error)
+    calls: list[str] = []
+    state = ChainRun(make_tree(ROOT, CHILD), None, REASON, SETTINGS, Pressure(), dict(FIELDS),
+                     after_signal=lambda: calls.append("after_signal"))
+    if called_by == "checkpoint":  # the checkpointer stops the tree and calls it
+        rig.checkpointer.on_call = lambda call: call["after_signal"]()
+        rig.freezer.pids = [ROOT, CHILD]
+    assert rig.runner.actions["checkpoint"].run(parse_step("checkpoint"), state) is CONTINUE
+    assert calls == ([] if called_by == "freeze" else ["after_signal"])
+    assert rig.runner.actions["freeze"].run(parse_step("freeze"), state) is CONTINUE
+    assert calls == ["after_signal"] and state.after_signal is None
+    assert state.frozen == [ROOT, CHILD]
 
 
 # -- a limit lifted for a dump that could not be put back ----------------------------------------
