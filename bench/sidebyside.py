@@ -87,6 +87,9 @@ class Run:
     cross_s: float | None = None  # monotonic
     action_s: float | None = None
     restored: list[str] = field(default_factory=list)  # per checkpointed job: ok / why not
+    # oomguard's and systemd-oomd's journal since the run began, where oomguard saved not
+    # every job: what it saw and did (the lane's journal goes with the VM).
+    evidence: list[str] = field(default_factory=list)
 
     @property
     def to_action(self) -> float | None:
@@ -110,6 +113,12 @@ def wait_for(test: Callable[[], T], timeout: float, step: float = 0.1) -> T:
         if got or time.monotonic() > end:
             return got
         time.sleep(step)
+
+
+def journal_lines(unit: str, since: str) -> list[str]:
+    text = sh("journalctl", "-q", "-u", unit, "--since", since, "-o", "short-precise",
+              "--no-pager")
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def journal_count(unit: str, grep: str, since: str) -> int:
@@ -266,6 +275,9 @@ def play(guard: str, key: str, number: int, work: Path, settle: float) -> Run:
             run.outcome.append("killed (kernel)")
         else:
             run.outcome.append(f"ended ({result})")
+    if guard == "oomguard" and any(o != "checkpointed" for o in run.outcome):
+        run.evidence = journal_lines("oomguard", since)[-40:] + \
+            journal_lines("systemd-oomd", since)[-10:]
     for unit, _ in jobs.values():
         sh("systemctl", "stop", f"{unit}.service")
         sh("systemctl", "reset-failed", f"{unit}.service")
@@ -367,6 +379,8 @@ def main() -> int:
             runs.append(play(guard, key, number, work, args.settle))
             print(f"[sidebyside] {guard} / {key}: {cell(runs[-1])}", flush=True)
             print(f"run_{guard}_{key}=" + json.dumps(as_json(runs[-1])), flush=True)
+            for line in runs[-1].evidence:
+                print(f"[sidebyside] {guard} / {key} journal: {line}", flush=True)
     for unit in SERVICES.values():
         sh("systemctl", "stop", unit)
     text = report(runs, guards, hogs)

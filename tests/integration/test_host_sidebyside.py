@@ -34,5 +34,7 @@ def test_the_kernel_kills_where_oomguard_checkpoints(capsys: pytest.CaptureFixtu
     for hog in ("100mbs", "populate"):
         kernel, guarded = got[f"run_kernel_{hog}"], got[f"run_oomguard_{hog}"]
         assert kernel["outcome"] == ["killed (kernel)"], output[-4000:]
-        assert guarded["outcome"] == ["checkpointed"], output[-4000:]
+        # A job oomguard did not save: its journal and systemd-oomd's from that run, in full.
+        said = [line for line in output.splitlines() if f"oomguard / {hog} journal:" in line]
+        assert guarded["outcome"] == ["checkpointed"], "\n".join(said) or output[-4000:]
         assert guarded["restored"] == ["ok"], output[-4000:]
