@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from oomguard.config.actions import Step
@@ -109,17 +111,22 @@ class GuardConfig:
     # as (key, value) pairs, every plug-in's key present (a key not given takes its plug-in's
     # default), in key order.
     signals: tuple[tuple[str, Any], ...] = ()
+    _settings: Mapping[str, Any] = field(init=False, repr=False, compare=False,
+                                         default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
-        given = dict(self.signals)
-        unknown = sorted(set(given) - set(signal_defaults()))
+        given, known = dict(self.signals), signal_defaults()
+        unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"no detection plug-in has the key {unknown[0]!r}")
-        object.__setattr__(self, "signals", tuple(sorted({**signal_defaults(), **given}.items())))
+        settings = {**known, **given}
+        object.__setattr__(self, "signals", tuple(sorted(settings.items())))
+        # Read on every look at the rule's guards: made once (read-only), not per call.
+        object.__setattr__(self, "_settings", MappingProxyType(settings))
 
-    def signal_settings(self) -> dict[str, Any]:
+    def signal_settings(self) -> Mapping[str, Any]:
         """Every detection plug-in's key, at this rule's value."""
-        return dict(self.signals)
+        return self._settings
 
     @property
     def min_available(self) -> float | int:

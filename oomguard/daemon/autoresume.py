@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.lifecycle.pagedresume import Resumed
 from oomguard.policy.pressure import restore_fits
 from oomguard.respond.pageoutstep import PageoutTools
 
@@ -30,14 +29,23 @@ class AutoResumer:
         checkpoint would take their stop for their user's)."""
         return frozenset(pid for tree in self.tools.record.trees() for pid in tree.pids)
 
-    def resume_all(self) -> list[Resumed]:
-        """Every paged-out tree continued (pageout_at_stop = "resume")."""
-        resumer = self.tools.resumer()
-        return [resumer.resume(tree) for tree in self.tools.record.trees()]
-
-    def kept_at_stop(self) -> list[str]:
-        """The paged-out trees a stopping daemon leaves stopped (their ids)."""
-        return [tree.id for tree in self.tools.record.trees()]
+    def at_stop(self, resume: bool) -> None:
+        """A clean stop: every paged-out tree continued (`resume`: pageout_at_stop =
+        "resume"), or kept stopped, and said so, never silently: `oomguard resume` or the
+        next daemon continues them."""
+        if resume:
+            resumer = self.tools.resumer()
+            for tree in self.tools.record.trees():
+                done = resumer.resume(tree)
+                self.log.warning("pageout.resumed", paged_out_id=done.tree.id,
+                                 pid=done.tree.root_pid, at_stop=True, continued=done.continued,
+                                 gone=done.gone, swap_removed=done.swap_removed,
+                                 swap_kept=done.swap_kept or None)
+        kept = [tree.id for tree in self.tools.record.trees()]
+        if kept:
+            self.log.warning("pageout.kept", paged_out=kept, explanation="paged out and kept "
+                             "stopped across the stop (pageout_at_stop = \"keep\"); the next "
+                             "daemon continues them once they fit, or `oomguard resume ID`")
 
     def tick(self, guard_of: Callable[[str], CgroupGuard | None]) -> bool:
         """One look; True while any paged-out tree is left (looked at again soon)."""

@@ -274,7 +274,8 @@ class CgroupGuards:
 
     # -- what the kernel says changed ------------------------------------------------------------
 
-    def cgroup_guards(self) -> list[CgroupGuard]:
+    def listed(self) -> list[CgroupGuard]:
+        """The cgroup guards among every guard (not the system rule's)."""
         return [g for g in self.guards if isinstance(g, CgroupGuard)]
 
     def apply_changes(self, changes: Changes) -> None:
@@ -283,9 +284,9 @@ class CgroupGuards:
             self.safety_rescan(everything=True)
             return
         by_name: dict[str, list[CgroupGuard]] = {}
-        for guard in self.cgroup_guards():
+        for guard in self.listed():
             by_name.setdefault(guard.name, []).append(guard)
-        beside = [g for g in self.cgroup_guards()
+        beside = [g for g in self.listed()
                   if str(g.cgroup.path.parent) in changes.directories]
         for guard in [*(g for n in changes.gone for g in by_name.get(n, [])), *beside]:
             if guard.present and not guard.cgroup.exists():
@@ -295,7 +296,7 @@ class CgroupGuards:
         if changes.directories:
             if self.globs:
                 rearm += self.glob_matches()
-            rearm += [g for g in self.cgroup_guards() if not g.present and not g.pattern
+            rearm += [g for g in self.listed() if not g.present and not g.pattern
                       and g.cgroup.exists() and g not in rearm]
         self.arm(rearm)
         if changes.directories or changes.gone:
@@ -322,7 +323,7 @@ class CgroupGuards:
         file unless it changed; with inotify at work a slice of the guards is looked at each
         time (see SWEEP_SLICES), without it all of them."""
         rearm = self.glob_matches() if self.globs else []
-        guards = self.cgroup_guards()
+        guards = self.listed()
         if self.files.available and not everything:
             guards, self.sweep_turn = sweep_slice(guards, self.sweep_turn)
         new = {id(guard) for guard in rearm}
@@ -351,7 +352,7 @@ class CgroupGuards:
         for _spec, pattern in self.globs:
             wanted.update(directories_to_watch(self._fs_pattern(pattern)))
         self.dirs_stale = False
-        for guard in self.cgroup_guards():
+        for guard in self.listed():
             if guard.pattern:
                 continue  # its parent is among its glob's directories
             if guard.present:
@@ -395,7 +396,7 @@ class CgroupGuards:
     def put_back_leftovers(self) -> None:
         """What a dead run changed on cgroups that no rule now changes the same way."""
         for cgroup, setting in put_back_leftovers(
-                self.saved_high, claimed_keys(self.cgroup_guards()),
+                self.saved_high, claimed_keys(self.listed()),
                 lambda path: open_cgroup(path, self.layout)):
             self.log.info("guard.setting_restored", cgroup=cgroup, setting=setting,
                           explanation="put back after a previous run that did not stop cleanly")
@@ -417,7 +418,7 @@ class CgroupGuards:
             return None
 
     def guard_at(self, path: Path) -> CgroupGuard | None:
-        for guard in self.cgroup_guards():
+        for guard in self.listed():
             if guard.present and guard.cgroup.path == path:
                 return guard
         return None

@@ -18,8 +18,8 @@ from oomguard.cgroup.watch import freezable
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.daemon.storeupkeep import StoreUpkeep
-from oomguard.detect.base import CgroupSignal, SystemSignal
-from oomguard.detect.registry import cgroup_signals, first_reason, judge_cgroup
+from oomguard.detect.base import CgroupSignal
+from oomguard.detect.registry import after_action, first_reason, judge_cgroup, polling
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
@@ -87,8 +87,6 @@ class Examiner:
                  set_due: Callable[[CgroupGuard, float | None], None],
                  note_oom_kills: Callable[[CgroupGuard, MemorySnapshot], None],
                  protected_among: Callable[[list[ProcessInfo]], frozenset[int]],
-                 signals: tuple[SystemSignal, ...] | None = None,
-                 cgroup_signals: tuple[CgroupSignal, ...] | None = None,
                  pressure_file: Path = PRESSURE_FILE) -> None:
         self._config = config
         self.layout = layout
@@ -107,8 +105,6 @@ class Examiner:
         self._note_oom_kills = note_oom_kills
         self.protected_among = protected_among
         self.next_system_poll = 0.0
-        self.signals = signals  # the system rules' detections; None: the registry's
-        self.cgroup_signals = cgroup_signals  # the cgroup rules' beside the threshold; None: same
         self.pressure_file = pressure_file
 
     @property
@@ -156,9 +152,7 @@ class Examiner:
                 return
             reason = predicted
         else:
-            guard.signal_states = {
-                signal.name: signal.after_action(guard.signal_states.get(signal.name))
-                for signal in cgroup_signals(self.cgroup_signals)}
+            guard.signal_states = after_action(guard.signal_states)
         if snap.under_oom:  # parked at the limit: never left waiting for an event
             self._set_due(guard, min(guard.due_at or 1e18, self.clock() + PARKED_RETRY))
         if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock(),
@@ -185,8 +179,7 @@ class Examiner:
         time-to-limit and polled guards every poll_interval."""
         now = self.clock()
         due: float | None = None
-        if guard.poll_only or any(signal.polls(guard.signal_states.get(signal.name))
-                                  for signal in cgroup_signals(self.cgroup_signals)):
+        if guard.poll_only or polling(guard.signal_states):
             due = now + self.config.poll_interval
         if guard.watching and snap.limit_bytes is not None:
             delay, guard.cache_watch = watch_next(
@@ -244,8 +237,8 @@ class Examiner:
         """The cgroup detection plug-ins (time-to-limit...): each takes its state from the
         guard's last look and gives back the next; the first with a reason to act names it."""
         look = CgroupLook(snap, self.clock(), self.upkeep.throughput)
-        fired, reason, guard.signal_states = judge_cgroup(
-            look, guard.spec.signal_settings(), guard.signal_states, self.cgroup_signals)
+        fired, reason, guard.signal_states = judge_cgroup(look, guard.spec.signal_settings(),
+                                                          guard.signal_states)
         return fired, reason
 
     def _vram(self) -> dict[int, int]:
@@ -264,7 +257,7 @@ class Examiner:
         if near:
             self.ranking.prepare()  # the crossing then reads a few processes, not all
         settings = guard.spec.signal_settings()
-        reason = first_reason(SystemLook(memory, self.pressure_file), settings, self.signals)
+        reason = first_reason(SystemLook(memory, self.pressure_file), settings)
         if reason is None:
             self.decisions.forget(guard.name)
             return
@@ -291,7 +284,7 @@ class Examiner:
 
         def still_pressing() -> bool:
             look = SystemLook(self.meminfo(), self.pressure_file)
-            return first_reason(look, settings, self.signals) is not None
+            return first_reason(look, settings) is not None
 
         assert guard.parts is not None
         self.actor.start(Request(guard.name, guard.parts, woke, reason, candidates,

@@ -212,7 +212,7 @@ class Daemon:
         self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
                                upkeep=self.upkeep, auto_restore=self.auto_restore,
                                auto_resume=self.auto_resume, actor=self.actor, proc=self.proc,
-                               log=self.log, clock=clock, guards=self.cgroup_guards.cgroup_guards,
+                               log=self.log, clock=clock, guards=self.cgroup_guards.listed,
                                cgroup_at=self.cgroup_guards.cgroup_at, guard_at=self.cgroup_guards.guard_at,
                                examine=self._examine_cgroup, config=lambda: self.config,
                                starting=lambda: self._starting)
@@ -245,7 +245,7 @@ class Daemon:
             self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.upkeep.thaw_leftovers()
             self.settler.settle()  # limits a dead run lifted for a dump's headroom, leftovers
-            for guard in self.cgroup_guards.cgroup_guards():
+            for guard in self.cgroup_guards.listed():
                 if guard.present and guard.armed_limit is not None:
                     self._examine_cgroup(guard, self.clock(), source="arm")
             self._starting = False
@@ -380,17 +380,7 @@ class Daemon:
             if left:
                 self.log.warning("restore.lazy_abandoned", keepers=left,
                                  explanation="pages still streaming in at exit")
-        if self.config.pageout_at_stop == "resume":
-            for done in self.auto_resume.resume_all():
-                self.log.warning("pageout.resumed", paged_out_id=done.tree.id,
-                                 pid=done.tree.root_pid, at_stop=True, continued=done.continued,
-                                 gone=done.gone, swap_removed=done.swap_removed,
-                                 swap_kept=done.swap_kept or None)
-        kept = self.auto_resume.kept_at_stop()
-        if kept:  # said, never left silently: `oomguard resume` continues them
-            self.log.warning("pageout.kept", paged_out=kept, explanation="paged out and kept "
-                             "stopped across the stop (pageout_at_stop = \"keep\"); the next "
-                             "daemon continues them once they fit, or `oomguard resume ID`")
+        self.auto_resume.at_stop(resume=self.config.pageout_at_stop == "resume")
         self.park_watch.stop()
         self.files.close()
         self.newcomers.close()

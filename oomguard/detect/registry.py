@@ -1,12 +1,11 @@
 """Every detection plug-in, in the order their reasons are asked for (the first that has one
 names why a rule acts): the system rules' (SYSTEM_SIGNALS) and the cgroup rules' beside their
 threshold (CGROUP_SIGNALS). A new one: its module in oomguard/detect/, and a line here. The
-functions read these when called (`signals=None`), so the config, the examiner, the arming
-and the startup line always agree on the plug-ins."""
+functions read these lists when called, so the config, the examiner, the arming and the
+startup line always agree on the plug-ins."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from oomguard.detect import memavailable, psifull, timetolimit
@@ -28,10 +27,6 @@ CGROUP_SIGNALS: tuple[CgroupSignal, ...] = (
 )
 
 
-def _chosen(signals: Iterable[SystemSignal] | None) -> Iterable[SystemSignal]:
-    return SYSTEM_SIGNALS if signals is None else signals
-
-
 def keys_of() -> tuple[Key, ...]:
     """Every plug-in's keys, system and cgroup rules' alike (a rule holds them all)."""
     system = tuple(key for signal in SYSTEM_SIGNALS for key in signal.keys)
@@ -42,49 +37,58 @@ def defaults() -> dict[str, Any]:
     return {key.name: key.default for key in keys_of()}
 
 
-def first_reason(readings: SystemReadings, settings: Settings,
-                 signals: Iterable[SystemSignal] | None = None) -> str | None:
+# -- the system rules' ---------------------------------------------------------------------------
+
+def first_reason(readings: SystemReadings, settings: Settings) -> str | None:
     """The reason of the first plug-in that has one, or None (the later are not asked, so
     their readings are not taken)."""
-    for signal in _chosen(signals):
+    for signal in SYSTEM_SIGNALS:
         reason = signal.judge(readings, settings)
         if reason is not None:
             return reason
     return None
 
 
-def descriptions(settings: Settings, mem_total: int,
-                 signals: Iterable[SystemSignal] | None = None) -> list[str]:
-    return [text for signal in _chosen(signals)
+def descriptions(settings: Settings, mem_total: int) -> list[str]:
+    return [text for signal in SYSTEM_SIGNALS
             if (text := signal.describe(settings, mem_total)) is not None]
 
 
-def cgroup_signals(signals: Iterable[CgroupSignal] | None = None) -> Iterable[CgroupSignal]:
-    return CGROUP_SIGNALS if signals is None else signals
+# -- the cgroup rules' ---------------------------------------------------------------------------
+
+def cgroup_signals() -> tuple[CgroupSignal, ...]:
+    return CGROUP_SIGNALS
 
 
 def judge_cgroup(readings: CgroupReadings, settings: Settings, states: dict[str, Any],
-                 signals: Iterable[CgroupSignal] | None = None,
                  ) -> tuple[CgroupSignal | None, str | None, dict[str, Any]]:
     """Every cgroup plug-in judges the look (each keeps its own history), the first with a
     reason names it: (that plug-in, its reason, the states for the next look)."""
     found: tuple[CgroupSignal | None, str | None] = (None, None)
     kept = dict(states)
-    for signal in cgroup_signals(signals):
+    for signal in CGROUP_SIGNALS:
         reason, kept[signal.name] = signal.judge(readings, settings, states.get(signal.name))
         if reason is not None and found[1] is None:
             found = (signal, reason)
     return found[0], found[1], kept
 
 
-def watched_from(settings: Settings,
-                 signals: Iterable[CgroupSignal] | None = None) -> list[float]:
+def polling(states: dict[str, Any]) -> bool:
+    """Whether a cgroup plug-in wants the guard looked at every poll_interval."""
+    return any(signal.polls(states.get(signal.name)) for signal in CGROUP_SIGNALS)
+
+
+def after_action(states: dict[str, Any]) -> dict[str, Any]:
+    """The states once the rule has acted."""
+    return {signal.name: signal.after_action(states.get(signal.name))
+            for signal in CGROUP_SIGNALS}
+
+
+def watched_from(settings: Settings) -> list[float]:
     """The shares of the limit from which the cgroup plug-ins on in `settings` watch."""
-    return [share for signal in cgroup_signals(signals)
+    return [share for signal in CGROUP_SIGNALS
             if (share := signal.watched_from(settings)) is not None]
 
 
-def cgroup_descriptions(settings: Settings,
-                        signals: Iterable[CgroupSignal] | None = None) -> list[str]:
-    return [text for signal in cgroup_signals(signals)
-            if (text := signal.describe(settings)) is not None]
+def cgroup_descriptions(settings: Settings) -> list[str]:
+    return [text for signal in CGROUP_SIGNALS if (text := signal.describe(settings)) is not None]

@@ -68,9 +68,10 @@ def _swap_kib(pid: int) -> int:
 
 
 def _config(tmp_path: Path, store: Path, cgroup: Path, socket: Path,
-            quiet: str = "1s") -> Path:
-    config = tmp_path / "oomguard.toml"
-    config.write_text(f'[daemon]\nstore = "{store}"\nsocket = "{socket}"\n\n[[guard]]\n'
+            quiet: str = "1s", at_stop: str = "keep") -> Path:
+    config = tmp_path / f"oomguard-{at_stop}.toml"
+    config.write_text(f'[daemon]\nstore = "{store}"\nsocket = "{socket}"\n'
+                      f'pageout_at_stop = "{at_stop}"\n\n[[guard]]\n'
                       f'cgroups = ["{cgroup}"]\nactions = ["checkpoint", "pageout"]\n'
                       f'restore_quiet = "{quiet}"\n')
     return config
@@ -173,6 +174,53 @@ def test_a_paged_out_job_outlives_a_daemon_kill_and_resumes_on_request(
         assert SwapFiles(store / SWAP_DIR).ours() == [] and not (store / PAGED_OUT).exists()
         again = run_oomguard(store, "--socket", str(socket), "resume", str(paged["paged_out_id"]))
         assert again.returncode != 0 and "no paged-out tree" in again.stderr
+    finally:
+        guard.stop()
+        if job is not None:
+            kill_pid(job.pid)
+        server.close()
+        for conn in accepted:
+            conn.close()
+        for area in SwapFiles(store / SWAP_DIR).ours():
+            SwapFiles(store / SWAP_DIR).remove(Path(area.path))
+
+
+def test_a_clean_stop_keeps_a_paged_out_job_and_says_so_or_resumes_it_as_configured(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """pageout_at_stop: "keep" (the default) leaves the paged-out job stopped and recorded
+    across a clean stop, with pageout.kept naming it; "resume" continues it at the stop
+    (pageout.resumed, at_stop), and it counts on to its end with its memory intact."""
+    cg = cgroups.make("atstop", LIMIT)
+    peer = short_socket_path().with_name("peer.sock")
+    server, accepted = outside_server(peer)
+    log = tmp_path / "job.log"
+    socket = short_socket_path()
+    job = None
+    guard = DaemonProcess(store, tmp_path / "daemon.log", socket=socket,
+                          config=_config(tmp_path, store, cg.path, socket, quiet="600s"))
+    try:
+        guard.wait_event("guard.ready")
+        job = start_in_cgroup(cg, chunks_job(log, 232, 300, peer))
+        paged = _paged_out(guard, job.pid, cg)
+        assert guard.stop() == 0
+        [kept] = guard.events("pageout.kept")
+        assert kept["paged_out"] == [paged["paged_out_id"]]
+        assert proc_state(job.pid) == "T" and (store / PAGED_OUT).exists()
+
+        cg.set_limit(2 * LIMIT)  # room for it once continued
+        guard = DaemonProcess(store, tmp_path / "daemon2.log", socket=socket,
+                              config=_config(tmp_path, store, cg.path, socket, quiet="600s",
+                                             at_stop="resume"))
+        guard.wait_event("guard.ready")
+        assert proc_state(job.pid) == "T"  # a start continues nothing (restore_quiet: 600 s)
+        assert guard.stop() == 0
+        [resumed] = guard.events("pageout.resumed")
+        assert resumed["at_stop"] is True and resumed["pid"] == job.pid, resumed
+        assert not guard.events("pageout.kept")
+        assert wait_until(lambda: "done 300" in log.read_text(), 60), log.read_text()[-200:]
+        assert "done 300 ok" in log.read_text() and _counts(log) == list(range(1, 301))
+        assert job.wait(10) == 0
+        assert SwapFiles(store / SWAP_DIR).ours() == [] and not (store / PAGED_OUT).exists()
     finally:
         guard.stop()
         if job is not None:
