@@ -326,6 +326,13 @@ def outside_server(path: Path) -> tuple[socket.socket, list[socket.socket]]:
     return server, accepted
 
 
+def close_server(server: socket.socket, accepted: list[socket.socket]) -> None:
+    """outside_server's server and what it accepted, closed."""
+    server.close()
+    for conn in accepted:
+        conn.close()
+
+
 def as_user(uid: int) -> list[str]:
     """The argv prefix that runs a command as `uid` (its group the same), no other groups."""
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]

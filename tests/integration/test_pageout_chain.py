@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
     MiB,
+    close_server,
     kill_pid,
     outside_server,
     proc_state,
@@ -75,6 +77,22 @@ def _config(tmp_path: Path, store: Path, cgroup: Path, socket: Path,
                       f'cgroups = ["{cgroup}"]\nactions = ["checkpoint", "pageout"]\n'
                       f'restore_quiet = "{quiet}"\n')
     return config
+
+
+def _remove_swap(store: Path) -> None:
+    """oomguard's swap files a failed test left on."""
+    for area in SwapFiles(store / SWAP_DIR).ours():
+        SwapFiles(store / SWAP_DIR).remove(Path(area.path))
+
+
+def _end(guard: DaemonProcess, job: subprocess.Popen[bytes] | None, server: socket.socket,
+         accepted: list[socket.socket], store: Path) -> None:
+    """A test's end, passed or not: the daemon stopped, the job gone, the server closed."""
+    guard.stop()
+    if job is not None:
+        kill_pid(job.pid)
+    close_server(server, accepted)
+    _remove_swap(store)
 
 
 def _paged_out(guard: DaemonProcess, job: int, cgroup: MemoryCgroup) -> dict[str, Any]:
@@ -132,11 +150,8 @@ def test_an_undumpable_job_is_paged_out_and_auto_resumed_once_it_fits(
     finally:
         if job is not None:
             kill_pid(job.pid)
-        server.close()
-        for conn in accepted:
-            conn.close()
-        for area in SwapFiles(store / SWAP_DIR).ours():
-            SwapFiles(store / SWAP_DIR).remove(Path(area.path))
+        close_server(server, accepted)
+        _remove_swap(store)
 
 
 def test_a_paged_out_job_outlives_a_daemon_kill_and_resumes_on_request(
@@ -175,14 +190,7 @@ def test_a_paged_out_job_outlives_a_daemon_kill_and_resumes_on_request(
         again = run_oomguard(store, "--socket", str(socket), "resume", str(paged["paged_out_id"]))
         assert again.returncode != 0 and "no paged-out tree" in again.stderr
     finally:
-        guard.stop()
-        if job is not None:
-            kill_pid(job.pid)
-        server.close()
-        for conn in accepted:
-            conn.close()
-        for area in SwapFiles(store / SWAP_DIR).ours():
-            SwapFiles(store / SWAP_DIR).remove(Path(area.path))
+        _end(guard, job, server, accepted, store)
 
 
 def test_a_clean_stop_keeps_a_paged_out_job_and_says_so_or_resumes_it_as_configured(
@@ -222,14 +230,7 @@ def test_a_clean_stop_keeps_a_paged_out_job_and_says_so_or_resumes_it_as_configu
         assert job.wait(10) == 0
         assert SwapFiles(store / SWAP_DIR).ours() == [] and not (store / PAGED_OUT).exists()
     finally:
-        guard.stop()
-        if job is not None:
-            kill_pid(job.pid)
-        server.close()
-        for conn in accepted:
-            conn.close()
-        for area in SwapFiles(store / SWAP_DIR).ours():
-            SwapFiles(store / SWAP_DIR).remove(Path(area.path))
+        _end(guard, job, server, accepted, store)
 
 
 # A real X11 client: a Tk window on the display server outside its tree (CRIU cannot dump that

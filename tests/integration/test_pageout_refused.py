@@ -27,6 +27,7 @@ from tests.helpers import (
     CgroupFactory,
     DaemonProcess,
     MiB,
+    close_server,
     kill_pid,
     outside_server,
     short_socket_path,
@@ -85,9 +86,7 @@ def _refused_then_killed(cgroups: CgroupFactory, tmp_path: Path, store: Path, ex
         guard.stop()
         if job is not None:
             kill_pid(job.pid)
-        server.close()
-        for conn in accepted:
-            conn.close()
+        close_server(server, accepted)
 
 
 def test_a_store_that_cannot_hold_a_swap_file_lets_the_kill_step_run(
