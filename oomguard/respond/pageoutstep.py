@@ -71,6 +71,9 @@ class PageoutAction:
         from oomguard.respond.chainsteps import FreezeAction  # the freeze is that step's
 
         tools, po = self.tools, self.tools.pageout
+        foreign = self._traced_from_outside(run)
+        if foreign:  # (before any stop: a signal must not reach a task a CRIU is dumping)
+            return self._failed(run, foreign)
         if not run.frozen:  # a failed checkpoint thawed it: stopped again
             FreezeAction(tools).run(step, run)
         if not run.frozen:
@@ -99,6 +102,8 @@ class PageoutAction:
             tools.checkpointer.ledger.clear(run.frozen)
         held = set(run.frozen)
         run.recorded = [pid for pid in run.recorded if pid not in held]
+        for pid in held:  # a dead run's stops among them: held now, not continued at the end
+            run.left_over_starts.pop(pid, None)
         run.frozen = []
         tools.log.warning("victim.paged_out", paged_out_id=tree.id,
                           paged_bytes=advised, swap_files=list(made),
@@ -166,6 +171,22 @@ class PageoutAction:
             if line.startswith("VmSwap:"):
                 return int(line.split()[1]) << 10
         return 0
+
+    def _traced_from_outside(self, run: ChainRun) -> str:
+        """Why the tree cannot be paged out where a task of it is traced by a process outside
+        it (a dead run's CRIU still dumping it, a debugger attached from elsewhere): its
+        tracer, not oomguard, decides when it runs. "" where none is (a tracer inside the
+        tree, `strace -f job`, is stopped and continued with it)."""
+        tree = set(run.tree.pids)
+        for pid in run.tree.pids:
+            try:
+                tracer = self.tools.proc.status(pid).tracer_pid
+            except ProcessGone:
+                continue
+            if tracer and tracer not in tree:
+                return (f"process {pid} is traced by pid {tracer}, outside its tree (a dump "
+                        "under way, or a debugger): its tracer holds it, not a page-out")
+        return ""
 
     def _resident(self, pid: int) -> int:
         try:

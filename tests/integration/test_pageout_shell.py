@@ -100,6 +100,9 @@ def test_a_job_typed_at_a_prompt_is_paged_out_by_default_and_fg_cannot_run_it_ea
                               30)
             screen = shell.screen()
             assert "Killed" not in screen, screen[-2000:]
+            shown = [line.split("  ")[0].strip() for line in screen.splitlines()
+                     if line.startswith(("[1]", PROMPT))]
+            print(f"\n[pageout-shell v{cg.version}] the terminal showed: {' | '.join(shown)}")
             assert not guard.events("victim.killed")
             assert SwapFiles(store / SWAP_DIR).ours() == []
         assert accepted, "the job never connected to the server outside its tree"
