@@ -55,6 +55,7 @@ class MemoryCgroup(Protocol):
     version: int
     limit_file: str  # the file holding the limit (memory.limit_in_bytes, memory.max)
     path: Path  # directory in the cgroup filesystem
+    mount: Path  # where its hierarchy is mounted
     rel_path: str  # path inside its hierarchy, '/'-rooted (what /proc/PID/cgroup shows)
 
     def exists(self) -> bool: ...

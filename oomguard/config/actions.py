@@ -1,11 +1,11 @@
 """Action chains: what a rule does to its victim, in order, until one step settles it.
 
-    actions = ["checkpoint"]                      # the default (on_failure = "thaw")
-    actions = ["checkpoint", "kill"]              # checkpoint, else kill (on_failure = "kill")
+    actions = ["checkpoint", "pageout"]           # the default (on_failure = "thaw")
+    actions = ["checkpoint", "pageout", "kill"]   # ... else kill (on_failure = "kill")
+    actions = ["checkpoint"]                      # checkpoint, else leave it running
     actions = ["freeze", "checkpoint", "kill"]    # stop growth at once, then decide
     actions = ["signal:SIGUSR1:30s", "checkpoint"] # cooperative: let the trainer save itself
     actions = ["vram", "checkpoint"]              # GPU pressure: free the GPU, keep it running
-    actions = ["checkpoint", "pageout", "kill"]   # what CRIU cannot dump goes to swap, stopped
 
 Parsing is pure; the executor lives in oomguard/respond/chain.py.
 """
@@ -20,7 +20,7 @@ from oomguard.model.units import MAX_WAIT, parse_duration
 FREEZE, CHECKPOINT, SIGNAL, KILL = "freeze", "checkpoint", "signal", "kill"
 VRAM = "vram"  # cuda-checkpoint alone: CUDA state into host memory, the process stays alive
 PAGEOUT = "pageout"  # the tree's memory into swap, the tree kept stopped until it fits again
-DEFAULT_CHAIN = (CHECKPOINT,)
+DEFAULT_CHAIN = (CHECKPOINT, PAGEOUT)  # what CRIU cannot dump goes to swap, held
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,9 @@ class Service:
         if tree is None or (uid != ROOT and tree.uid != uid):
             raise UnknownCheckpoint(f"no paged-out tree {key}")
         done = tools.resumer().resume(tree)
+        if done.hold_left:
+            raise RestoreFailed(f"paged-out tree {tree.id} is still held, its cgroup could not "
+                                f"be released: {done.hold_left}")
         if self.on_event is not None:
             self.on_event("pageout.resumed", paged_out_id=tree.id, pid=tree.root_pid,
                           uid=tree.uid, requested_by=uid, continued=done.continued,

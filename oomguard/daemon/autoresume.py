@@ -2,7 +2,9 @@
 cgroup's usage plus what was paged out plus restore_margin stays under the threshold for
 restore_quiet without a break. One tree a turn, oldest first. A tree whose cgroup no guard
 watches waits for `oomguard resume`; one that ended meanwhile (killed while stopped) leaves
-the record, and the swap files nothing needs any more are switched off and deleted."""
+the record, and the swap files nothing needs any more are switched off and deleted. A tree held
+by SIGSTOP (cgroup v1, a traced tree) that someone continued meanwhile (its shell's `fg`, a
+`kill -CONT`) is stopped again at once: its memory is not there to run in."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class AutoResumer:
                 self.log.warning("pageout.resumed", paged_out_id=done.tree.id,
                                  pid=done.tree.root_pid, at_stop=True, continued=done.continued,
                                  gone=done.gone, swap_removed=done.swap_removed,
-                                 swap_kept=done.swap_kept or None)
+                                 swap_kept=done.swap_kept or None, hold_left=done.hold_left or None)
         kept = [tree.id for tree in self.tools.record.trees()]
         if kept:
             self.log.warning("pageout.kept", paged_out=kept, explanation="paged out and kept "
@@ -55,6 +57,13 @@ class AutoResumer:
                              swap_removed=done.swap_removed, explanation="every task of the "
                              "paged-out tree has ended (killed while stopped); its swap is free")
         trees = sorted(self.tools.record.trees(), key=lambda t: t.since)
+        for tree in trees:
+            again = resumer.restop(tree)
+            if again:
+                self.log.warning("pageout.restopped", paged_out_id=tree.id, pid=tree.root_pid,
+                                 stopped=again, explanation="continued by another process (a "
+                                 "shell's fg, a kill -CONT) while its memory is paged out: "
+                                 f"stopped again; `oomguard resume {tree.id}` continues it")
         now = self.clock()
         for tree in trees:
             guard = guard_of(tree.cgroup)
@@ -76,7 +85,8 @@ class AutoResumer:
             self.log.warning("pageout.resumed", paged_out_id=tree.id, pid=tree.root_pid,
                              cgroup=guard.name, auto=True, continued=done.continued,
                              gone=done.gone, swap_removed=done.swap_removed,
-                             swap_kept=done.swap_kept or None, usage=snap.usage_bytes,
+                             swap_kept=done.swap_kept or None, hold_left=done.hold_left or None,
+                             usage=snap.usage_bytes,
                              paged_bytes=tree.paged_bytes)
             break  # one a turn: the next looks at the memory again
         return bool(self.tools.record.trees())

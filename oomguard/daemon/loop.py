@@ -217,6 +217,7 @@ class Daemon:
                                examine=self._examine_cgroup, config=lambda: self.config,
                                starting=lambda: self._starting)
         self.upkeep.hold_back = self.settler.leftover_waits
+        self.upkeep.paged_out = self.auto_resume.held
 
     # -- set-up --------------------------------------------------------------------------------
 

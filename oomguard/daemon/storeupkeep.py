@@ -4,6 +4,7 @@ checkpoints show (bringing checkpoints back once they fit: autorestore.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -43,6 +44,8 @@ class StoreUpkeep:
         self._listing: tuple[tuple[int, int] | None, float, list[CheckpointMeta]] | None = None
         # The daemon's: whether a task a dead run left stopped waits (its cgroup is acted on).
         self.hold_back: Callable[[int], bool] | None = None
+        # The daemon's: the tasks of paged-out trees (theirs to continue, not a crash's).
+        self.paged_out: Callable[[], frozenset[int]] = frozenset
 
     def forget_listing(self) -> None:
         """A checkpoint's state changed inside its own directory (a restore): read it again."""
@@ -104,6 +107,10 @@ class StoreUpkeep:
         return {m.cgroup for m in self.listed() if m.state == "checkpointed"}
 
     def _thaw_leftovers(self) -> None:
+        paged = self.paged_out()  # a crash between a page-out's record and the ledger's
+        if paged:  # clearing: the tree is paged out, never continued into memory not there
+            with contextlib.suppress(OSError):
+                self.ledger.clear(sorted(paged))
         thawed = self.ledger.recover(self.hold_back)
         if thawed:
             self.log.warning("victim.thawed_after_crash", thawed=thawed,

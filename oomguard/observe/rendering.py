@@ -289,7 +289,9 @@ def paged_out_detail(tree: Mapping[str, Any], width: int = DEFAULT_WIDTH) -> str
             ("paged out", format_size(tree["paged_bytes"])),
             ("resident before", format_size(tree["resident_bytes"])),
             ("since", since), ("command", one_line(str(tree["command"]), max(width - 18, 20))),
-            ("swap files", ", ".join(tree["swap_files"]) or "the machine's own swap")]
+            ("swap files", ", ".join(tree["swap_files"]) or "the machine's own swap"),
+            ("held by", f"a frozen cgroup of its own ({tree['hold']})" if tree.get("hold")
+             else "SIGSTOP (stopped again should anything continue it)")]
     labels = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(labels)}  {value}" for label, value in rows)
 

@@ -15,7 +15,7 @@ from typing import Any
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
-from oomguard.config.actions import CHECKPOINT, KILL, PAGEOUT, Step
+from oomguard.config.actions import DEFAULT_CHAIN, KILL, PAGEOUT, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
 from oomguard.model.errors import CgroupGone
@@ -89,9 +89,10 @@ class RuleParts:
 
 
 def rule_parts(spec: GuardConfig) -> RuleParts:
-    """A rule's compiled pieces. Without `actions`, `on_failure = "kill"` means checkpoint, kill."""
-    chain = spec.actions or ((Step(CHECKPOINT), Step(KILL)) if spec.on_failure == ON_FAILURE_KILL
-                             else (Step(CHECKPOINT),))
+    """A rule's compiled pieces. Without `actions`: checkpoint, then page-out (what CRIU
+    cannot dump), then, with `on_failure = "kill"`, kill."""
+    chain = spec.actions or tuple(Step(kind) for kind in DEFAULT_CHAIN) + (
+        (Step(KILL),) if spec.on_failure == ON_FAILURE_KILL else ())
     prefs = Preferences(prefer=compile_patterns(spec.prefer), avoid=compile_patterns(spec.avoid),
                         protect=compile_patterns(spec.protect),
                         protect_session_leaders=spec.protect_session_leaders,

@@ -7,10 +7,13 @@ store's file system, within the store's budget), and every task's private memory
 out (process_madvise MADV_PAGEOUT). The step settles once the cgroup is back under its
 threshold: the tree is then recorded as paged out (STORE/.paged-out.json) and left stopped,
 its frozen-ledger entries cleared (a crash must not continue it into memory that is not
-there). `oomguard resume ID|PID`, or the daemon once the tree fits by the auto-restore rule,
-continues it (oomguard.lifecycle.pagedresume). Anything that keeps the step from working (no
-rights, no room for a swap file, swapon refused, nothing taken) lets the next step run, and
-the event says why.
+there). On cgroup v2 the tree is then held by a frozen cgroup of its own instead of its
+SIGSTOP (oomguard.act.cgrouphold: a `fg` or SIGCONT cannot continue it, a crash leaves it
+held); elsewhere (v1, a traced tree) it stays stopped, and the daemon stops it again should
+anyone continue it (oomguard.daemon.autoresume). `oomguard resume ID|PID`, or the daemon once
+the tree fits by the auto-restore rule, continues it (oomguard.lifecycle.pagedresume).
+Anything that keeps the step from working (no rights, no room for a swap file, swapon
+refused, nothing taken) lets the next step run, and the event says why.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from oomguard.act.cgrouphold import CgroupHold, HoldRefused
 from oomguard.act.pageout import PageoutError, ProcessPager
 from oomguard.act.swapfiles import SwapFiles
 from oomguard.config.actions import Step
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from oomguard.respond.steptools import StepTools
 
 SWAP_SLACK = 32 << 20  # a swap file is made this much larger than the tree's memory
+HOLD_WAIT = 10.0  # seconds for a tree moved into its frozen cgroup to be seen frozen
 
 
 @dataclass
@@ -48,13 +53,14 @@ class PageoutTools:
     pager: ProcessPager = field(default_factory=ProcessPager)
     swaps: SwapReader = field(default_factory=SwapReader)
     wall_clock: Callable[[], float] = time.time
+    holds: Callable[[Path], CgroupHold] = CgroupHold  # for a cgroup v2 mount
 
     @classmethod
     def for_store(cls, root: Path) -> PageoutTools:
         return cls(PagedOutRecord(root), SwapFiles(root / SWAP_DIR))
 
     def resumer(self) -> Resumer:
-        return Resumer(self.record, self.swap)
+        return Resumer(self.record, self.swap, holds=self.holds(Path("/")))
 
 
 class PageoutAction:
@@ -65,6 +71,9 @@ class PageoutAction:
         from oomguard.respond.chainsteps import FreezeAction  # the freeze is that step's
 
         tools, po = self.tools, self.tools.pageout
+        foreign = self._traced_from_outside(run)
+        if foreign:  # (before any stop: a signal must not reach a task a CRIU is dumping)
+            return self._failed(run, foreign)
         if not run.frozen:  # a failed checkpoint thawed it: stopped again
             FreezeAction(tools).run(step, run)
         if not run.frozen:
@@ -88,14 +97,18 @@ class PageoutAction:
             self._give_back(made)
             return self._failed(run, f"{format_size(advised)} paged out, and the cgroup is "
                                 "still over its threshold")
-        tree = self._record(run, advised, made)
+        tree, stopped_why = self._hold(run, self._entry(run, advised, made))
         with contextlib.suppress(OSError):
             tools.checkpointer.ledger.clear(run.frozen)
         held = set(run.frozen)
         run.recorded = [pid for pid in run.recorded if pid not in held]
+        for pid in held:  # a dead run's stops among them: held now, not continued at the end
+            run.left_over_starts.pop(pid, None)
         run.frozen = []
         tools.log.warning("victim.paged_out", paged_out_id=tree.id,
                           paged_bytes=advised, swap_files=list(made),
+                          held_by=f"cgroup.freeze {tree.hold}" if tree.hold else "SIGSTOP",
+                          hold_why=stopped_why or None,
                           explanation="kept stopped until its memory fits again, or "
                           f"`oomguard resume {tree.id}`", **run.fields)
         return Settled(ChainOutcome(ChainResult.PAGED_OUT, str(step),
@@ -159,6 +172,22 @@ class PageoutAction:
                 return int(line.split()[1]) << 10
         return 0
 
+    def _traced_from_outside(self, run: ChainRun) -> str:
+        """Why the tree cannot be paged out where a task of it is traced by a process outside
+        it (a dead run's CRIU still dumping it, a debugger attached from elsewhere): its
+        tracer, not oomguard, decides when it runs. "" where none is (a tracer inside the
+        tree, `strace -f job`, is stopped and continued with it)."""
+        tree = set(run.tree.pids)
+        for pid in run.tree.pids:
+            try:
+                tracer = self.tools.proc.status(pid).tracer_pid
+            except ProcessGone:
+                continue
+            if tracer and tracer not in tree:
+                return (f"process {pid} is traced by pid {tracer}, outside its tree (a dump "
+                        "under way, or a debugger): its tracer holds it, not a page-out")
+        return ""
+
     def _resident(self, pid: int) -> int:
         try:
             return self.tools.proc.status(pid).rss_bytes
@@ -184,17 +213,39 @@ class PageoutAction:
             with contextlib.suppress(PageoutError):
                 self.tools.pageout.resumer().release_swap()
 
-    def _record(self, run: ChainRun, advised: int, made: list[str]) -> PagedOutTree:
+    def _entry(self, run: ChainRun, advised: int, made: list[str]) -> PagedOutTree:
         po, tree = self.tools.pageout, run.tree
         now = po.wall_clock()
         tasks = tuple((pid, self.tools.proc.starttime(pid)) for pid in run.frozen)
-        entry = PagedOutTree(
+        return PagedOutTree(
             id=f"po-{tree.root.pid}-{int(now * 1000)}", root_pid=tree.root.pid, tasks=tasks,
             uid=tree.root.uid, cgroup=run.cgroup.rel_path if run.cgroup is not None else "",
             since=now, paged_bytes=advised, resident_bytes=tree.rss_bytes,
             command=tree.root.comm, swap_files=tuple(made))
-        po.record.add(entry)
-        return entry
+
+    def _hold(self, run: ChainRun, tree: PagedOutTree) -> tuple[PagedOutTree, str]:
+        """The tree recorded, and on cgroup v2 held by a frozen cgroup of its own (recorded
+        first: a crash halfway leaves a record that names the hold). Returns the tree as
+        recorded and, where it stays held by SIGSTOP, why."""
+        record = self.tools.pageout.record
+        cgroup = run.cgroup
+        if cgroup is None or cgroup.version != 2:
+            record.add(tree)
+            return tree, "cgroup v1: no freezer of its own to hold it in"
+        holds = self.tools.pageout.holds(cgroup.mount)
+        try:
+            child = holds.planned(tree.id, run.frozen)
+        except HoldRefused as exc:
+            record.add(tree)
+            return tree, exc.reason
+        held = replace(tree, hold=str(child))
+        record.add(held)
+        try:
+            holds.hold(child, run.frozen, HOLD_WAIT)
+        except HoldRefused as exc:
+            record.add(tree)
+            return tree, exc.reason
+        return held, ""
 
     def _failed(self, run: ChainRun, reason: str) -> StepResult:
         then = run.then("nothing more: the tree is continued")

@@ -30,6 +30,9 @@ class PagedOutTree:
     resident_bytes: int  # the tree's resident memory when it was chosen (what comes back)
     command: str
     swap_files: tuple[str, ...] = ()  # oomguard's swap files made for it
+    # The frozen cgroup v2 cgroup that holds it (oomguard.act.cgrouphold), or "": held by
+    # SIGSTOP (cgroup v1, a traced tree, a tree over several cgroups)
+    hold: str = ""
 
     @property
     def pids(self) -> list[int]:
@@ -46,7 +49,8 @@ def _entry(data: object) -> PagedOutTree | None:
             cgroup=str(data["cgroup"]), since=float(data["since"]),
             paged_bytes=int(data["paged_bytes"]), resident_bytes=int(data["resident_bytes"]),
             command=str(data.get("command", "")),
-            swap_files=tuple(str(f) for f in data.get("swap_files", [])))
+            swap_files=tuple(str(f) for f in data.get("swap_files", [])),
+            hold=str(data.get("hold", "")))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -46,11 +46,14 @@ def _failing_criu(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("on_failure", ["thaw", "kill"])
 def test_criu_failure_thaws_or_kills_as_configured(
         cgroups: CgroupFactory, store: Path, tmp_path: Path, on_failure: str) -> None:
+    """The checkpoint's own failure, with no page-out after it (`--actions checkpoint` or
+    `checkpoint,kill`; the default chain's page-out: tests/integration/test_pageout_*.py)."""
     cg = cgroups.make("fail", 256 * MiB)
     log = tmp_path / "hog.log"
     # Crosses the 50% threshold and settles at 200 MiB: alive and well if thawed.
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path), "--threshold", "50%",
-                "--criu", str(_failing_criu(tmp_path)), "--on-failure", on_failure) as guard:
+                "--criu", str(_failing_criu(tmp_path)), "--on-failure", on_failure,
+                "--actions", "checkpoint" if on_failure == "thaw" else "checkpoint,kill") as guard:
         guard.wait_event("guard.armed")
         hog = start_in_cgroup(cg, hog_argv(log, target=200, rate=200, count=100_000))
         try:

@@ -258,7 +258,7 @@ def test_a_cgroup_rule_refuses_a_job_whose_init_is_outside_its_cgroup_before_sto
     cg = cgroups.make("initout", 160 * MiB)
     log = tmp_path / "hog.log"
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path), "--threshold",
-                "50%") as guard:
+                "50%", "--actions", "checkpoint") as guard:  # (no page-out after it)
         guard.wait_event("guard.armed")
         wrapper = subprocess.Popen(
             [*oomguard_argv(store), "exec", "--", "/bin/sh", "-c",

@@ -97,7 +97,8 @@ def test_a_job_whose_growth_cannot_be_dumped_gets_its_limit_back_and_one_next_ac
     watcher = threading.Thread(target=_watch_limit, args=(cg, stop, limits), daemon=True)
     try:
         watcher.start()
-        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path)) as guard:
+        with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path),
+                    "--actions", "checkpoint") as guard:  # no next step of its own
             guard.wait_event("guard.ready")
             grower = start_in_cgroup(cg, [sys.executable, "-c", LINKED_GROWER, str(peer),
                                           str(log), "300", "400"])
@@ -222,7 +223,7 @@ def test_a_traced_grower_takes_the_room_lifted_for_anothers_dump_and_the_limit_c
         # (At 95%: the grower needs little of the room lifted for the dump to end above the
         # limit, however slowly a loaded host lets it grow.)
         with daemon(store, tmp_path / "daemon.log", "--cgroup", str(cg.path),
-                    "--threshold", "0.95") as guard:
+                    "--threshold", "0.95", "--actions", "checkpoint") as guard:
             guard.wait_event("guard.ready")
             debugger.stdin.write("go\n")
             debugger.stdin.flush()

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from oomguard.act.cgrouphold import HOLD_PREFIX, unified_path
 from oomguard.act.swapfiles import SwapFiles
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.store.names import PAGED_OUT, SWAP_DIR
@@ -95,6 +96,18 @@ def _end(guard: DaemonProcess, job: subprocess.Popen[bytes] | None, server: sock
     _remove_swap(store)
 
 
+def held(pid: int) -> bool:
+    """Held by the page-out: stopped (SIGSTOP: cgroup v1, a traced tree), or, on cgroup v2,
+    in a frozen cgroup of its own (oomguard.act.cgrouphold)."""
+    if proc_state(pid) == "T":
+        return True
+    where = unified_path(Path(f"/proc/{pid}/cgroup").read_text()) or ""
+    if not Path(where).name.startswith(HOLD_PREFIX):
+        return False
+    events = (Path("/sys/fs/cgroup") / where.lstrip("/") / "cgroup.events").read_text()
+    return "frozen 1" in events.splitlines()
+
+
 def _paged_out(guard: DaemonProcess, job: int, cgroup: MemoryCgroup) -> dict[str, Any]:
     """The job paged out: stopped, its memory in swap, its cgroup under the threshold."""
     failed = guard.wait_event("checkpoint.failed", timeout=60)[0]
@@ -102,7 +115,9 @@ def _paged_out(guard: DaemonProcess, job: int, cgroup: MemoryCgroup) -> dict[str
     assert failed["then"] == "pageout", failed
     paged = guard.wait_event("victim.paged_out", timeout=60)[0]
     assert paged["pid"] == job and paged["paged_bytes"] >= 200 * MiB, paged
-    assert proc_state(job) == "T"
+    assert held(job)
+    assert paged["held_by"] == ("SIGSTOP" if cgroup.version == 1 else
+                                f"cgroup.freeze {cgroup.path}/{HOLD_PREFIX}{paged['paged_out_id']}")
     assert _swap_kib(job) << 10 >= 190 * MiB
     assert cgroup.snapshot().usage_bytes < int(LIMIT * 0.85)  # the swap cache reclaimed too
     return paged
@@ -130,7 +145,7 @@ def test_an_undumpable_job_is_paged_out_and_auto_resumed_once_it_fits(
             assert [e["state"] for e in listed if e["pid"] == job.pid] == ["paged-out"]
             stopped_at = _counts(log)[-1]
             time.sleep(1.5)  # stays stopped: its memory does not fit yet
-            assert _counts(log)[-1] == stopped_at and proc_state(job.pid) == "T"
+            assert _counts(log)[-1] == stopped_at and held(job.pid)
 
             cg.set_limit(2 * LIMIT)  # room again: 232 MiB + the margin fits under 435 MiB
             resumed = guard.wait_event("pageout.resumed", timeout=60)[0]
@@ -174,7 +189,7 @@ def test_a_paged_out_job_outlives_a_daemon_kill_and_resumes_on_request(
         guard = DaemonProcess(store, tmp_path / "daemon2.log", config=config, socket=socket)
         guard.wait_event("guard.ready")
         time.sleep(2)  # a restart continues nothing that is paged out
-        assert proc_state(job.pid) == "T" and _counts(log)[-1] == stopped_at
+        assert held(job.pid) and _counts(log)[-1] == stopped_at
         assert not guard.events("victim.thawed_after_crash")
 
         cg.set_limit(2 * LIMIT)  # room for it (resumed where it does not fit, it would be
@@ -213,14 +228,14 @@ def test_a_clean_stop_keeps_a_paged_out_job_and_says_so_or_resumes_it_as_configu
         assert guard.stop() == 0
         [kept] = guard.events("pageout.kept")
         assert kept["paged_out"] == [paged["paged_out_id"]]
-        assert proc_state(job.pid) == "T" and (store / PAGED_OUT).exists()
+        assert held(job.pid) and (store / PAGED_OUT).exists()
 
         cg.set_limit(2 * LIMIT)  # room for it once continued
         guard = DaemonProcess(store, tmp_path / "daemon2.log", socket=socket,
                               config=_config(tmp_path, store, cg.path, socket, quiet="600s",
                                              at_stop="resume"))
         guard.wait_event("guard.ready")
-        assert proc_state(job.pid) == "T"  # a start continues nothing (restore_quiet: 600 s)
+        assert held(job.pid)  # a start continues nothing (restore_quiet: 600 s)
         assert guard.stop() == 0
         [resumed] = guard.events("pageout.resumed")
         assert resumed["at_stop"] is True and resumed["pid"] == job.pid, resumed
@@ -352,8 +367,9 @@ def test_a_traced_job_is_paged_out_each_time_it_outgrows_its_room(
         assert "traced" in refused["reason"] and refused["then"] == "pageout", refused
         first = guard.wait_event("victim.paged_out", timeout=60)[0]
         assert first["pid"] == job.pid, first  # the tree: strace and its tracee
+        assert first["held_by"] == "SIGSTOP", first  # its tracer holds it: never a cgroup's
         traced = [pid for pid, _ in PagedOutRecord(store).trees()[0].tasks if pid != job.pid]
-        assert traced and proc_state(job.pid) == "T" and proc_state(traced[0]) == "t"
+        assert traced and held(job.pid) and proc_state(traced[0]) == "t"
         assert _swap_kib(traced[0]) << 10 >= 190 * MiB
         assert cg.snapshot().usage_bytes < int(LIMIT * 0.85)
 

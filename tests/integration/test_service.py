@@ -23,6 +23,7 @@ from oomguard.control.client import ControlClient
 from oomguard.sense.procfs import ProcReader
 from oomguard.sense.psi import has_cap_sys_resource
 from oomguard.store.checkpoints import Store
+from oomguard.store.pagedout import PagedOutRecord
 from tests.helpers import (
     HOG,
     CgroupFactory,
@@ -262,13 +263,15 @@ def test_daemon_killed_mid_dump_restarts_consistent(cgroups: CgroupFactory, stor
         second.wait_event("guard.armed")
 
         def settled() -> str:
-            """'gone' (dumped), 'running' (not stopped while no action of the new run holds
-            it), or '' while the old CRIU, a partial or the new run's own action is under way.
+            """'gone' (dumped), 'paged out' (the default chain's page-out), 'running' (not
+            stopped while no action of the new run holds it), or '' while the old CRIU, a partial or the new run's own action is under way.
             Its state is read before the events: a freeze that begins after the read shows
             as an action begun. (Read as 'not T' alone, the new run's dump under way passed
             while CRIU's parasite ran in it, and the next look found it stopped.)"""
             if hog.poll() is not None:
                 return "gone"
+            if second.events("victim.paged_out"):
+                return "paged out"
             state = proc_state(hog.pid)
             begun = len(second.events("victim.frozen"))
             ended = len(second.events("checkpoint.done")) + len(second.events("checkpoint.failed"))
@@ -280,6 +283,13 @@ def test_daemon_killed_mid_dump_restarts_consistent(cgroups: CgroupFactory, stor
         # Whatever the race, the store ends consistent: no partial left once CRIU is done.
         verdict = wait_until(settled, 60)
         assert verdict, "victim left stopped, or a dump never ended:\n" + second.log.read_text()
+        if verdict == "paged out":  # the old CRIU gave it back, the new run refused it while
+            # traced by that CRIU: the default chain's page-out took it (held, on record)
+            assert [t.root_pid for t in PagedOutRecord(store).trees()] == [hog.pid]
+            assert proc_state(hog.pid) == "T" and not Store(store).partials()
+            kill_pid(hog.pid)
+            hog.wait()
+            return
         if verdict == "running":
             kill_pid(hog.pid)
             hog.wait()

@@ -31,9 +31,11 @@ LANE_PARTS = {
                "test_a_trickling_holder_socket_holds_a_checkpoint_no_longer_than_its_deadline"],
               4),
     # what CRIU refuses, paged out instead (issue 29): a Unix-connected job, a Tk window on
-    # Xvfb, a job under strace -f; memory.swap.max and the swap file on the scratch's ext4
+    # Xvfb, a job under strace -f; memory.swap.max and the swap file on the scratch's ext4;
+    # held by a frozen cgroup of its own, a job typed at a prompt that `fg` cannot run early
     "pageout": (["tests/integration/test_pageout_real.py", "tests/integration/test_pageout_chain.py",
-                 "tests/integration/test_pageout_refused.py"], 8),
+                 "tests/integration/test_pageout_refused.py",
+                 "tests/integration/test_pageout_shell.py"], 9),
 }
 # The page-cache test relies on usage crossing the threshold; under v2 memory.high the kernel
 # reclaims the cache before it gets there, so it proves nothing in the lane.

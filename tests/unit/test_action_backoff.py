@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from oomguard.config.actions import CHECKPOINT, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint
@@ -37,7 +38,8 @@ class Clock:
 
 
 def request() -> Request:
-    return Request(name="/jobs", parts=rule_parts(GuardConfig(cgroups=("/jobs",))), woke=100.0,
+    spec = GuardConfig(cgroups=("/jobs",), actions=(Step(CHECKPOINT),))  # the checkpoint's own
+    return Request(name="/jobs", parts=rule_parts(spec), woke=100.0,
                    reason=REASON, candidates=lambda: [make_tree(ROOT, CHILD)],
                    cgroup_for=lambda t: None, still_pressing=lambda: True)
 

@@ -11,6 +11,7 @@ from oomguard.config.actions import (
     DEFAULT_CHAIN,
     FREEZE,
     KILL,
+    PAGEOUT,
     SIGNAL,
     Step,
     parse_chain,
@@ -146,7 +147,7 @@ def test_parse_chain_valid(value: list[str], expected: tuple[Step, ...]) -> None
 
 
 def test_default_chain_parses() -> None:
-    assert parse_chain(list(DEFAULT_CHAIN)) == (Step(CHECKPOINT),)
+    assert parse_chain(list(DEFAULT_CHAIN)) == (Step(CHECKPOINT), Step(PAGEOUT))
 
 
 @pytest.mark.parametrize(

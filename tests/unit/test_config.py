@@ -276,7 +276,7 @@ def test_shipped_commented_guards_are_valid() -> None:
     assert config.guards == (
         GuardConfig(cgroups=("/sys/fs/cgroup/memory/jobs/build",), threshold=0.85,
                     headroom=64 * MiB, on_failure="thaw", events=True,
-                    actions=(Step("checkpoint"),),
+                    actions=(Step("checkpoint"), Step("pageout")),
                     protect=("^(sshd|systemd|Xorg|gnome-shell)$",), gpu="neutral",
                     gpu_threshold=0.95),
         GuardConfig(cgroups=(), system=True,

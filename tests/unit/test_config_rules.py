@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from oomguard.config.actions import CHECKPOINT, DEFAULT_CHAIN, FREEZE, KILL, SIGNAL, Step
+from oomguard.config.actions import (
+    CHECKPOINT,
+    DEFAULT_CHAIN,
+    FREEZE,
+    KILL,
+    PAGEOUT,
+    SIGNAL,
+    Step,
+)
 from oomguard.config.loading import DaemonConfig, GuardConfig, load_config, load_config_text
 from oomguard.model.errors import ConfigError
 from oomguard.policy.preferences import Preferences
@@ -429,7 +437,7 @@ prefer = "("
 def test_rule_parts_defaults() -> None:
     parts = rule_parts(GuardConfig(cgroups=("/a",)))
     assert isinstance(parts, RuleParts)
-    assert parts.chain == (Step(CHECKPOINT),)
+    assert parts.chain == (Step(CHECKPOINT), Step(PAGEOUT))  # what CRIU cannot dump: paged out
     assert tuple(step.kind for step in parts.chain) == DEFAULT_CHAIN
     assert parts.prefs == Preferences()
     # the guard's defaults and the chain's agree
@@ -439,8 +447,8 @@ def test_rule_parts_defaults() -> None:
 @pytest.mark.parametrize(
     ("on_failure", "actions", "chain"),
     [
-        ("thaw", (), (Step(CHECKPOINT),)),
-        ("kill", (), (Step(CHECKPOINT), Step(KILL))),
+        ("thaw", (), (Step(CHECKPOINT), Step(PAGEOUT))),
+        ("kill", (), (Step(CHECKPOINT), Step(PAGEOUT), Step(KILL))),
         ("kill", (Step(FREEZE), Step(CHECKPOINT)), (Step(FREEZE), Step(CHECKPOINT))),
         ("thaw", (Step(CHECKPOINT), Step(KILL)), (Step(CHECKPOINT), Step(KILL))),
         ("kill", (Step(SIGNAL, signal.SIGUSR1, 30.0),), (Step(SIGNAL, signal.SIGUSR1, 30.0),)),
@@ -491,7 +499,7 @@ freeze_deadline = "20s"
 store_margin = "1G"
 """
     first, second = (rule_parts(g) for g in load_config_text(text, SOURCE).guards)
-    assert first.chain == (Step(CHECKPOINT), Step(KILL))
+    assert first.chain == (Step(CHECKPOINT), Step(PAGEOUT), Step(KILL))
     assert first.settings == ChainSettings(kill_grace=1.0, headroom=16 * MiB)
     assert second.chain == (Step(SIGNAL, signal.SIGUSR1, 30.0), Step(CHECKPOINT))
     assert [p.pattern for p in second.prefs.avoid] == ["^make$"]

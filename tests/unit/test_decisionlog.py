@@ -85,13 +85,15 @@ def test_a_dry_run_says_its_victim_once_until_it_changes() -> None:
     assert len(chosen) == 1
     assert chosen[0]["pid"] == 10 and chosen[0]["command"] == "/bin/p10"
     assert chosen[0]["rss_mib"] == 300 and chosen[0]["dry_run"] is True
-    assert chosen[0]["actions"] == ["checkpoint"] and "MemAvailable" in chosen[0]["reason"]
+    assert chosen[0]["actions"] == ["checkpoint", "pageout"]
+    assert "MemAvailable" in chosen[0]["reason"]
     actor._run(_request([small]), lambda: None)  # the big one is gone: another victim
     actor._run(_request([small], actions="checkpoint,kill"), lambda: None)  # another action
     actor._run(_request([small], actions="checkpoint,kill"), lambda: None)
     chosen = [f for e, f in log.events if e == "victim.chosen"]
     assert [(f["pid"], f["actions"]) for f in chosen] == [
-        (10, ["checkpoint"]), (11, ["checkpoint"]), (11, ["checkpoint", "kill"])]
+        (10, ["checkpoint", "pageout"]), (11, ["checkpoint", "pageout"]),
+        (11, ["checkpoint", "pageout", "kill"])]
 
 
 def test_a_dry_run_with_no_victim_says_so_once() -> None:

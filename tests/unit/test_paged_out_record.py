@@ -152,3 +152,87 @@ def test_a_tree_killed_while_paged_out_leaves_the_record_and_frees_its_swap(
     over = resumer.ended()
     assert [d.tree.root_pid for d in over] == [child.pid] and over[0].continued == []
     assert record.trees() == [] and runner.calls == [["swapoff", path]]
+
+
+def test_a_tree_held_by_sigstop_that_someone_continues_is_stopped_again(
+        tmp_path: Path, stopped: subprocess.Popen[bytes]) -> None:
+    """A shell's `fg` or a `kill -CONT` must not run a paged-out tree into memory that is not
+    there (cgroup v1, or a tree no frozen cgroup could hold)."""
+    swap, _ = _swap_files(tmp_path, [])
+    record = PagedOutRecord(tmp_path)
+    record.add(_tree(stopped.pid))
+    resumer = Resumer(record, swap)
+    assert resumer.restop(record.trees()[0]) == []  # still stopped: nothing to do
+    os.kill(stopped.pid, signal.SIGCONT)
+    _wait_state(stopped.pid, "S")
+    assert resumer.restop(record.trees()[0]) == [stopped.pid]
+    _wait_state(stopped.pid, "T")
+    assert [t.id for t in record.trees()] == [f"po-{stopped.pid}-1"]  # still paged out
+
+
+class Holds:
+    """A CgroupHold's release, recorded (the real one: the v2 lane's page-out tests)."""
+
+    def __init__(self, moved: list[int] | None = None, error: OSError | None = None) -> None:
+        self.moved = moved or []
+        self.error = error
+        self.released: list[Path] = []
+
+    def release(self, child: Path) -> list[int]:
+        self.released.append(child)
+        if self.error is not None:
+            raise self.error
+        return self.moved
+
+
+def test_a_tree_held_by_a_frozen_cgroup_is_released_not_signalled_and_never_restopped(
+        tmp_path: Path, stopped: subprocess.Popen[bytes]) -> None:
+    swap, _ = _swap_files(tmp_path, [])
+    record = PagedOutRecord(tmp_path)
+    hold = str(tmp_path / "job" / "oomguard-held-po-1")  # (a directory stands in for it)
+    Path(hold).mkdir(parents=True)
+    record.add(PagedOutTree(**{**_tree(stopped.pid).__dict__, "hold": hold}))
+    assert PagedOutRecord(tmp_path).trees()[0].hold == hold  # kept in the record
+    holds = Holds(moved=[stopped.pid])
+    resumer = Resumer(record, swap, holds=holds)  # type: ignore[arg-type]
+    os.kill(stopped.pid, signal.SIGCONT)  # (as the freezer would hold it: running, held)
+    _wait_state(stopped.pid, "S")
+    assert resumer.restop(record.trees()[0]) == []  # the kernel holds it, not a SIGSTOP
+    os.kill(stopped.pid, signal.SIGSTOP)
+    _wait_state(stopped.pid, "T")
+    done = resumer.resume(record.trees()[0])
+    assert holds.released == [Path(hold)] and done.continued == [stopped.pid]
+    assert _state(stopped.pid) == "T"  # released, not SIGCONTed a second time
+    assert record.trees() == []
+
+
+def test_a_frozen_cgroup_that_cannot_be_released_keeps_the_tree_held_and_recorded(
+        tmp_path: Path, stopped: subprocess.Popen[bytes]) -> None:
+    swap, _ = _swap_files(tmp_path, [])
+    record = PagedOutRecord(tmp_path)
+    record.add(PagedOutTree(**{**_tree(stopped.pid).__dict__,
+                               "hold": "/sys/fs/cgroup/oomguard-held-po-1"}))
+    holds = Holds(error=PermissionError(13, "Permission denied"))
+    resumer = Resumer(record, swap, holds=holds)  # type: ignore[arg-type]
+    done = resumer.resume(record.trees()[0])
+    assert "Permission denied" in done.hold_left and done.continued == []
+    assert _state(stopped.pid) == "T" and len(record.trees()) == 1
+
+
+def test_a_record_written_before_holds_existed_reads_as_held_by_sigstop(tmp_path: Path) -> None:
+    (tmp_path / PAGED_OUT).write_text(
+        '[{"id": "po-1-2", "root_pid": 1, "tasks": [[1, 2]], "uid": 0, "cgroup": "/a", '
+        '"since": 1.0, "paged_bytes": 1, "resident_bytes": 2, "command": "x"}]')
+    assert [t.hold for t in PagedOutRecord(tmp_path).trees()] == [""]
+
+
+def test_a_tree_whose_frozen_cgroup_a_crash_kept_from_being_made_is_stopped_again(
+        tmp_path: Path, stopped: subprocess.Popen[bytes]) -> None:
+    swap, _ = _swap_files(tmp_path, [])
+    record = PagedOutRecord(tmp_path)
+    hold = str(tmp_path / "job" / "oomguard-held-po-1")  # recorded, never made
+    record.add(PagedOutTree(**{**_tree(stopped.pid).__dict__, "hold": hold}))
+    os.kill(stopped.pid, signal.SIGCONT)
+    _wait_state(stopped.pid, "S")
+    assert Resumer(record, swap).restop(record.trees()[0]) == [stopped.pid]
+    _wait_state(stopped.pid, "T")

@@ -31,7 +31,7 @@ def test_a_v1_cgroup_guard_in_one_line() -> None:
     guard = cgroup_guard(GuardConfig(cgroups=(JOBS,), threshold=0.85),
                          "v1 memory threshold eventfd + OOM notification")
     assert guard_line(guard, 400 * MiB) == (
-        f"guarding {JOBS}: act (checkpoint) at 85% of 400 MiB (340 MiB), "
+        f"guarding {JOBS}: act (checkpoint, then pageout) at 85% of 400 MiB (340 MiB), "
         "v1 memory threshold eventfd + OOM notification")
 
 
@@ -58,7 +58,7 @@ def test_a_system_rule_says_the_floor_in_bytes() -> None:
                        victim_cgroups=("/user.slice",))
     guard = SystemGuard(spec=spec, detection="MemAvailable (adaptive polling)")
     assert guard_line(guard, None, 32 * GiB) == (
-        "guarding the system: act (checkpoint) when MemAvailable is at or below 10% of "
+        "guarding the system: act (checkpoint, then pageout) when MemAvailable is at or below 10% of "
         "32.0 GiB (3.2 GiB) or memory pressure (full avg10) reaches 20%, on processes in "
         "/user.slice, MemAvailable (adaptive polling)")
     fixed = SystemGuard(spec=GuardConfig(cgroups=(), system=True,

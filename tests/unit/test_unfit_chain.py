@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from oomguard.config.actions import Step
+from oomguard.config.actions import CHECKPOINT, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint
@@ -103,7 +103,8 @@ def test_the_actor_never_chooses_a_marked_tree_again_and_says_so_once(tmp_path: 
     log = LogRecorder()
     actor = Actor(rig.runner, log, dry_run=False, clock=lambda: 10.0)
     trees = [unfit_tree()]
-    request = Request(name="/jobs", parts=rule_parts(GuardConfig(cgroups=("/jobs",))),
+    spec = GuardConfig(cgroups=("/jobs",), actions=(Step(CHECKPOINT),))
+    request = Request(name="/jobs", parts=rule_parts(spec),
                       woke=10.0, reason=REASON, candidates=lambda: list(trees),
                       cgroup_for=lambda t: None, still_pressing=lambda: True)
     actor._run(request, lambda: None)
