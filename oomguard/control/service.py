@@ -19,8 +19,9 @@ from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.lifecycle.checkpoint import OUTCOME_UNTOUCHED, Checkpointer, tree_of
 from oomguard.lifecycle.jobroot import job_root
-from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
+from oomguard.lifecycle.restore import Restorer, memory_pages_bytes
 from oomguard.lifecycle.restorefit import GuardLookup, check_fits
+from oomguard.lifecycle.restoreoutcome import failure_fields
 from oomguard.model.errors import (
     AmbiguousId,
     CgroupGone,

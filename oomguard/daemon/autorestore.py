@@ -14,7 +14,8 @@ from typing import Any
 
 from oomguard.cgroup.base import MemorySnapshot
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.lifecycle.restore import Restorer, failure_fields, memory_pages_bytes
+from oomguard.lifecycle.restore import Restorer, memory_pages_bytes
+from oomguard.lifecycle.restoreoutcome import failure_fields
 from oomguard.model.errors import OomguardError, RestoreInProgress
 from oomguard.observe.events import EventSink, RestoreDone, RestoreFailed, sink_for
 from oomguard.policy.pressure import restore_fits

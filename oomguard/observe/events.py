@@ -20,7 +20,7 @@ from oomguard.sense.owners import SlurmStep
 
 if TYPE_CHECKING:
     from oomguard.lifecycle.checkpointrun import CheckpointTimings
-    from oomguard.lifecycle.restore import RestoreResult
+    from oomguard.lifecycle.restoreoutcome import RestoreResult
     from oomguard.model.checkpointmeta import CheckpointMeta
 
 HookFields = Mapping[str, str | int | float | bool]
@@ -232,7 +232,7 @@ class RestoreDone:
 @dataclass(frozen=True)
 class RestoreFailed:
     """`failure`: the error in one line, and CRIU's own where it failed
-    (lifecycle.restore.failure_fields). Auto-restore: `cgroup` is the guard's name and it is
+    (lifecycle.restoreoutcome.failure_fields). Auto-restore: `cgroup` is the guard's name and it is
     retried in `retry_in_s`; on request (`requested_by`): the cgroup asked for, else the
     checkpoint's, and `uid` its owner where it could be read."""
 

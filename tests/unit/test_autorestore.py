@@ -14,7 +14,7 @@ from oomguard.cgroup.base import MemorySnapshot
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.lifecycle.restore import RestoreResult
+from oomguard.lifecycle.restoreoutcome import RestoreResult
 from oomguard.model.errors import RestoreFailed, RestoreInProgress
 from tests.unit.test_restore_failures import meta_of, stored
 

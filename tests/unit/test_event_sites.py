@@ -20,7 +20,7 @@ from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.loop import Daemon
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.checkpointrun import CheckpointResult, CheckpointTimings
-from oomguard.lifecycle.restore import RestoreResult
+from oomguard.lifecycle.restoreoutcome import RestoreResult
 from oomguard.model.errors import CheckpointFailed as CheckpointError
 from oomguard.model.errors import FailedCheckpoint, StoreOverBudget
 from oomguard.model.errors import RestoreFailed as RestoreError

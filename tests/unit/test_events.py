@@ -15,7 +15,7 @@ import pytest
 
 from oomguard.daemon.telemetry import EventTap
 from oomguard.lifecycle.checkpointrun import CheckpointTimings
-from oomguard.lifecycle.restore import RestoreResult
+from oomguard.lifecycle.restoreoutcome import RestoreResult
 from oomguard.model.errors import FailedCheckpoint
 from oomguard.observe.events import (
     CheckpointDone,

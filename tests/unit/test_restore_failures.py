@@ -18,7 +18,7 @@ from oomguard.control.server import dispatch
 from oomguard.control.service import PermissionDenied, Service
 from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.lifecycle.restore import failure_fields
+from oomguard.lifecycle.restoreoutcome import failure_fields
 from oomguard.model.errors import CgroupGone, CriuError, RestoreFailed
 from oomguard.observe.events import LogSink
 from oomguard.store.checkpoints import CheckpointMeta, Store
