@@ -3,9 +3,10 @@ job's process tree, keeps a scrollback, serves `oomguard attach` clients on a UN
 hands a slave fd to a restorer (SCM_RIGHTS) so CRIU can give the restored job its terminal back.
 
 Run as `python -I -m oomguard.terminal.holder --master-fd N --listen-fd N ...` (stdlib and
-oomguard.terminal.wire only). It leaves its session at once (setsid, SIGHUP ignored), so
-closing the terminal that started the job does not end it. Requests are one JSON line (see
-oomguard/terminal/client.py); an `attach` is followed by frames (oomguard/terminal/wire.py).
+oomguard.terminal's wire, jobprocs and holderprocess only). It leaves its session at once
+(setsid, SIGHUP ignored), so closing the terminal that started the job does not end it.
+Requests are one JSON line (see oomguard/terminal/client.py); an `attach` is followed by frames
+(oomguard/terminal/wire.py).
 
 The job's state comes from the pty itself: the master is in packet mode, and the session's
 leader (the namespace's init of `oomguard exec`) stops and restarts the terminal's output after
@@ -37,8 +38,9 @@ import sys
 import termios
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
+from oomguard.terminal.holderprocess import Leader, detach_stdio, parse_options, serve
 from oomguard.terminal.jobprocs import (
     descendants,
     first_child_pgrp,
@@ -62,22 +64,6 @@ from oomguard.terminal.wire import (
 TIOCGPTPEER = 0x5441
 SCROLLBACK = 64 * 1024
 LINGER = 1.5  # a vacated, unpinned terminal waits this long for `done` and its status
-
-
-class Leader(Protocol):
-    """The holder as the job's session leader and reaper (oomguard/terminal/leader.py)."""
-
-    def wake_fd(self) -> int: ...
-
-    def reap(self, holder: Holder) -> None: ...
-
-    def job_pgrp(self) -> int | None: ...
-
-    def give_terminal(self, pid: int) -> None: ...
-
-    def alive(self) -> bool: ...
-
-    def outcome(self) -> tuple[int | None, int | None]: ...
 
 
 @dataclass
@@ -403,40 +389,6 @@ class Holder:
                 os.unlink(path)
         for client in list(self.clients):
             self.drop(client)
-
-
-def parse_options(argv: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
-    """--name value pairs (--origin repeats) up to `--`; then the command after it."""
-    opts: dict[str, str] = {}
-    origin: list[str] = []
-    rest = list(argv)
-    while rest and rest[0] != "--":
-        name = rest.pop(0)
-        value = rest.pop(0)
-        if name == "--origin":
-            origin.append(value)
-        else:
-            opts[name] = value
-    return opts, origin, rest[1:]
-
-
-def detach_stdio() -> None:
-    os.chdir("/")  # hold no mount busy
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    if null > 2:
-        os.close(null)
-
-
-def serve(holder: Holder, listener: socket.socket) -> None:
-    path = listener.getsockname()
-    try:
-        holder.run()
-    finally:
-        holder.close(path)
 
 
 def main(argv: list[str]) -> int:

@@ -35,7 +35,8 @@ import sys
 import termios
 
 from oomguard.model.wakepipe import WakePipe
-from oomguard.terminal.holder import Holder, detach_stdio, parse_options, serve
+from oomguard.terminal.holder import Holder
+from oomguard.terminal.holderprocess import detach_stdio, parse_options, serve
 from oomguard.terminal.jobprocs import descendants, ns_pid
 
 KEEP_STOPPED_ENV = "OOMGUARD_KEEP_STOPPED"  # act/criu.py's: CRIU's environment, ours too
