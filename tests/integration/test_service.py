@@ -264,10 +264,11 @@ def test_daemon_killed_mid_dump_restarts_consistent(cgroups: CgroupFactory, stor
 
         def settled() -> str:
             """'gone' (dumped), 'paged out' (the default chain's page-out), 'running' (not
-            stopped while no action of the new run holds it), or '' while the old CRIU, a partial or the new run's own action is under way.
-            Its state is read before the events: a freeze that begins after the read shows
-            as an action begun. (Read as 'not T' alone, the new run's dump under way passed
-            while CRIU's parasite ran in it, and the next look found it stopped.)"""
+            stopped while no action of the new run holds it), or '' while the old CRIU, a
+            partial or the new run's own action is under way. Its state is read before the
+            events: a freeze that begins after the read shows as an action begun. (Read as
+            'not T' alone, the new run's dump under way passed while CRIU's parasite ran in
+            it, and the next look found it stopped.)"""
             if hog.poll() is not None:
                 return "gone"
             if second.events("victim.paged_out"):
