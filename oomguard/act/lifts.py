@@ -97,8 +97,11 @@ class LimitLifts:
         """Lift the limit to `new_limit`, recorded first; with `cap` (the rule's headroom), never
         above the cgroup's own limit + 2 x cap: room for one dump, and for one more to seize a
         task parked at a limit that something grew into meanwhile, however many dumps ask.
-        Returns the release: the own limit is put back once no live holder is left; it returns
-        None, or why it could not be put back yet (the entry stays pending)."""
+        A memory.high below `new_limit` (v2; the guard's own mark at its threshold) is lifted
+        with it, even where the limit itself needs no room: it throttles a stopped task still
+        inside a system call, which stops only on its way out. Returns the release: the own
+        limits are put back once no live holder is left; it returns None, or why they could
+        not be put back yet (the entry stays pending)."""
         key = str(cgroup.path)
         token = secrets.token_hex(4)
         with self._locked() as entries:
@@ -111,10 +114,12 @@ class LimitLifts:
             if own is not None and cap is not None:
                 new_limit = min(new_limit, own + LIFT_CEILING * cap)
             current = cgroup.limit()
-            if current is not None and current < new_limit:  # what is about to be written
+            raising = current is not None and (current < new_limit
+                                               or _throttles_below(cgroup, new_limit))
+            if raising:  # what is about to be written
                 entry["lifted"] = [*entry.get("lifted", []), _page(new_limit)]
-        # Written (fsync'd) before the limit changes; the raise itself outside the file lock.
-        if current is not None and current < new_limit:
+        # Written before the limit changes; the raise itself outside the file lock.
+        if raising:
             try:
                 cgroup.raise_limit(new_limit)  # its own undo is not used: the ledger's is
             except BaseException:
@@ -278,3 +283,9 @@ class LimitLifts:
 def _page(value: int) -> int:
     """A limit as the kernel keeps it (rounded down to whole pages)."""
     return value // PAGE * PAGE
+
+
+def _throttles_below(cgroup: MemoryCgroup, limit: int) -> bool:
+    """Whether the cgroup's memory.high (v2; v1 has none) throttles below `limit`."""
+    high = cgroup.limits_state().get("high")
+    return high is not None and high < limit

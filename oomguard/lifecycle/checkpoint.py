@@ -212,6 +212,8 @@ class Checkpointer:
         others = Held()
         if cgroup is not None and request.headroom > 0 and limited(cgroup):
             others = self.bystanders.hold(cgroup, frozen.pids, request.requester)
+            if shielding:  # stopped tasks are the OOM killer's too: never theirs meanwhile
+                self.shield.shield(others.pids)
         return CheckpointRun(frozen=frozen, pids=frozen.pids, shielding=shielding, hold=hold,
                     others=others, undo_limit=bridge, terminals=DumpTerminals(tree.root.uid),
                     checkpoint_id=new_id(tree.root.pid, self.wall_clock()))
@@ -247,9 +249,17 @@ class Checkpointer:
         cgroup = request.cgroup
         if run.others.cgroup and cgroup is not None:  # and what comes in, until they go on
             self.bystanders.follow(cgroup, run.pids, request.requester, run.others)
-        self._lift_for_dump(request, run, own=True)
+        # Unthrottled where shielded (v2): a task inside one system call (mmap MAP_POPULATE)
+        # stops only on its way out, and the guard's memory.high at the threshold would have it
+        # crawl there past the wait; at the limit its charge fails instead (shielded, as the
+        # rest of the cgroup held), and it returns and stops.
+        self._lift_for_dump(request, run, own=True, unthrottle=run.shielding)
         ours = set(run.frozen.ours)
         run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
+        if run.shielding and run.frozen.stopped is False:
+            # Still inside a system call: once more, shielded, before the dump unshields it
+            # (unshielded there, the OOM killer takes it at the limit).
+            run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
         run.pids, run.left = run.frozen.pids, run.frozen.left  # left: reparented out, let go
         run.frozen_at = self.clock()
         if run.others.pids:
@@ -295,12 +305,14 @@ class Checkpointer:
             run.undo_limit = None
         self.freezer.thaw(run.frozen.ours)
 
-    def _lift_for_dump(self, request: CheckpointRequest, run: CheckpointRun, own: bool) -> None:
+    def _lift_for_dump(self, request: CheckpointRequest, run: CheckpointRun, own: bool,
+                       unthrottle: bool = False) -> None:
         """The headroom over the cgroup's `own` limit (before the stop is waited for), or over
         the limit in force (once stopped: a task inside one system call, mmap MAP_POPULATE...,
         stops only on its way out, and may have used up the limit, or the headroom given
         before, by then). Undone with the lifts before it."""
-        run.undo_limit = self.room.over(request.cgroup, request.headroom, own, run.undo_limit)
+        run.undo_limit = self.room.over(request.cgroup, request.headroom, own, run.undo_limit,
+                                        unthrottle)
 
     def _meta_of_stopped(self, request: CheckpointRequest, run: CheckpointRun) -> CheckpointMeta:
         """The tree unshielded (back to its own oom_score_adj, which CRIU saves with the
@@ -426,6 +438,8 @@ class Checkpointer:
         if undo_limit is not None:
             with contextlib.suppress(OSError, CgroupGone):
                 undo_limit()
+        if others.pids:
+            self.shield.unshield(others.pids)
         self.bystanders.release(others)
 
     def _packer(self, images: Path) -> Packer | None:

@@ -43,12 +43,17 @@ class DumpRoom:
         return self.over(cgroup, room, own=True, undo=None)
 
     def over(self, cgroup: MemoryCgroup | None, room: int, own: bool,
-             undo: Undo | None) -> Undo | None:
+             undo: Undo | None, unthrottle: bool = False) -> Undo | None:
         """`room` over the cgroup's `own` limit, or over the limit in force (a lift already
-        given may have been used up), added to `undo` (the lifts before it)."""
+        given may have been used up), added to `undo` (the lifts before it). `unthrottle`:
+        with room enough, a memory.high below the limit in force is lifted to it all the same
+        (oomguard/act/lifts.py), for a tree whose stop is waited for."""
         if cgroup is None or room <= 0:
             return undo
-        raised_limit = headroom_needed(self.reading(cgroup, own=own), room)
+        reading = self.reading(cgroup, own=own)
+        raised_limit = headroom_needed(reading, room)
+        if raised_limit is None and unthrottle:
+            raised_limit = cgroup.limit()
         if raised_limit is None:
             return undo
         return both(self.lift(cgroup, raised_limit, cap=room), undo)

@@ -41,6 +41,12 @@ def test_map_populate_in_one_call_is_checkpointed_not_killed(
     log = tmp_path / "populate.log"
     config = tmp_path / "defaults.toml"  # a guard on default settings, nothing else
     config.write_text(f'[[guard]]\ncgroups = ["{small.path}"]\n')
+    # Beside it, as a slice's other service: held while the job is dumped, and never the
+    # OOM killer's while the job, stopped inside its mmap, runs on to the limit (v2: the
+    # guard lifts its memory.high for the stop; both are shielded until it has stopped).
+    bystander = start_in_cgroup(small, ["sleep", "600"])
+    adj = Path(f"/proc/{bystander.pid}/oom_score_adj")
+    own_adj = adj.read_text()
     with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
         guard.wait_event("guard.armed")
         job = start_in_cgroup(small, [sys.executable, str(POPULATE), str(log), "400"])
@@ -50,6 +56,12 @@ def test_map_populate_in_one_call_is_checkpointed_not_killed(
         done = settled[0]
         assert job.wait(timeout=30) == -signal.SIGKILL  # CRIU's kill after the dump
         assert done["pid"] == job.pid
+        assert wait_until(lambda: proc_state(bystander.pid) == "S", 30), (
+            proc_state(bystander.pid), guard.log.read_text()[-4000:])
+    assert bystander.poll() is None, "the bystander was killed"
+    assert adj.read_text() == own_adj, "the bystander's shield was not put back"
+    kill_pid(bystander.pid)
+    bystander.wait(timeout=10)
     snap = small.snapshot()
     assert snap.oom_kills == 0, "the kernel OOM killer fired"
     assert snap.usage_bytes < 16 * MiB

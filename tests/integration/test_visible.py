@@ -223,10 +223,10 @@ def test_start_up_says_each_guard_the_gpu_and_where_metrics_are(
         how = ("v1 memory threshold eventfd + OOM notification"
                if isinstance(limited, V1MemoryCgroup) else "memory.high at 85% + memory.events")
         assert armed[str(limited.path)].startswith(
-            f"guarding {limited.path}: act (checkpoint) at 85% of 200 MiB (170 MiB), {how}")
+            f"guarding {limited.path}: act (checkpoint, then pageout) at 85% of 200 MiB (170 MiB), {how}")
         assert armed[str(unlimited.path)] == (
             f"guarding {unlimited.path}: no memory limit: nothing to act on until one is set")
-        assert armed["system"].startswith("guarding the system: act (checkpoint) when "
+        assert armed["system"].startswith("guarding the system: act (checkpoint, then pageout) when "
                                           "MemAvailable is at or below 1% of ")
         assert f"on processes in {unlimited.path}, MemAvailable" in armed["system"]
 

@@ -163,3 +163,44 @@ def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+class ThrottledCgroup(FakeCgroup):
+    """A v2 cgroup with the guard's memory.high below its limit."""
+
+    def __init__(self, path: Path, limit: int, usage: int, high: int) -> None:
+        super().__init__(path, limit, usage)
+        self.high = high
+
+    def raise_limit(self, new_limit: int) -> object:
+        self.high = max(self.high, new_limit)
+        return super().raise_limit(new_limit)
+
+    def limits_state(self) -> dict[str, int | None]:
+        return {"max": self._limit, "high": self.high}
+
+    def put_back_limits(self, state: dict[str, int | None]) -> None:
+        super().put_back_limits(state)
+        self.high = state["high"] or 0
+
+
+def test_a_memory_high_below_the_limit_is_lifted_though_the_limit_has_room(
+        lifts: LimitLifts, tmp_path: Path) -> None:
+    """A stopped task inside one system call, throttled at the guard's memory.high, would
+    crawl past the stop's wait: lifted to the limit in force, and put back after."""
+    cg = ThrottledCgroup(tmp_path / "cg", 256 * MiB, 186 * MiB, high=179 * MiB)
+    release = lifts.lift(cg, 256 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    assert cg.high == 256 * MiB and cg.limit() == 256 * MiB
+    assert lifts.lifted(cg.path) and lifts.own_limit(cg.path) == (True, 256 * MiB)
+    assert release() is None
+    assert cg.high == 179 * MiB and cg.limit() == 256 * MiB
+    assert not lifts.lifted(cg.path)
+
+
+def test_an_unthrottled_cgroup_with_room_is_not_touched(lifts: LimitLifts,
+                                                        tmp_path: Path) -> None:
+    cg = ThrottledCgroup(tmp_path / "cg", 256 * MiB, 186 * MiB, high=300 * MiB)
+    release = lifts.lift(cg, 256 * MiB, cap=64 * MiB)  # type: ignore[arg-type]
+    assert cg.writes == [] and cg.high == 300 * MiB
+    assert release() is None
+    assert cg.high == 300 * MiB and cg.limit() == 256 * MiB
