@@ -217,6 +217,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def traced(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return any(line.split()[1:] != ["0"] for line in status.splitlines()
+               if line.startswith("TracerPid:"))
+
+
+def listed() -> dict[int, str]:
+    """The checkpoints in the store, by the PID they were taken of."""
+    return {int(str(c["pid"])): str(c["id"]) for c in checkpoints()
+            if c.get("state") == "checkpointed"}
+
+
 def checkpoints() -> list[dict[str, object]]:
     text = sh("oomguard", "list", "--json")
     try:
@@ -254,8 +269,18 @@ def play(guard: str, key: str, number: int, work: Path, settle: float) -> Run:
     sampler.stop.set()
     sampler.join()
     run.cross_s, run.action_s = sampler.cross, sampler.action
-    saved = {int(str(c["pid"])): str(c["id"]) for c in checkpoints()
-             if c.get("state") == "checkpointed"}
+    if guard == "oomguard":  # a dump under way (CRIU has seized the job) is waited out
+        wait_for(lambda: not any(alive(pid) and traced(pid) for pid in jobs), 120, 0.2)
+    saved = listed()
+    if guard == "oomguard":
+        # A job CRIU ended (SIGKILL once dumped: Result=signal) whose checkpoint is not listed
+        # yet is still being committed (a cold dump under emulation can outlast `settle`).
+        dumped = [pid for pid, (unit, _) in jobs.items() if pid not in saved and not alive(pid)
+                  and sh("systemctl", "show", "-p", "Result", "--value",
+                         f"{unit}.service") == "signal"]
+        if dumped:
+            wait_for(lambda: all(pid in listed() for pid in dumped), 120, 0.5)
+            saved = listed()
     oomd = journal_count("systemd-oomd", f"{name}.slice", since)  # its kills in this slice
     for pid, (unit, log) in jobs.items():
         result = sh("systemctl", "show", "-p", "Result", "--value", f"{unit}.service")
