@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,13 +95,15 @@ def test_a_container_is_checkpointed_by_podman_and_restored_as_a_new_one(
                       f'[[guard]]\ncgroups = ["{parent.path}/libpod-[0-9a-f]*"]\n'
                       f"threshold = 0.75\n")
     with daemon(store, tmp_path / "daemon.log", "--config", str(config)) as guard:
-        guard.wait_event("guard.armed", timeout=120)
+        guard.wait_event("guard.ready", timeout=120)  # the glob matches nothing yet
         cid = _run([*podman, "run", "--detach", "--name", "og1", "--network", "none",
                     "--memory", "160m", "--memory-swap", "160m",
                     "--cgroup-parent", "/" + parent.path.relative_to(parent.mount).as_posix(),
                     "--volume", f"{out}:/out", image,
                     "/hog", "/out/hog.log", str(TARGET_MIB), str(COUNT)]).stdout.strip()
         assert (parent.path / f"libpod-{cid}").is_dir()
+        armed = guard.wait_event("guard.armed", timeout=120)[0]  # found as it came
+        assert armed["cgroup"] == str(parent.path / f"libpod-{cid}"), armed
         said = guard.wait_event("podman.checkpointed", timeout=600)[0]
         assert said["container_id"] == cid, said
         archive = Path(str(said["archive"]))
@@ -119,8 +122,12 @@ def test_a_container_is_checkpointed_by_podman_and_restored_as_a_new_one(
     assert "checkpoint.done" not in events and "oom.kill_seen" not in events, events
 
     # As on another node: a new container from the archive, under a new name.
+    began = time.monotonic()
     _run([*podman, "container", "restore", "--import", str(archive), "--name", "og2"])
+    restore_s = time.monotonic() - began
     finished = wait_until(lambda: [x for x in _lines(log) if x.startswith("done")], 600)
     assert finished == [f"done {COUNT} ok"], _lines(log)[-5:]
     numbers = [int(line.split()[1]) for line in _lines(log) if line.startswith("count")]
+    print(f"\n[podman] checkpointed by podman in {said['seconds']} s at count {len(counted)}, "
+          f"archive {archive.stat().st_size / MiB:.1f} MiB; restored as og2 in {restore_s:.1f} s")
     assert numbers == list(range(1, COUNT + 1)), [n for i, n in enumerate(numbers, 1) if n != i][:5]
