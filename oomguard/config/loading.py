@@ -25,12 +25,14 @@ from oomguard.config.schema import (
     GpuConfig,
     GuardConfig,
     KubernetesConfig,
+    PodmanConfig,
     SlurmConfig,
 )
 from oomguard.config.values import (
     GUARD_KEYS,
     ConfigReader,
     absolute_path,
+    argv_list,
     call_rate_value,
     cgroup_list,
     choice,
@@ -77,6 +79,7 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     gpu_t = read.take(data, "", "gpu", lambda v: table(v, "gpu"), dict(empty))
     slurm_t = read.take(data, "", "slurm", lambda v: table(v, "slurm"), dict(empty))
     kube_t = read.take(data, "", "kubernetes", lambda v: table(v, "kubernetes"), dict(empty))
+    podman_t = read.take(data, "", "podman", lambda v: table(v, "podman"), dict(empty))
     data_hooks = {"hooks": data.pop("hooks")} if "hooks" in data else {}
     no_guards: list[dict[str, Any]] = []
     guard_list = read.take(data, "", "guard", guard_array, no_guards)
@@ -98,13 +101,14 @@ def parse_config(data: dict[str, Any], source: str) -> DaemonConfig:
     gpu = _gpu_config(read, gpu_t)
     slurm = _slurm_config(read, slurm_t)
     kubernetes = _kubernetes_config(read, kube_t)
+    podman = _podman_config(read, podman_t)
     guards = tuple(_guard_config(read, issues, source, index, raw)
                    for index, raw in enumerate(guard_list))
     if issues:
         raise ConfigError(issues)
     return DaemonConfig(source=source, hooks=tuple(hooks), hook_timeout=hook_timeout,
                         criu=criu, gpu=gpu, slurm=slurm, kubernetes=kubernetes,
-                        guards=guards, warnings=tuple(read.warnings), **settings)
+                        podman=podman, guards=guards, warnings=tuple(read.warnings), **settings)
 
 
 def _daemon_settings(read: ConfigReader, daemon: dict[str, Any],
@@ -194,6 +198,17 @@ def _kubernetes_config(read: ConfigReader, kube_t: dict[str, Any]) -> Kubernetes
     )
     read.leftovers(kube_t, "kubernetes.")
     return kubernetes
+
+
+def _podman_config(read: ConfigReader, podman_t: dict[str, Any]) -> PodmanConfig:
+    p = PodmanConfig()
+    podman = PodmanConfig(
+        engine=read.take(podman_t, "podman.", "engine",
+                         lambda v: choice(v, ("auto", "on", "off")), p.engine),
+        command=read.take(podman_t, "podman.", "command", argv_list, p.command),
+    )
+    read.leftovers(podman_t, "podman.")
+    return podman
 
 
 def _guard_config(read: ConfigReader, issues: list[ConfigIssue], source: str, index: int,

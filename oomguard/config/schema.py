@@ -72,6 +72,15 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True)
+class PodmanConfig:
+    """[podman]: podman's containers are checkpointed by podman (an archive it restores),
+    never dumped behind its back."""
+
+    engine: str = "auto"  # auto (when the command is installed) | on | off
+    command: tuple[str, ...] = ("podman",)  # argv before `container checkpoint ...`
+
+
+@dataclass(frozen=True)
 class GuardConfig:
     cgroups: tuple[str, ...]
     threshold: float = 0.85
@@ -173,6 +182,7 @@ class DaemonConfig:
     gpu: GpuConfig = field(default_factory=GpuConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    podman: PodmanConfig = field(default_factory=PodmanConfig)
     guards: tuple[GuardConfig, ...] = ()
     # What parsed but looks like a mistake (a size of 64 bytes): check-config prints these,
     # the daemon logs them. Not part of the configuration's value.

@@ -122,6 +122,15 @@ def cgroup_list(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def argv_list(value: Any) -> tuple[str, ...]:
+    """A command as its argv: a non-empty list of non-empty strings (no shell)."""
+    if not isinstance(value, list) or not value or \
+            not all(isinstance(i, str) and i for i in value):
+        raise ValueError(f"expected a command as a list of strings, such as [\"podman\"], "
+                         f"got {value!r}")
+    return tuple(value)
+
+
 def table(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"expected a table ([{what}]), got {type(value).__name__}")

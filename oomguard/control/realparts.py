@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,10 +16,12 @@ from oomguard.act.criu import Criu, CriuOptions, find_criu
 from oomguard.act.freezer import SigstopFreezer
 from oomguard.act.hostns import host_mount_prefix
 from oomguard.act.kubelet import ContainerCheckpointer, KubeletClient
+from oomguard.act.podman import PodmanEngine
 from oomguard.act.systemdscope import SystemdScopes
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import CgroupLayout, open_cgroup
 from oomguard.config.loading import CriuConfig, DaemonConfig, GpuConfig, KubernetesConfig
+from oomguard.config.schema import PodmanConfig
 from oomguard.control.service import Service
 from oomguard.gpu.runtime import GpuSupport, detect_gpu
 from oomguard.lifecycle.checkpoint import Checkpointer
@@ -165,6 +168,15 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
     if user_headroom is not None:
         service.user_headroom = user_headroom
     return service
+
+
+def build_podman(settings: PodmanConfig) -> PodmanEngine | None:
+    """Podman's checkpoint for its containers' victims: "auto" where its command is
+    installed, never when "off" ("on": refused with podman's words if it cannot run)."""
+    if settings.engine == "off" or (settings.engine == "auto"
+                                     and shutil.which(settings.command[0]) is None):
+        return None
+    return PodmanEngine(settings.command)
 
 
 def build_containers(settings: KubernetesConfig) -> ContainerCheckpointer | None:

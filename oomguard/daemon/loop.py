@@ -23,6 +23,7 @@ from typing import Any, cast
 import psutil
 
 from oomguard.act.kubelet import ContainerCheckpointer
+from oomguard.act.podman import PodmanEngine
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.configchecks import check_config, config_warnings
@@ -75,6 +76,7 @@ class Daemon:
                  restorer: Restorer | None = None,
                  wall_clock: Callable[[], float] = time.time,
                  containers: ContainerCheckpointer | None = None,
+                 podman: PodmanEngine | None = None,
                  files: CgroupFiles | None = None,
                  ranking: ProcessRanking | None = None,
                  poller: Callable[[], Any] = select.epoll,
@@ -113,7 +115,7 @@ class Daemon:
             park_watch=lambda: self.park_watch, standby=lambda: self.standby, clock=clock,
             examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source),
             guards=self.guards, fd_owner=self._fd_owner, timed=self._timed)
-        self._build_workers(restorer, containers, wall_clock)
+        self._build_workers(restorer, containers, podman, wall_clock)
         self._reload = False
         # A reload's rules are checked with this before they replace the running ones (the
         # app's: the new cgroups' locks, LockHeld where another daemon guards one).
@@ -182,6 +184,7 @@ class Daemon:
 
     def _build_workers(self, restorer: Restorer | None,
                        containers: ContainerCheckpointer | None,
+                       podman: PodmanEngine | None,
                        wall_clock: Callable[[], float]) -> None:
         """Who does the work the loop decides on: the store's upkeep, auto-restore, the
         action chains and their Actor, auto-resume of paged-out trees."""
@@ -194,7 +197,8 @@ class Daemon:
                                          restored=self.upkeep.forget_listing)
         self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
         chains = ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
-                             clock=clock, containers=containers, events=self.events)
+                             clock=clock, containers=containers, podman=podman,
+                             events=self.events)
         # Paged-out trees continued once they fit (the chain's pageout step made them).
         self.auto_resume = AutoResumer(chains.pageout, self.log, clock=clock)
         self.actor = Actor(chains,

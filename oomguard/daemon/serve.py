@@ -19,6 +19,7 @@ from oomguard.control.realparts import (
     build_containers,
     build_criu,
     build_gpu,
+    build_podman,
     build_restorer,
     build_service,
     remove_criu_cgroup,
@@ -211,7 +212,8 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     restorer.exits = exit_watch = ExitWatch(_exit_recorder(
         restorer.store, log, lambda: exit_watch.why_unknown()))
     daemon = Daemon(config, checkpointer, layout, log, proc=proc, restorer=restorer,
-                    containers=build_containers(config.kubernetes), after_arming=settle_heap,
+                    containers=build_containers(config.kubernetes),
+                    podman=build_podman(config.podman), after_arming=settle_heap,
                     events=log, standby=None if config.dry_run else Standby(
                         config.node_state_dir, log, proc))
     daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))

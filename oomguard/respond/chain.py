@@ -19,6 +19,7 @@ from typing import Any
 
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
 from oomguard.act.kubelet import ContainerCheckpointer
+from oomguard.act.podman import PodmanEngine
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.config.actions import Step
 from oomguard.lifecycle.checkpoint import Checkpointer
@@ -56,6 +57,7 @@ class ChainRunner:
                  sleep: Callable[[float], None] = time.sleep,
                  free: Callable[[Path], int] = free_space,
                  containers: ContainerCheckpointer | None = None,
+                 podman: PodmanEngine | None = None,
                  events: EventSink | None = None, marks: UnfitMarks | None = None,
                  pageout: PageoutTools | None = None) -> None:
         self.checkpointer = checkpointer
@@ -64,6 +66,7 @@ class ChainRunner:
         # Trees no checkpoint can take while they live: never chosen again (policy/unfit.py).
         self.marks = marks if marks is not None else UnfitMarks(lambda pid: proc.starttime(pid))
         self.containers = containers
+        self.podman = podman  # podman's containers: checkpointed by podman
         self.freezer = freezer
         self.proc = proc
         self.log = log

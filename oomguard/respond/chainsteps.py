@@ -34,6 +34,7 @@ from oomguard.respond.chainstate import (
     Settled,
     StepResult,
 )
+from oomguard.respond.enginestep import checkpoint_podman, podman_of
 from oomguard.respond.pageoutstep import PageoutAction
 from oomguard.sense.owners import KubeContainer, kube_container
 
@@ -149,9 +150,10 @@ class VramAction:
 
 
 class CheckpointAction:
-    """Dump the tree with CRIU (a Kubernetes container's through its kubelet). Settled once
-    the tree is gone (dumped, or dumped with the commit failed, or exited); refused (no room
-    in the store, a container without kubelet access) or failed and thawed: the next step."""
+    """Dump the tree with CRIU (a Kubernetes container's through its kubelet, a podman
+    container's through podman: enginestep.py). Settled once the tree is gone (dumped, or
+    dumped with the commit failed, or exited); refused (no room in the store, a container
+    without its engine) or failed and thawed: the next step."""
 
     def __init__(self, tools: StepTools) -> None:
         self.tools = tools
@@ -180,6 +182,9 @@ class CheckpointAction:
         container = self._container_of(run)
         if container is not None:
             return self._checkpoint_container(step, run, container)
+        engine_container = podman_of(tools, run)
+        if engine_container is not None:
+            return checkpoint_podman(tools, step, run, engine_container)
         marked = tools.marks.reason(tree)
         if marked is not None:  # refused for good before: taken again only to page it out
             said = {**fields, "lasting": True, "then": run.then("nothing more")}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from oomguard.act.freezer import Freezer
     from oomguard.act.kubelet import ContainerCheckpointer
+    from oomguard.act.podman import PodmanEngine
     from oomguard.lifecycle.checkpoint import Checkpointer
     from oomguard.observe.events import EventSink
     from oomguard.policy.unfit import UnfitMarks
@@ -27,6 +28,7 @@ class StepTools(Protocol):
     events: EventSink  # refused, failed, killed
     marks: UnfitMarks  # trees no checkpoint can take while they live
     containers: ContainerCheckpointer | None
+    podman: PodmanEngine | None
     pageout: PageoutTools  # the page-out step's record and swap files
     clock: Callable[[], float]
     sleep: Callable[[float], None]

@@ -7,6 +7,8 @@ Slurm, cgroup v1:   /slurm[_NODE]/uid_U/job_J/step_S/task_T          (inside the
 Kubernetes, cgroupfs driver:   /kubepods[/burstable|/besteffort]/podUID/CONTAINER
 Kubernetes, systemd driver:    /kubepods.slice[/kubepods-QOS.slice]/kubepods[-QOS]-podUID.slice/
                                (cri-containerd|crio|docker)-CONTAINER.scope
+Podman, cgroupfs manager:      /libpod_parent/libpod-CONTAINER     (--cgroup-parent: its own)
+Podman, systemd manager:       /machine.slice/libpod-CONTAINER.scope  (conmon: libpod-conmon-*)
 Steps are numbers or batch / extern / interactive; pod UIDs use '_' for '-' under systemd.
 Pure functions of the path: no filesystem access."""
 
@@ -30,6 +32,7 @@ _K8S_SYSTEMD = re.compile(
     r"(?:^|/)kubepods\.slice(?:/kubepods-(?P<qos>burstable|besteffort)\.slice)?"
     r"/kubepods(?:-(?:burstable|besteffort))?-pod(?P<uid>[0-9a-fA-F_]{36})\.slice"
     r"(?:/(?P<runtime>cri-containerd|crio|docker)-(?P<cid>[0-9a-f]{64})\.scope)?(?:/|$)")
+_PODMAN = re.compile(r"(?:^|/)libpod-(?P<cid>[0-9a-f]{64})(?:\.scope)?(?:/|$)")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,15 @@ class KubeContainer:
                                         if self.container_id else "")
 
 
+@dataclass(frozen=True)
+class PodmanContainer:
+    container_id: str  # podman's full id (64 hex)
+
+    @property
+    def label(self) -> str:
+        return f"podman container {self.container_id[:12]}"
+
+
 def slurm_step(path: str) -> SlurmStep | None:
     match = _SLURM_V2.search(path)
     if match:
@@ -80,9 +92,17 @@ def kube_container(path: str) -> KubeContainer | None:
     return None
 
 
-def owner_of(path: str) -> SlurmStep | KubeContainer | None:
-    """The scheduler object a memory cgroup belongs to, if any."""
-    return slurm_step(path) or kube_container(path)
+def podman_container(path: str) -> PodmanContainer | None:
+    """A container podman runs (not a Kubernetes pod's: the kubelet's runtime owns those)."""
+    if kube_container(path) is not None:
+        return None
+    match = _PODMAN.search(path)
+    return PodmanContainer(match["cid"]) if match else None
+
+
+def owner_of(path: str) -> SlurmStep | KubeContainer | PodmanContainer | None:
+    """The scheduler or engine object a memory cgroup belongs to, if any."""
+    return slurm_step(path) or kube_container(path) or podman_container(path)
 
 
 def owner_fields(path: str) -> dict[str, str | int]:
@@ -102,4 +122,6 @@ def owner_fields(path: str) -> dict[str, str | int]:
         if owner.runtime:
             found["container_runtime"] = owner.runtime
         return found
+    if isinstance(owner, PodmanContainer):
+        return {"container_engine": "podman", "container_id": owner.container_id}
     return {}
