@@ -270,6 +270,12 @@ def _undumpable(found: dict[str, Any] | None) -> list[str]:
                           str(v["mib_per_s"]["n"])]
                          for label, v in (("checkpoint (baseline)", base), ("page-out", page))])
         lines += [f"Page-out / checkpoint: {found.get('pageout_vs_checkpoint')}x", ""]
+        running = page.get("to_running_s")
+        if running:
+            lines += [f"From resume to running (`pageout.resumed` to the job's next step "
+                      f"written, its memory paged back in as it touches it): median "
+                      f"{_f(running['median'], 3)} s, min {_f(running['min'], 3)}, max "
+                      f"{_f(running['max'], 3)} ({running['n']} jobs).", ""]
     return lines
 
 

@@ -16,7 +16,9 @@ oomguard's victim.killed event) or `other`.
 Alongside, the RAM each gives back per second: the page-out step (from the checkpoint's
 refusal to victim.paged_out: a swap file made when the machine has none, process_madvise, the
 swap cache reclaimed) against a checkpoint of a dumpable job of the same size, measured in the
-same run (from victim.frozen to checkpoint.done), as the baseline.
+same run (from victim.frozen to checkpoint.done), as the baseline; and the time from a
+paged-out job's resume (`pageout.resumed`, once the limit is raised) to its next step written:
+running again, its memory paged back in as it touches it.
 
 Needs root, this machine's cgroup v1 and CRIU; while a page-out's swap file is on, the kernel
 may swap other processes too, so each is removed as soon as its job is continued."""
@@ -58,6 +60,22 @@ def _ended(log: Path) -> str:
     return "saved" if f"done {STEPS} ok" in text else "corrupt" if "CORRUPT" in text else ""
 
 
+def _steps(log: Path) -> int:
+    return sum(1 for line in log.read_text().splitlines() if not line.startswith("done")) \
+        if log.exists() else 0
+
+
+def _next_step(log: Path, before: int, timeout: float) -> float:
+    """When the job wrote its next step after `before` (its first once continued): the wall
+    clock, read every millisecond."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _steps(log) > before or "done" in (log.read_text() if log.exists() else ""):
+            return time.time()
+        time.sleep(0.001)
+    raise TimeoutError(f"{log.name}: no step within {timeout} s of its resume")
+
+
 def one_job(cgroup: V1MemoryCgroup, work: Path, name: str, peer: Path,
             events: EventLog | None, resume: bool) -> tuple[str, dict[str, Any]]:
     """What became of one job, and for a page-out its figures."""
@@ -76,8 +94,11 @@ def one_job(cgroup: V1MemoryCgroup, work: Path, name: str, peer: Path,
             figures = {"paged_mib": paged["paged_bytes"] / MiB, "seconds": seconds,
                        "mib_per_s": paged["paged_bytes"] / MiB / max(seconds, 1e-6),
                        "swap_file_made": bool(paged.get("swap_files"))}
+            steps_before = _steps(log)  # stopped: nothing written until it is continued
             cgroup.set_limit(2 * LIMIT)  # room again: continued by the auto-restore rule
-            events.wait("pageout.resumed", 60, after=mark)
+            resumed = event_time(events.wait("pageout.resumed", 60, after=mark))
+            running = _next_step(log, steps_before, 60)
+            figures["to_running_s"] = running - resumed
         try:
             job.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -142,7 +163,8 @@ def _guard(factory: CgroupFactory, work: Path, label: str, jobs: int, peer: Path
     if pageouts:
         result["pageout"] = {"mib_per_s": summary([p["mib_per_s"] for p in pageouts]),
                              "seconds": summary([p["seconds"] for p in pageouts]),
-                             "paged_mib": summary([p["paged_mib"] for p in pageouts])}
+                             "paged_mib": summary([p["paged_mib"] for p in pageouts]),
+                             "to_running_s": summary([p["to_running_s"] for p in pageouts])}
     return result
 
 
