@@ -285,6 +285,11 @@ def write_report(results: dict[str, Any], out: Path) -> None:
              "results.json. Every ratio is against a baseline measured in the same run.", "",
              "## Machine", ""]
     lines += _table(["what", "value"], [[k, str(v)] for k, v in results["machine"].items()])
+    if results.get("partial"):  # the machine above is the last partial run's
+        lines += ["The machine and commit above are the latest run's. Parts re-run alone on "
+                  "top of the last full run (the other sections are that run's): "
+                  + "; ".join(f"{', '.join(p['parts'])} ({p['date']})"
+                              for p in results["partial"]) + ".", ""]
     lines += ["## Headline ratios", "", *ratios(results), ""]
     plots = _plots(results, out)
     latency = results.get("latency")
