@@ -115,7 +115,7 @@ class LimitLifts:
                 new_limit = min(new_limit, own + LIFT_CEILING * cap)
             current = cgroup.limit()
             raising = current is not None and (current < new_limit
-                                               or _throttles_below(cgroup, new_limit))
+                                               or throttles_below(cgroup, new_limit))
             if raising:  # what is about to be written
                 entry["lifted"] = [*entry.get("lifted", []), _page(new_limit)]
         # Written before the limit changes; the raise itself outside the file lock.
@@ -285,7 +285,7 @@ def _page(value: int) -> int:
     return value // PAGE * PAGE
 
 
-def _throttles_below(cgroup: MemoryCgroup, limit: int) -> bool:
+def throttles_below(cgroup: MemoryCgroup, limit: int) -> bool:
     """Whether the cgroup's memory.high (v2; v1 has none) throttles below `limit`."""
     high = cgroup.limits_state().get("high")
     return high is not None and high < limit

@@ -249,16 +249,12 @@ class Checkpointer:
         cgroup = request.cgroup
         if run.others.cgroup and cgroup is not None:  # and what comes in, until they go on
             self.bystanders.follow(cgroup, run.pids, request.requester, run.others)
-        # Unthrottled where shielded (v2): a task inside one system call (mmap MAP_POPULATE)
-        # stops only on its way out, and the guard's memory.high at the threshold would have it
-        # crawl there past the wait; at the limit its charge fails instead (shielded, as the
-        # rest of the cgroup held), and it returns and stops.
+        # Unthrottled where shielded (v2): a task inside one system call stops on its way out;
+        # at the limit its shielded charge fails, where memory.high would have it crawl.
         self._lift_for_dump(request, run, own=True, unthrottle=run.shielding)
         ours = set(run.frozen.ours)
         run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
-        if run.shielding and run.frozen.stopped is False:
-            # Still inside a system call: once more, shielded, before the dump unshields it
-            # (unshielded there, the OOM killer takes it at the limit).
+        if run.shielding and run.frozen.stopped is False:  # once more before it is unshielded
             run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
         run.pids, run.left = run.frozen.pids, run.frozen.left  # left: reparented out, let go
         run.frozen_at = self.clock()

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from oomguard.act.lifts import LimitLifts
+from oomguard.act.lifts import LimitLifts, throttles_below
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.model.errors import CgroupGone
 from oomguard.policy.pressure import headroom_needed
@@ -53,7 +53,7 @@ class DumpRoom:
         reading = self.reading(cgroup, own=own)
         raised_limit = headroom_needed(reading, room)
         if raised_limit is None and unthrottle:
-            raised_limit = cgroup.limit()
+            raised_limit = _throttled_limit(cgroup)  # None: nothing to lift, nothing recorded
         if raised_limit is None:
             return undo
         return both(self.lift(cgroup, raised_limit, cap=room), undo)
@@ -80,6 +80,12 @@ class DumpRoom:
         """The release returns why the limit could not be put back ("" or None: it was): it
         then stays pending in the ledger, and the one who released acts on the cgroup."""
         return self.lifts.lift(cgroup, new_limit, cap)
+
+
+def _throttled_limit(cgroup: MemoryCgroup) -> int | None:
+    """The limit in force where a memory.high below it throttles (lifted to it), else None."""
+    limit = cgroup.limit()
+    return limit if limit is not None and throttles_below(cgroup, limit) else None
 
 
 def limited(cgroup: MemoryCgroup) -> bool:

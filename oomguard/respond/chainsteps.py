@@ -34,7 +34,7 @@ from oomguard.respond.chainstate import (
     Settled,
     StepResult,
 )
-from oomguard.respond.enginestep import checkpoint_podman, podman_of
+from oomguard.respond.enginestep import checkpoint_podman, podman_of, refused_for_room
 from oomguard.respond.pageoutstep import PageoutAction
 from oomguard.sense.owners import KubeContainer, kube_container
 
@@ -192,15 +192,9 @@ class CheckpointAction:
                 f"refused before, for as long as it lives: {marked}", said))
             run.why_not = marked
             return ChainOutcome(ChainResult.REFUSED, str(step), marked)
-        store = tools.checkpointer.store.root
-        need = tree.rss_bytes + run.settings.store_margin
-        free = tools.free(store)
-        if free < need:
-            detail = (f"store {store} has {free >> 20} MiB free, a checkpoint needs "
-                      f"~{need >> 20} MiB")
-            tools.events.publish(events.CheckpointRefused(detail, {**fields,
-                                                                   "then": run.then()}))
-            return ChainOutcome(ChainResult.REFUSED, str(step), detail)
+        no_room = refused_for_room(tools, step, run, fields)
+        if no_room is not None:
+            return no_room
         try:
             result = tools.checkpointer.checkpoint(
                 tree, run.cgroup, run.reason, on_frozen=run.on_frozen,

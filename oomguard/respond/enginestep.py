@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from oomguard.act.podman import EngineError
 from oomguard.config.actions import Step
@@ -37,6 +38,20 @@ def archive_path(store: Path, container: PodmanContainer, wall: float) -> Path:
     return store / CONTAINERS_DIR / f"{container.container_id[:12]}-{stamp}.tar.zst"
 
 
+def refused_for_room(tools: StepTools, step: Step, run: ChainRun, fields: dict[str, Any],
+                     what: str = "a checkpoint") -> ChainOutcome | None:
+    """Refused (said, the next step named) where the store's file system has less free than
+    the tree's resident memory and the rule's margin; None where there is room."""
+    store = tools.checkpointer.store.root
+    need = run.tree.rss_bytes + run.settings.store_margin
+    free = tools.free(store)
+    if free >= need:
+        return None
+    detail = f"store {store} has {free >> 20} MiB free, {what} needs ~{need >> 20} MiB"
+    tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": run.then()}))
+    return ChainOutcome(ChainResult.REFUSED, str(step), detail)
+
+
 def checkpoint_podman(tools: StepTools, step: Step, run: ChainRun,
                       container: PodmanContainer) -> ChainOutcome:
     fields = {**run.fields, "container_id": container.container_id}
@@ -45,14 +60,10 @@ def checkpoint_podman(tools: StepTools, step: Step, run: ChainRun,
                   "engine's back, and podman is not set up here ([podman] in the config)")
         tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": run.then()}))
         return ChainOutcome(ChainResult.REFUSED, str(step), detail)
+    no_room = refused_for_room(tools, step, run, fields, f"a checkpoint of {container.label}")
+    if no_room is not None:
+        return no_room
     store = tools.checkpointer.store.root
-    need = run.tree.rss_bytes + run.settings.store_margin
-    free = tools.free(store)
-    if free < need:
-        detail = (f"store {store} has {free >> 20} MiB free, a checkpoint of "
-                  f"{container.label} needs ~{need >> 20} MiB")
-        tools.events.publish(events.CheckpointRefused(detail, {**fields, "then": run.then()}))
-        return ChainOutcome(ChainResult.REFUSED, str(step), detail)
     if run.after_signal is not None:  # the cgroup's freeze, off: podman's runtime freezes
         run.after_signal()
         run.after_signal = None

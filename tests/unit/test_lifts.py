@@ -204,3 +204,42 @@ def test_an_unthrottled_cgroup_with_room_is_not_touched(lifts: LimitLifts,
     assert cg.writes == [] and cg.high == 300 * MiB
     assert release() is None
     assert cg.high == 300 * MiB and cg.limit() == 256 * MiB
+
+
+class RoomCgroup:
+    """A v2 cgroup as DumpRoom reads it (usage() and limit()) and LimitLifts writes it."""
+
+    def __init__(self, path: Path, limit: int, used: int, high: int) -> None:
+        self.path, self._limit, self.used, self.high = path, limit, used, high
+        self.writes: list[tuple[int | None, int | None]] = []
+
+    def usage(self) -> int:
+        return self.used
+
+    def limit(self) -> int:
+        return self._limit
+
+    def limits_state(self) -> dict[str, int | None]:
+        return {"max": self._limit, "high": self.high}
+
+    def raise_limit(self, new_limit: int) -> object:
+        self.high, self._limit = max(self.high, new_limit), new_limit
+        self.writes.append((self._limit, self.high))
+        return lambda: None
+
+    def put_back_limits(self, state: dict[str, int | None]) -> None:
+        self._limit, self.high = state["max"] or 0, state["high"] or 0
+        self.writes.append((self._limit, self.high))
+
+
+def test_the_stops_unthrottle_records_nothing_where_no_memory_high_throttles(
+        lifts: LimitLifts, tmp_path: Path) -> None:
+    from oomguard.lifecycle.dumproom import DumpRoom
+    room = DumpRoom(lifts)
+    calm = RoomCgroup(tmp_path / "calm", 256 * MiB, 186 * MiB, high=300 * MiB)
+    assert room.over(calm, 64 * MiB, own=True, undo=None, unthrottle=True) is None  # type: ignore[arg-type]
+    assert not lifts.lifted(calm.path) and calm.writes == []
+    throttled = RoomCgroup(tmp_path / "hot", 256 * MiB, 186 * MiB, high=179 * MiB)
+    release = room.over(throttled, 64 * MiB, own=True, undo=None, unthrottle=True)  # type: ignore[arg-type]
+    assert release is not None and throttled.high == 256 * MiB
+    assert release() is None and throttled.high == 179 * MiB
