@@ -92,7 +92,9 @@ def no_plugins_dir() -> str:
 
 
 def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
-               gpu: GpuSupport | None = None) -> Criu:
+               gpu: GpuSupport | None = None, store: Path | None = None) -> Criu:
+    """CRIU as configured; `store`: the store it writes into, which must be the same
+    directory in the namespace CRIU is run in (oomguard.act.hostns)."""
     binary, version = find_criu(criu_config.binary)
     libdir = no_plugins_dir() if gpu is not None and gpu.drives_cuda and gpu.plugin else None
     options = replace(CriuOptions(), ghost_limit=criu_config.ghost_limit,
@@ -101,7 +103,7 @@ def build_criu(criu_config: CriuConfig, layout: CgroupLayout, proc: ProcReader,
     confine = criu_cgroup(layout, proc, criu_config.cgroup_limit)
     return Criu(binary=binary, version=version, options=options,
                 cgroup_procs=confine.path / "cgroup.procs" if confine is not None else None,
-                host_ns=host_mount_prefix(binary, criu_config.mount_namespace))
+                host_ns=host_mount_prefix(binary, criu_config.mount_namespace, store=store))
 
 
 def open_store(config: DaemonConfig, algorithm: str | None = None) -> Store:
@@ -159,7 +161,8 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
     """The verbs of the control socket. CRIU is located only when a checkpointer or restorer
     has to be built for it (not for list/show/forget, nor when the daemon passes its own)."""
     if checkpointer is None or restorer is None:
-        criu = (build_criu(config.criu, layout, proc, build_gpu(config.gpu)) if with_criu
+        gpu = build_gpu(config.gpu)
+        criu = (build_criu(config.criu, layout, proc, gpu, config.store) if with_criu
                 else Criu(binary="criu", version=()))
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc, layout=layout)

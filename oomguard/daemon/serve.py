@@ -202,7 +202,7 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
     notifier = Notifier.from_env()
     proc = ProcReader()
     gpu = build_gpu(config.gpu)
-    criu = build_criu(config.criu, layout, proc, gpu)
+    criu = build_criu(config.criu, layout, proc, gpu, config.store)
     # The freeze's process events: tried once now (which also loads pyroute2 now rather
     # than at the first crossing), said in guard.started.
     subscriptions = Subscriber(kinds=FORKS)

@@ -88,13 +88,25 @@ def other_node() -> tuple[str, ...]:
             '&& exec "$@"', "other-node")
 
 
-def grown_job(cgroups: CgroupFactory, tmp_path: Path,
-              name: str) -> tuple[Path, MemoryCgroup, subprocess.Popen[bytes]]:
-    """A job that outgrows its 128 MiB cgroup (acting at 85%)."""
-    cg = cgroups.make(name, 128 * MiB)
+def job_cgroup(cgroups: CgroupFactory, name: str) -> MemoryCgroup:
+    """The 128 MiB cgroup of a job that will outgrow it (the daemon acts at 85%)."""
+    return cgroups.make(name, 128 * MiB)
+
+
+def grown_job(cg: MemoryCgroup, tmp_path: Path, name: str, guard: DaemonProcess,
+              on_its_node: bool = False) -> tuple[Path, subprocess.Popen[bytes]]:
+    """Starts the job once `guard` guards its cgroup: under emulation a daemon takes seconds
+    to start, and a job started first reached its limit (the kernel's OOM killer) before
+    anything guarded it. `on_its_node`: in the guard's mount namespace (another node's, from
+    other_node()), as a job on that node runs where its daemon and CRIU do."""
+    guard.wait_event("guard.ready", timeout=120)
     log = tmp_path / f"{name}.log"
-    return log, cg, start_in_cgroup(cg, hog_argv(log, target=160, rate=60, count=600),
-                                    cwd=tmp_path, log=tmp_path / f"{name}.err")
+    argv = hog_argv(log, target=160, rate=60, count=600)
+    if on_its_node:  # its stdio and working directory opened there too (CRIU looks them up)
+        argv = ["nsenter", f"--mount=/proc/{guard.handle.pid}/ns/mnt", "--", "/bin/sh", "-c",
+                'cd "$1" && err=$2 && shift 2 && exec "$@" < /dev/null >> "$err" 2>&1', "sh",
+                str(tmp_path), str(tmp_path / f"{name}.err"), *argv]
+    return log, start_in_cgroup(cg, argv, cwd=tmp_path, log=tmp_path / f"{name}.err")
 
 
 def restore_and_finish(socket: Path, checkpoint_id: str, cgroups: CgroupFactory,
@@ -120,9 +132,11 @@ def test_the_store_on_nfs_is_seen_as_shared(shared: Path) -> None:
 
 def test_a_checkpoint_over_nfs_commits_restores_and_keeps_the_nodes_records_local(
         shared: Path, cgroups: CgroupFactory, tmp_path: Path) -> None:
-    log, cg, job = grown_job(cgroups, tmp_path, "nfsone")
+    cg = job_cgroup(cgroups, "nfsone")
     guard = DaemonProcess(shared, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    job = None
     try:
+        log, job = grown_job(cg, tmp_path, "nfsone", guard)
         [started] = guard.wait_event("guard.started")
         state = Path(started["node_state"])
         assert state.parent == NODE_STATE_ROOT, started
@@ -137,17 +151,20 @@ def test_a_checkpoint_over_nfs_commits_restores_and_keeps_the_nodes_records_loca
         restore_and_finish(guard.socket, done["id"], cgroups, log, "nfsonebig")
     finally:
         guard.stop()
-        kill_pid(job.pid)
+        if job is not None:
+            kill_pid(job.pid)
 
 
 def test_two_nodes_write_into_one_store_at_once_and_one_node_runs_one_daemon(
         shared: Path, cgroups: CgroupFactory, tmp_path: Path) -> None:
-    log_a, cg_a, job_a = grown_job(cgroups, tmp_path, "nodea")
-    log_b, cg_b, job_b = grown_job(cgroups, tmp_path, "nodeb")
+    cg_a, cg_b = job_cgroup(cgroups, "nodea"), job_cgroup(cgroups, "nodeb")
     node_a = DaemonProcess(shared, tmp_path / "a.log", "--cgroup", str(cg_a.path))
+    # Node B's daemon is in a mount namespace whose store is another mount: it runs its CRIU
+    # there, not in PID 1's (oomguard.act.hostns), or it would sum images CRIU wrote through
+    # node A's mount, through its own stale caches. Its job runs there too.
     node_b = DaemonProcess(shared, tmp_path / "b.log", "--cgroup", str(cg_b.path),
                            wrapper=other_node())
-    second = None
+    second = job_a = job_b = None
     try:
         node_a.wait_event("guard.started")
         node_b.wait_event("guard.started")  # not refused: another node's lock is not ours
@@ -159,6 +176,8 @@ def test_two_nodes_write_into_one_store_at_once_and_one_node_runs_one_daemon(
         assert f"pid {node_a.handle.pid}" in (tmp_path / "a2.log").read_text() \
             or "on this node" in (tmp_path / "a2.log").read_text(), \
             (tmp_path / "a2.log").read_text()[-2000:]
+        log_a, job_a = grown_job(cg_a, tmp_path, "nodea", node_a)
+        log_b, job_b = grown_job(cg_b, tmp_path, "nodeb", node_b, on_its_node=True)
         [done_a] = node_a.wait_event("checkpoint.done", timeout=180)
         [done_b] = node_b.wait_event("checkpoint.done", timeout=180)
         assert job_a.wait(timeout=60) == -signal.SIGKILL
@@ -173,8 +192,9 @@ def test_two_nodes_write_into_one_store_at_once_and_one_node_runs_one_daemon(
         for guard in (node_a, node_b, second):
             if guard is not None:
                 guard.stop()
-        kill_pid(job_a.pid)
-        kill_pid(job_b.pid)
+        for job in (job_a, job_b):
+            if job is not None:
+                kill_pid(job.pid)
 
 
 def test_a_dump_under_way_on_another_node_is_left_alone_and_a_dead_ones_half_is_removed(
@@ -213,10 +233,11 @@ def test_a_restore_on_one_node_refuses_a_second_on_another(
         shared: Path, cgroups: CgroupFactory, tmp_path: Path) -> None:
     """The restore lock over NFS: node B holds a checkpoint's restore lock (a restore under way
     there, or a lazy restore's keeper); node A's daemon refuses to restore it or delete it."""
-    log, cg, job = grown_job(cgroups, tmp_path, "nfsrl")
+    cg = job_cgroup(cgroups, "nfsrl")
     guard = DaemonProcess(shared, tmp_path / "daemon.log", "--cgroup", str(cg.path))
-    holder = None
+    holder = job = None
     try:
+        log, job = grown_job(cg, tmp_path, "nfsrl", guard)
         [done] = guard.wait_event("checkpoint.done", timeout=180)
         assert job.wait(timeout=60) == -signal.SIGKILL
         lock = shared / done["id"] / CHECKPOINT_LOCK
@@ -241,12 +262,13 @@ def test_a_restore_on_one_node_refuses_a_second_on_another(
             holder.kill()
             holder.wait()
         guard.stop()
-        kill_pid(job.pid)
+        if job is not None:
+            kill_pid(job.pid)
 
 
 def test_a_daemon_killed_mid_dump_leaves_nothing_listed_that_does_not_verify(
         shared: Path, cgroups: CgroupFactory, tmp_path: Path) -> None:
-    log, cg, job = grown_job(cgroups, tmp_path, "nfskill")
+    cg = job_cgroup(cgroups, "nfskill")
     seen_bad: list[str] = []
     stop = threading.Event()
 
@@ -266,9 +288,9 @@ def test_a_daemon_killed_mid_dump_leaves_nothing_listed_that_does_not_verify(
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     guard = DaemonProcess(shared, tmp_path / "daemon.log", "--cgroup", str(cg.path))
-    again = None
+    again = job = None
     try:
-        guard.wait_event("guard.started")
+        log, job = grown_job(cg, tmp_path, "nfskill", guard)
         assert wait_until(lambda: shared.is_dir() and any(
             p.name.startswith(PARTIAL_PREFIX) for p in shared.iterdir()), 180), \
             guard.log.read_text()[-3000:]
@@ -289,5 +311,6 @@ def test_a_daemon_killed_mid_dump_leaves_nothing_listed_that_does_not_verify(
         for guard_ in (guard, again):
             if guard_ is not None:
                 guard_.stop()
-        kill_pid(job.pid)
+        if job is not None:
+            kill_pid(job.pid)
     assert seen_bad == [], seen_bad

@@ -43,3 +43,32 @@ def test_no_prefix_in_the_same_namespace_or_for_another_file_system(tmp_path: Pa
     container = fake_proc(tmp_path / "b", same_ns=False, same_binary=False)
     assert host_mount_prefix(binary, "auto", container) == ()  # not the same CRIU there
     assert host_mount_prefix(binary, "auto", tmp_path / "no-proc") == ()  # unreadable
+
+
+def test_no_prefix_where_the_store_is_another_directory_there(tmp_path: Path) -> None:
+    """CRIU writes the images where the daemon then sums them: never through another mount of
+    the store (an NFS export mounted again in the daemon's namespace)."""
+    proc = fake_proc(tmp_path, same_ns=False, same_binary=False)
+    there = tmp_path / "container-root"
+    binary = tmp_path / "criu"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    (there / str(tmp_path).lstrip("/")).mkdir(parents=True)
+    os.link(binary, there / str(binary).lstrip("/"))  # the very same CRIU there
+    store = tmp_path / "store"
+    store.mkdir()
+    assert host_mount_prefix(str(binary), "auto", proc)[0] == shutil.which("nsenter")
+    (there / str(store).lstrip("/")).mkdir()  # another directory at the store's path there
+    assert host_mount_prefix(str(binary), "auto", proc, store=store) == ()
+    # Not made yet: its nearest existing parent decides (here another directory too).
+    assert host_mount_prefix(str(binary), "auto", proc, store=store / "new" / "x") == ()
+
+
+def test_the_prefix_stays_where_the_store_is_the_same_directory_there(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path, same_ns=False, same_binary=True)  # PID 1's root: this /
+    binary = shutil.which("sh") or "/bin/sh"
+    store = tmp_path / "store"
+    store.mkdir()
+    assert host_mount_prefix(binary, "auto", proc, store=store)[0] == shutil.which("nsenter")
+    assert host_mount_prefix(binary, "auto", proc, store=store / "not-yet")[0] \
+        == shutil.which("nsenter")
