@@ -14,6 +14,7 @@ import contextlib
 import os
 import select
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
@@ -226,6 +227,32 @@ def high_to_set(guard: Watched, limit: int, current: int | None) -> bool:
     below it already throttles there (and wakes us), and is left alone."""
     return guard.spec.memory_high and not (
         current is not None and current <= int(limit * guard.spec.threshold))
+
+
+def replaced_setting_file(guard: Watched) -> Path | None:
+    """The file of the setting oomguard lowered to watch the cgroup, where another writer
+    could take it back (v2 memory.high); None where there is none."""
+    cgroup = guard.cgroup
+    if isinstance(cgroup, V2MemoryCgroup) and guard.replaced.high_changed:
+        return cgroup.path / "memory.high"
+    return None
+
+
+def high_taken_back(guard: Watched, limit: int) -> int | None:
+    """memory.high as another writer left it, where it no longer throttles at the threshold
+    oomguard set it to (a job scheduler that writes its own after the cgroup was armed: Slurm's
+    task/cgroup sets memory.high to the job's limit; systemd's MemoryHigh=); None where it
+    still does, or was never oomguard's. "max" reads as `limit`. Arming again sets it back
+    (oomguard's put back then restores the other writer's value)."""
+    cgroup = guard.cgroup
+    if not isinstance(cgroup, V2MemoryCgroup) or not guard.replaced.high_changed:
+        return None
+    try:
+        now = cgroup.high()
+    except (OSError, CgroupGone):
+        return None
+    value = limit if now is None else now
+    return value if value > int(limit * guard.spec.threshold) else None
 
 
 def set_high_at_threshold(guard: Watched, cgroup: V2MemoryCgroup, limit: int,

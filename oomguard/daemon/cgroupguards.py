@@ -204,7 +204,12 @@ class CgroupGuards:
         guard.last_snapshot = snap
         guard.limit_stamp = stamp(guard.cgroup.path / guard.cgroup.limit_file)
         self.files.watch_limit(guard.name, guard.cgroup.path / guard.cgroup.limit_file)
-        if recheck and self._limit_moved(guard, snap.limit_bytes):
+        setting = watch.replaced_setting_file(guard)
+        if setting is None:
+            self.files.unwatch_setting(guard.name)
+        else:
+            self.files.watch_setting(guard.name, setting)
+        if recheck and (self._limit_moved(guard, snap.limit_bytes) or self.high_taken(guard)):
             return True
         if snap.limit_bytes is None:
             guard.detection = "none (no memory limit)"
@@ -293,6 +298,8 @@ class CgroupGuards:
                 self.cgroup_gone(guard)
         rearm = [g for name in changes.limits for g in by_name.get(name, [])
                  if self._limit_changed(g)]
+        rearm += [g for name in changes.settings for g in by_name.get(name, [])
+                  if g.present and g not in rearm and self.high_taken(g)]
         if changes.directories:
             if self.globs:
                 rearm += self.glob_matches()
@@ -316,6 +323,25 @@ class CgroupGuards:
         guard.last_snapshot = snap
         lifted = self.checkpointer.limit_lifted(guard.cgroup.path)
         return snap.limit_bytes != guard.armed_limit and not lifted
+
+    def high_taken(self, guard: CgroupGuard) -> bool:
+        """Whether another writer raised the memory.high oomguard set at the guard's threshold
+        (then the kernel would throttle and wake oomguard only at the limit): said, and its
+        value made the one to put back, for arming to set it at the threshold again. Not while
+        oomguard itself has lifted it for a dump."""
+        if guard.armed_limit is None or self.checkpointer.limit_lifted(guard.cgroup.path):
+            return False
+        found = watch.high_taken_back(guard, guard.armed_limit)
+        if found is None:
+            return False
+        self.log.warning("guard.high_taken_back", cgroup=guard.name, memory_high=found,
+                         threshold_bytes=int(guard.armed_limit * guard.spec.threshold),
+                         explanation="another writer (a job scheduler, systemd's MemoryHigh=) "
+                         "set memory.high above the guard's threshold, where the kernel would "
+                         "wake oomguard only at the limit: set at the threshold again; theirs "
+                         "is what oomguard puts back when it lets go")
+        self.saved_high.forget(watch.saved_key(guard))
+        return True
 
     def safety_rescan(self, everything: bool = False) -> None:
         """Every rescan_interval (and, for `everything`, when inotify lost events): what
@@ -341,6 +367,8 @@ class CgroupGuards:
                 elif guard.present and self.files.available:
                     self.files.watch_limit(guard.name,
                                            guard.cgroup.path / guard.cgroup.limit_file)
+            elif not self.files.available and self.high_taken(guard):
+                rearm.append(guard)
         self.arm(rearm)
         if self.globs or self.dirs_stale:  # glob directories may have come or gone
             self.watch_directories()
@@ -368,6 +396,7 @@ class CgroupGuards:
             self.log.warning("guard.cgroup_gone", cgroup=guard.name)
             self._disarm(guard)
             self.files.unwatch_limit(guard.name)
+            self.files.unwatch_setting(guard.name)
             self.saved_high.forget_many(self._put_back(guard))  # the cgroup is gone: forgets
             guard.present = False
             self.set_due(guard, None)
@@ -388,6 +417,7 @@ class CgroupGuards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
                 self.files.unwatch_limit(guard.name)
+                self.files.unwatch_setting(guard.name)
                 forgotten += self._put_back(guard)
         self.saved_high.forget_many(forgotten)
         self.files.watch_directories(set())

@@ -1,5 +1,7 @@
 """What changed in the cgroup filesystem, as the kernel tells it (inotify), so that nothing is
-re-read on a timer: a guarded cgroup's limit file written (IN_MODIFY), a directory created or
+re-read on a timer: a guarded cgroup's limit file written (IN_MODIFY), the setting oomguard
+replaced to watch it written by someone else (v2 memory.high: a job scheduler that sets its
+own after oomguard set its), a directory created or
 removed where a glob rule looks, where a configured cgroup that does not exist yet would
 appear, or beside a guarded cgroup (its parent's IN_DELETE: kernfs sends no IN_IGNORED to a
 watch inside a removed cgroup).
@@ -37,12 +39,14 @@ def stamp(path: Path | str) -> Stamp | None:
 @dataclass(frozen=True)
 class Changes:
     limits: frozenset[str] = frozenset()  # names whose limit file was written
+    settings: frozenset[str] = frozenset()  # names whose replaced setting's file was written
     gone: frozenset[str] = frozenset()  # names whose limit file (the cgroup) went away
     directories: frozenset[str] = frozenset()  # watched directories an entry came to or left
     overflow: bool = False  # events were lost: look at everything again
 
     def __bool__(self) -> bool:
-        return bool(self.limits or self.gone or self.directories or self.overflow)
+        return bool(self.limits or self.settings or self.gone or self.directories
+                    or self.overflow)
 
 
 def directories_to_watch(pattern: str) -> list[str]:
@@ -78,6 +82,8 @@ class CgroupFiles:
             self.why = f"inotify unavailable: {exc.strerror or exc}"
         self._limit_wd: dict[str, int] = {}  # name -> wd
         self._limit_names: dict[int, set[str]] = {}  # wd -> names (one cgroup, several rules)
+        self._setting_wd: dict[str, int] = {}  # name -> wd of the file of its replaced setting
+        self._setting_names: dict[int, set[str]] = {}
         self._dir_wd: dict[str, int] = {}  # directory -> wd
         self._dir_of: dict[int, str] = {}
 
@@ -112,6 +118,31 @@ class CgroupFiles:
             if self._inotify is not None:
                 self._inotify.remove(wd)
 
+    def watch_setting(self, name: str, setting_file: Path) -> bool:
+        """Tell when `setting_file` (the setting oomguard replaced) is written; False if it
+        cannot be watched."""
+        if self._inotify is None:
+            return False
+        self.unwatch_setting(name)
+        try:
+            wd = self._inotify.add(setting_file, FILE_CHANGES)
+        except OSError:
+            return False
+        self._setting_wd[name] = wd
+        self._setting_names.setdefault(wd, set()).add(name)
+        return True
+
+    def unwatch_setting(self, name: str) -> None:
+        wd = self._setting_wd.pop(name, None)
+        if wd is None:
+            return
+        names = self._setting_names.get(wd, set())
+        names.discard(name)
+        if not names:
+            self._setting_names.pop(wd, None)
+            if self._inotify is not None and wd not in self._limit_names:
+                self._inotify.remove(wd)
+
     def watch_directories(self, directories: set[str]) -> None:
         """Watch exactly these directories for entries coming and going."""
         if self._inotify is None:
@@ -137,6 +168,7 @@ class CgroupFiles:
         if self._inotify is None:
             return Changes()
         limits: set[str] = set()
+        settings: set[str] = set()
         gone: set[str] = set()
         directories: set[str] = set()
         overflow = False
@@ -151,13 +183,21 @@ class CgroupFiles:
                     for name in list(names):
                         self._limit_wd.pop(name, None)
                     self._limit_names.pop(event.wd, None)
+            written = self._setting_names.get(event.wd)
+            if written is not None:
+                if event.gone:
+                    for name in list(written):
+                        self._setting_wd.pop(name, None)
+                    self._setting_names.pop(event.wd, None)
+                else:
+                    settings.update(written)
             directory = self._dir_of.get(event.wd)
             if directory is not None:
                 directories.add(directory)
                 if event.gone:
                     self._dir_wd.pop(self._dir_of.pop(event.wd), None)
-        return Changes(frozenset(limits - gone), frozenset(gone), frozenset(directories),
-                       overflow)
+        return Changes(frozenset(limits - gone), frozenset(settings - gone), frozenset(gone),
+                       frozenset(directories), overflow)
 
     def close(self) -> None:
         if self._inotify is not None:

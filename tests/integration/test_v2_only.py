@@ -66,6 +66,40 @@ def test_memory_high_events_drive_detection_and_high_is_put_back(
     assert not cg.is_frozen()
 
 
+def test_memory_high_taken_back_by_a_scheduler_is_set_again_and_theirs_put_back(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """Slurm's task/cgroup writes memory.high (the job's limit) after the job cgroup's limit,
+    and the daemon had armed in between: without a look at memory.high, the kernel throttled
+    and woke oomguard only at the limit (the cluster lane's 1.25 GiB job was caught there, not
+    at 80%). Now the write is seen, memory.high is set at the threshold again, the job is
+    caught there, and the scheduler's value is what goes back when the guard stops."""
+    limit = 128 * MiB
+    cg = cgroups.make("taken", limit)
+    assert isinstance(cg, V2MemoryCgroup)
+    mark = int(limit * 0.85) // 4096 * 4096
+    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    hog = None
+    try:
+        guard.wait_event("guard.ready", timeout=60)
+        assert cg.high() == mark
+        (cg.path / "memory.high").write_text(str(limit))  # as slurmstepd does
+        said = guard.wait_event("guard.high_taken_back", timeout=30)[0]
+        assert said["memory_high"] == limit and said["cgroup"] == str(cg.path), said
+        assert wait_until(lambda: cg.high() == mark, 30), cg.high()
+        hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=200, rate=100,
+                                           count=100_000))
+        guard.wait_event("checkpoint.done", timeout=120)
+        crossed = guard.events("threshold.crossed")[0]
+        assert crossed["source"] == "event" and crossed["usage"] < limit, crossed
+    finally:
+        stopped = guard.stop()
+        if hog is not None:
+            kill_pid(hog.pid)
+    tail = (tmp_path / "daemon.log").read_text()[-3000:]
+    assert stopped == 0, tail
+    assert cg.high() == limit, f"the scheduler's memory.high not put back:\n{tail}"
+
+
 def test_a_cgroup_left_frozen_by_a_crash_is_thawed_at_start(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     cg = cgroups.make("crash", 256 * MiB)

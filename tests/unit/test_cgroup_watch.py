@@ -75,6 +75,24 @@ def test_v2_setting_left_alone_where_the_users_high_throttles_first(
     assert setting.change is change
 
 
+def test_v2_memory_high_taken_back_by_another_writer(tmp_path: Path) -> None:
+    guard = v2_guard(tmp_path)
+    assert watch.replaced_setting_file(guard) is None  # nothing of oomguard's there yet
+    assert watch.high_taken_back(guard, LIMIT) is None
+    assert isinstance(guard.cgroup, V2MemoryCgroup)
+    watch.set_high_at_threshold(guard, guard.cgroup, LIMIT, change=True, original=None)
+    assert watch.replaced_setting_file(guard) == guard.cgroup.path / "memory.high"
+    assert watch.high_taken_back(guard, LIMIT) is None  # ours, at the threshold
+    (guard.cgroup.path / "memory.high").write_text(f"{LIMIT}\n")  # Slurm's task/cgroup
+    assert watch.high_taken_back(guard, LIMIT) == LIMIT
+    (guard.cgroup.path / "memory.high").write_text("max\n")
+    assert watch.high_taken_back(guard, LIMIT) == LIMIT
+    (guard.cgroup.path / "memory.high").write_text(f"{100 * MiB}\n")  # lower still throttles
+    assert watch.high_taken_back(guard, LIMIT) is None
+    users = v2_guard(tmp_path / "users", high=str(LIMIT))  # never oomguard's: not watched
+    assert watch.high_taken_back(users, LIMIT) is None
+
+
 def test_v1_put_back_and_parking(tmp_path: Path) -> None:
     guard = v1_guard(tmp_path)
     assert watch.arm_first(guard, LIMIT, True, 0, "some 1 2")  # later marks follow

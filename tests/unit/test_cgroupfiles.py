@@ -75,6 +75,27 @@ def test_a_limit_written_and_a_cgroup_removed_are_told(tmp_path: Path) -> None:
         files.close()
 
 
+def test_a_replaced_setting_written_is_told_apart_from_the_limit(tmp_path: Path) -> None:
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    limit, high = cg / "memory.max", cg / "memory.high"
+    limit.write_text("268435456\n")
+    high.write_text("228170137\n")
+    files = CgroupFiles()
+    try:
+        assert files.watch_limit("cg", limit) and files.watch_setting("cg", high)
+        high.write_text("268435456\n")  # a job scheduler's own memory.high
+        assert files.read() == Changes(settings=frozenset({"cg"}))
+        limit.write_text("536870912\n")
+        assert files.read() == Changes(limits=frozenset({"cg"}))
+        files.unwatch_setting("cg")
+        high.write_text("max\n")
+        assert not files.read()
+        files.unwatch_limit("cg")
+    finally:
+        files.close()
+
+
 def test_directories_report_entries_coming_and_going(tmp_path: Path) -> None:
     parent = tmp_path / "slurm"
     parent.mkdir()
