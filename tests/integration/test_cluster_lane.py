@@ -4,7 +4,9 @@ slurmd on node B, munge), a store on NFS exported by node A and mounted by both,
 oomguard on each. A batch job with --requeue --mem=256M outgrows its limit on node A, is
 checkpointed into the shared store and requeued with grow_memory (only node B can take it),
 and `oomguard resume-job` in its batch script restores it on node B, where it finishes with
-every count in order and its memory intact. Reported as skipped, with the reason, where the
+every count in order and its memory intact. Then a container podman runs on node A outgrows
+its threshold, is checkpointed by podman into the shared store (item 4), and podman restores it
+on node B from there, where it finishes its count intact. Reported as skipped, with the reason, where the
 lane cannot run (no v2 lane, no Slurm/munge/NFS programs, a node that did not boot)."""
 
 from __future__ import annotations
@@ -42,3 +44,5 @@ def test_a_job_checkpointed_on_one_node_resumes_on_the_other(
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("PASS: job ") and last.endswith(
         "checkpointed on nodea, resumed on nodeb"), output[-4000:]
+    assert "[cluster-lane nodea] podman: container " in output, output[-4000:]
+    assert "restored on nodeb, done 400 ok" in output, output[-4000:]
