@@ -294,6 +294,16 @@ counts=$(grep -E '^[0-9]+ ' $shared/out/hog.log | cut -d' ' -f1 | tr '\n' ' ')
 grep -q '"restore.done"\|"restore.exited"' "$dir/log/oomguard-nodeb.log" ||
   say "note: no restore event in nodeb's daemon log"
 cp $shared/out/job-*.out "$dir/log/" 2>/dev/null || true
+# Where A's daemon caught the job: at its threshold (memory.high there, set again if
+# slurmstepd wrote its own over it) or only at its limit.
+"$py" - "$dir/log/oomguard-nodea.log" <<'PY' | sed 's/^/[cluster-lane nodea] /' >&2 || true
+import json, sys
+events = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+crossed = next(e for e in events if e.get("event") == "threshold.crossed")
+taken = [e for e in events if e.get("event") == "guard.high_taken_back"]
+print(f"caught at {crossed['usage'] / 2**20:.0f} of {crossed['limit'] / 2**20:.0f} MiB "
+      f"({crossed['source']}); memory.high taken back and set again {len(taken)} time(s)")
+PY
 say "slurm: job $job checkpointed on nodea, resumed on nodeb"
 
 # -- a container podman runs on A, checkpointed there by podman, restored by podman on B -------
