@@ -128,7 +128,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     offsets = "; ".join(", ".join(f"{n} {ms:+g} ms" for n, ms in r["clock_offsets_ms"].items())
                         for r in runs)
     lines.append("")
-    lines.append(f"Node clocks against the host's after setting them: {offsets}.")
+    lines.append(f"Node clocks against the host's after setting them: {offsets} (each includes "
+                 "the delay of the 9p write that measured it: an upper bound).")
     return "\n".join(lines)
 
 
@@ -151,8 +152,9 @@ def run(args: argparse.Namespace) -> int:
     text = (f"\n## {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, commit {commit} "
             f"(bench/crossnode.py run --runs {args.runs} --mem-mib {args.mem_mib} "
             f"--grow {args.grow})\n\n"
-            f"Job `--mem={args.mem_mib}M`, checkpointed at 80%; two TCG VMs (1 vCPU each), the "
-            "store on NFS 4.2 exported by node A.\n\n" + table(runs) + "\n")
+            f"Job `--mem={args.mem_mib}M`, guarded at 80% (where it was caught: the image "
+            "size); two TCG VMs (1 vCPU each), the store on NFS 4.2 exported by node A.\n\n"
+            + table(runs) + "\n")
     print(text)
     with args.out.open("a") as handle:
         handle.write(text)
