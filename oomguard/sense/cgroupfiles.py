@@ -69,6 +69,41 @@ def nearest_existing(path: str) -> str:
     return str(current)
 
 
+class FileWatches:
+    """Files watched for writes, by name (one cgroup's file, several rules' names): name -> wd
+    and wd -> names."""
+
+    def __init__(self) -> None:
+        self.wd_of: dict[str, int] = {}
+        self.names_of: dict[int, set[str]] = {}
+
+    def add(self, inotify: Inotify, name: str, path: Path) -> bool:
+        try:
+            wd = inotify.add(path, FILE_CHANGES)
+        except OSError:
+            return False
+        self.wd_of[name] = wd
+        self.names_of.setdefault(wd, set()).add(name)
+        return True
+
+    def remove(self, name: str) -> int | None:
+        """Forget `name`; the wd no name holds any more (for the caller to remove), or None."""
+        wd = self.wd_of.pop(name, None)
+        if wd is None:
+            return None
+        names = self.names_of.get(wd, set())
+        names.discard(name)
+        if names:
+            return None
+        self.names_of.pop(wd, None)
+        return wd
+
+    def ended(self, wd: int) -> None:
+        """The file went away: its watch ended with it."""
+        for name in self.names_of.pop(wd, set()):
+            self.wd_of.pop(name, None)
+
+
 class CgroupFiles:
     """One inotify instance for every guard. `available` is False (with `why`) where inotify
     cannot be used; then nothing is watched and the safety rescan is all there is."""
@@ -80,10 +115,8 @@ class CgroupFiles:
             self._inotify = open_inotify()
         except OSError as exc:
             self.why = f"inotify unavailable: {exc.strerror or exc}"
-        self._limit_wd: dict[str, int] = {}  # name -> wd
-        self._limit_names: dict[int, set[str]] = {}  # wd -> names (one cgroup, several rules)
-        self._setting_wd: dict[str, int] = {}  # name -> wd of the file of its replaced setting
-        self._setting_names: dict[int, set[str]] = {}
+        self._limits = FileWatches()  # each guard's limit file
+        self._settings = FileWatches()  # the file of each guard's replaced setting
         self._dir_wd: dict[str, int] = {}  # directory -> wd
         self._dir_of: dict[int, str] = {}
 
@@ -96,52 +129,29 @@ class CgroupFiles:
 
     def watch_limit(self, name: str, limit_file: Path) -> bool:
         """Tell when `limit_file` is written or goes away; False if it cannot be watched."""
-        if self._inotify is None:
-            return False
-        self.unwatch_limit(name)
-        try:
-            wd = self._inotify.add(limit_file, FILE_CHANGES)
-        except OSError:
-            return False
-        self._limit_wd[name] = wd
-        self._limit_names.setdefault(wd, set()).add(name)
-        return True
+        return self._watch(self._limits, name, limit_file)
 
     def unwatch_limit(self, name: str) -> None:
-        wd = self._limit_wd.pop(name, None)
-        if wd is None:
-            return
-        names = self._limit_names.get(wd, set())
-        names.discard(name)
-        if not names:
-            self._limit_names.pop(wd, None)
-            if self._inotify is not None:
-                self._inotify.remove(wd)
+        self._unwatch(self._limits, name)
 
     def watch_setting(self, name: str, setting_file: Path) -> bool:
         """Tell when `setting_file` (the setting oomguard replaced) is written; False if it
         cannot be watched."""
-        if self._inotify is None:
-            return False
-        self.unwatch_setting(name)
-        try:
-            wd = self._inotify.add(setting_file, FILE_CHANGES)
-        except OSError:
-            return False
-        self._setting_wd[name] = wd
-        self._setting_names.setdefault(wd, set()).add(name)
-        return True
+        return self._watch(self._settings, name, setting_file)
 
     def unwatch_setting(self, name: str) -> None:
-        wd = self._setting_wd.pop(name, None)
-        if wd is None:
-            return
-        names = self._setting_names.get(wd, set())
-        names.discard(name)
-        if not names:
-            self._setting_names.pop(wd, None)
-            if self._inotify is not None and wd not in self._limit_names:
-                self._inotify.remove(wd)
+        self._unwatch(self._settings, name)
+
+    def _watch(self, watches: FileWatches, name: str, path: Path) -> bool:
+        if self._inotify is None:
+            return False
+        self._unwatch(watches, name)
+        return watches.add(self._inotify, name, path)
+
+    def _unwatch(self, watches: FileWatches, name: str) -> None:
+        wd = watches.remove(name)
+        if wd is not None and self._inotify is not None:
+            self._inotify.remove(wd)
 
     def watch_directories(self, directories: set[str]) -> None:
         """Watch exactly these directories for entries coming and going."""
@@ -150,7 +160,7 @@ class CgroupFiles:
         for gone in set(self._dir_wd) - directories:
             wd = self._dir_wd.pop(gone)
             self._dir_of.pop(wd, None)
-            if wd not in self._limit_names:
+            if wd not in self._limits.names_of:
                 self._inotify.remove(wd)
         for directory in sorted(directories - set(self._dir_wd)):
             try:
@@ -176,19 +186,15 @@ class CgroupFiles:
             if event.overflow:
                 overflow = True
                 continue
-            names = self._limit_names.get(event.wd)
+            names = self._limits.names_of.get(event.wd)
             if names is not None:
                 (gone if event.gone else limits).update(names)
                 if event.gone:
-                    for name in list(names):
-                        self._limit_wd.pop(name, None)
-                    self._limit_names.pop(event.wd, None)
-            written = self._setting_names.get(event.wd)
+                    self._limits.ended(event.wd)
+            written = self._settings.names_of.get(event.wd)
             if written is not None:
                 if event.gone:
-                    for name in list(written):
-                        self._setting_wd.pop(name, None)
-                    self._setting_names.pop(event.wd, None)
+                    self._settings.ended(event.wd)
                 else:
                     settings.update(written)
             directory = self._dir_of.get(event.wd)
