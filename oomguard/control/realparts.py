@@ -161,9 +161,8 @@ def build_service(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
     """The verbs of the control socket. CRIU is located only when a checkpointer or restorer
     has to be built for it (not for list/show/forget, nor when the daemon passes its own)."""
     if checkpointer is None or restorer is None:
-        gpu = build_gpu(config.gpu)
-        criu = (build_criu(config.criu, layout, proc, gpu, config.store) if with_criu
-                else Criu(binary="criu", version=()))
+        criu = (build_criu(config.criu, layout, proc, build_gpu(config.gpu), config.store)
+                if with_criu else Criu(binary="criu", version=()))
         checkpointer = checkpointer or build_checkpointer(config, criu, proc)
         restorer = restorer or build_restorer(config, criu, proc, layout=layout)
     service = Service(open_store(config), restorer, checkpointer, layout, proc, status)

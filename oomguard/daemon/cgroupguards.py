@@ -395,8 +395,7 @@ class CgroupGuards:
         if guard.present:
             self.log.warning("guard.cgroup_gone", cgroup=guard.name)
             self._disarm(guard)
-            self.files.unwatch_limit(guard.name)
-            self.files.unwatch_setting(guard.name)
+            self.files.unwatch(guard.name)
             self.saved_high.forget_many(self._put_back(guard))  # the cgroup is gone: forgets
             guard.present = False
             self.set_due(guard, None)
@@ -416,8 +415,7 @@ class CgroupGuards:
         for guard in self.guards:
             self._disarm(guard)
             if isinstance(guard, CgroupGuard):
-                self.files.unwatch_limit(guard.name)
-                self.files.unwatch_setting(guard.name)
+                self.files.unwatch(guard.name)
                 forgotten += self._put_back(guard)
         self.saved_high.forget_many(forgotten)
         self.files.watch_directories(set())

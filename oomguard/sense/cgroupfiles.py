@@ -142,6 +142,11 @@ class CgroupFiles:
     def unwatch_setting(self, name: str) -> None:
         self._unwatch(self._settings, name)
 
+    def unwatch(self, name: str) -> None:
+        """A guard let go: neither its limit nor its replaced setting is watched any more."""
+        self.unwatch_limit(name)
+        self.unwatch_setting(name)
+
     def _watch(self, watches: FileWatches, name: str, path: Path) -> bool:
         if self._inotify is None:
             return False
