@@ -1,9 +1,10 @@
 """Freeze -> headroom -> dump -> durable -> free: one checkpoint of one process tree.
 
-On any failure the tree is thawed and keeps running, and the raised CheckpointFailed says so
-and why (a rule's kill after a failed checkpoint is its action chain's next step: chain.py).
-A process is never left stopped, and one the user had stopped is never continued (meta.json
-names it: restore leaves it stopped too).
+The steps each say what they did and how it is undone; a runner (oomguard.model.unwind) undoes
+it once, latest first, however the checkpoint ends. On any failure the tree is thawed and keeps
+running, and the raised CheckpointFailed says so and why (a rule's kill after a failed
+checkpoint is its action chain's next step: chain.py). A process is never left stopped, and one
+the user had stopped is never continued (meta.json names it: restore leaves it stopped too).
 
 Beside it: the refusals before the stop (precheck.py), the store's room (storeroom.py), the
 limit lifted for the dump (dumproom.py), a GPU tree's hand-off (gpuhandoff.py), the new
@@ -20,7 +21,6 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
 
 import psutil
 
@@ -57,14 +57,15 @@ from oomguard.model.errors import (
     StoreOverBudget,
     TreeNotYours,
 )
+from oomguard.model.unwind import Undos, unwinding
 from oomguard.policy.retention import Prune
 from oomguard.policy.rights import foreign_of
 from oomguard.policy.victims import ProcessTree
 from oomguard.sense.procfs import ProcReader
-from oomguard.store.budget import BudgetExceeded, Reservation, StoreBudget
-from oomguard.store.checkpoints import CheckpointMeta, Store, new_id
+from oomguard.store.budget import BudgetExceeded, StoreBudget
+from oomguard.store.checkpoints import Store, new_id
 from oomguard.store.compression import Packer
-from oomguard.store.digest import Digests, ImageDigester, with_packed
+from oomguard.store.digest import ImageDigester, with_packed
 from oomguard.store.ledger import FrozenLedger
 from oomguard.store.names import FROZEN_LEDGER, HOOKS_DIR, LIFTS_LEDGER, OOM_SHIELD
 from oomguard.terminal.checkpointing import DumpTerminals
@@ -72,6 +73,19 @@ from oomguard.terminal.checkpointing import DumpTerminals
 DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
+
+# What a checkpoint's steps do, each undone once (oomguard.model.unwind), latest first; the
+# limit lifted for the dump before anything else.
+LIMIT = "limit lifted for the dump"
+RESERVATION = "the store's room reserved"
+LEDGER = "crash ledger"
+VICTIM = "a victim, never a bystander"
+SHIELD = "shielded from the OOM killer"
+GPU = "CUDA state off the GPU"
+FREEZE = "stopped"
+OTHERS = "the cgroup's others held"
+TERMINALS = "terminal holders told"
+IMAGES = "the checkpoint's directory"
 
 
 class Checkpointer:
@@ -136,113 +150,111 @@ class Checkpointer:
         stopped are continued (a child may exec a setuid program after the request's check,
         before its SIGSTOP; once stopped it cannot).
 
-        The steps, each undone in reverse by what follows it on failure: refusals before the
-        stop (precheck.py); the early room (a limit lift) and the store's room; the crash
-        ledger; the stop (_stop: shield, GPU, freeze, the cgroup's others held); the stop
-        settled (_settle: lift, wait, rights, budget); the dump (_dump); the commit. _fail
-        undoes what a failed dump leaves, _end what every ending leaves."""
+        The steps (STEPS), each saying what it did and its undo; whatever ends the run, what
+        was done is undone once, latest first (oomguard.model.unwind), the lifted limit
+        before anything else. A failure once the tree has stopped is then told as a failed
+        dump (the tree thawed) or, once CRIU has dumped it, a failed commit."""
         start = self.clock()
         refuse_before_stop(tree, cgroup, self.proc, requester)
-        # Lifted now, before the store's budget is asked and the tree stopped, and handed to
-        # the dump as its first lift (put back with it, before the tree's mates go on).
-        room_given = self.headroom if headroom is None else headroom
-        bridge = self.room.early(cgroup, room_given)
-        request = CheckpointRequest(tree, cgroup, reason, on_frozen, after_signal, requester, room_given,
-                           rights_of, start)
+        request = CheckpointRequest(tree, cgroup, reason, on_frozen, after_signal, requester,
+                                    self.headroom if headroom is None else headroom,
+                                    rights_of, start)
+        run = CheckpointRun(terminals=DumpTerminals(tree.root.uid), held=list(held))
         try:
-            with room_for(self.budget, self.on_pruned, tree, cgroup) as room:
-                return self._checkpoint_recorded(request, held, room, bridge)
-        finally:
-            if bridge is not None:  # refused before the stop (once: the dump's undo may have)
-                with contextlib.suppress(OSError, CgroupGone):
-                    bridge()
+            with unwinding() as undos:
+                self._walk(request, run, undos)
+        except (CriuError, StoreError, OSError, CgroupGone) as exc:
+            if not run.stopped:
+                raise
+            if run.dumped:
+                raise commit_failed(tree.root.pid, run.checkpoint_id, exc) from exc
+            raise dump_failed(tree.root.pid, exc, FailedCheckpoint.THAWED, run.full,
+                              run.gpu_note, run.busy) from exc
+        assert run.meta is not None and run.path is not None
+        timings = CheckpointTimings(freeze_s=run.frozen_at - request.start,
+                                    dump_s=run.dumped_at - run.frozen_at,
+                                    commit_s=run.done_at - run.dumped_at,
+                                    total_s=run.done_at - request.start,
+                                    holders_s=run.terminals.told_in)
+        return CheckpointResult(meta=run.meta, path=run.path, timings=timings)
 
-    def _checkpoint_recorded(self, request: CheckpointRequest, held: Collection[int],
-                             room: Reservation | None,
-                             bridge: Callable[[], str | None] | None) -> CheckpointResult:
+    def _walk(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
+        steps = (self._lift_early, self._reserve, self._record, self._stop, self._settle,
+                 self._refuse_stopped, self._describe, self._dump, self._commit)
+        try:
+            for step in steps:
+                step(request, run, undos)
+        except (CriuError, StoreError, OSError, CgroupGone) as exc:
+            if run.stopped:  # before the partial goes: what the dump met
+                run.full = disk_full(self.budget, exc)
+            raise
+
+    # -- the steps, in order -----------------------------------------------------------------
+
+    def _lift_early(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
+        """The room over the cgroup's limit, lifted before the store's budget is asked and the
+        tree stopped: the dump's first lift (put back with the later ones)."""
+        run.undo_limit = self.room.early(request.cgroup, request.headroom)
+        undos.did(LIMIT, lambda failure: self._put_back_limit(run), first=True)
+
+    def _reserve(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
+        """The store's room for the images (storeroom.room_for), held until the end."""
+        run.room = undos.enter(RESERVATION, room_for(self.budget, self.on_pruned,
+                                                     request.tree, request.cgroup))
+
+    def _record(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
         """Durably noted before the first SIGSTOP: a crash from here on is thawed at the next
         start (the tasks found stopped but in the ledger were stopped by oomguard: a
-        bystander, the standby's)."""
+        bystander, the standby's). The tree is a victim then, never held as a bystander."""
         tree = request.tree
         try:
             self.store.ensure()
-            held = [*held, *self.ledger.recorded(
+            run.held = [*run.held, *self.ledger.recorded(
                 [p.pid for p in tree.members if p.state == USER_STOPPED_STATE])]
             self.ledger.record([p.pid for p in tree.members
-                                if p.state != USER_STOPPED_STATE or p.pid in held])
+                                if p.state != USER_STOPPED_STATE or p.pid in run.held])
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
-        with self.bystanders.victim(tree.pids):
-            # Held by another dump as a bystander: stopped by oomguard, not by its user.
-            held = [*held, *self.bystanders.held_now(tree.pids)]
-            run = self._stop(request, held, bridge)
-            if request.after_signal is not None:
-                request.after_signal()
-            return self._dump_and_commit(request, run, room)
+        undos.did(LEDGER, lambda failure: self._clear_ledger(request, run))
+        undos.enter(VICTIM, self.bystanders.victim(tree.pids))
+        # Held by another dump as a bystander: stopped by oomguard, not by its user.
+        run.held = [*run.held, *self.bystanders.held_now(tree.pids)]
 
-    def _stop(self, request: CheckpointRequest, held: Collection[int],
-              bridge: Callable[[], str | None] | None) -> CheckpointRun:
+    def _stop(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
         """SIGSTOP to the tree (not yet waited for), shielded from the OOM killer until then
         where the cgroup needs it (v2 has no oom_kill_disable: memory taken inside one system
         call fails there instead of killing the job), its CUDA state off the GPU first; the
         rest of its cgroup held stopped while it is dumped (where there is a limit to share
         and headroom to give: never the rest of an unlimited cgroup, such as the root one a
-        system rule's victim may live in). Raises ProcessGone, every step undone, if the tree
-        vanished before it could be stopped."""
+        system rule's victim may live in). Raises ProcessGone if the tree vanished before it
+        could be stopped."""
         tree, cgroup = request.tree, request.cgroup
-        shielding = shields_needed(cgroup)
-        if shielding:
+        run.shielding = shields_needed(cgroup)
+        if run.shielding:
             self.shield.shield(list(tree.pids))
-        hold: GpuHold | None = None
-        try:
-            hold = self._off_gpu(tree, cgroup, held)  # refused: CheckpointFailed, untouched
-            frozen = self.freezer.freeze(tree.root.pid, held)
-        except (ProcessGone, CheckpointFailed):
-            self.shield.unshield(list(tree.pids))
-            with contextlib.suppress(OSError):
-                self.ledger.clear(list(tree.pids))
-            if hold is not None:
-                put_back_limit(hold)
-            raise
-        self.ledger.record(frozen.ours)
-        self._unrecord(frozen.user_stopped)
-        if shielding:  # children forked before the stop inherited -1000
-            self.shield.shield(frozen.pids, inherited=self.shield.original_of(tree.root.pid))
-        others = Held()
+            undos.did(SHIELD, lambda failure: self.shield.unshield(
+                run.pids + list(tree.pids) + run.left))
+        run.hold = self._off_gpu(tree, cgroup, run.held)  # refused: CheckpointFailed, untouched
+        if run.hold is not None:
+            undos.did(GPU, lambda failure: self._put_back_gpu(run, failure))
+        run.frozen = self.freezer.freeze(tree.root.pid, run.held)
+        run.pids, run.stopped = run.frozen.pids, True
+        run.checkpoint_id = new_id(tree.root.pid, self.wall_clock())
+        undos.did(FREEZE, lambda failure: self._thaw(run))
+        self.ledger.record(run.frozen.ours)
+        self._unrecord(run.frozen.user_stopped)
+        if run.shielding:  # children forked before the stop inherited -1000
+            self.shield.shield(run.frozen.pids, inherited=self.shield.original_of(tree.root.pid))
         if cgroup is not None and request.headroom > 0 and limited(cgroup):
-            others = self.bystanders.hold(cgroup, frozen.pids, request.requester)
-            if shielding:  # stopped tasks are the OOM killer's too: never theirs meanwhile
-                self.shield.shield(others.pids)
-        return CheckpointRun(frozen=frozen, pids=frozen.pids, shielding=shielding, hold=hold,
-                    others=others, undo_limit=bridge, terminals=DumpTerminals(tree.root.uid),
-                    checkpoint_id=new_id(tree.root.pid, self.wall_clock()))
+            run.others = self.bystanders.hold(cgroup, run.frozen.pids, request.requester)
+            undos.did(OTHERS, lambda failure: self._let_others_go(run))
+            if run.shielding:  # stopped tasks are the OOM killer's too: never theirs meanwhile
+                self.shield.shield(run.others.pids)
+        if request.after_signal is not None:
+            request.after_signal()
 
-    def _dump_and_commit(self, request: CheckpointRequest, run: CheckpointRun,
-                         room: Reservation | None) -> CheckpointResult:
-        try:
-            self._settle(request, run)
-            self._refuse_stopped(request, run, room)
-            meta = self._meta_of_stopped(request, run)
-            digests = self._dump(request, run, meta)
-            meta.dump_seconds = round(run.dumped_at - run.frozen_at, 3)
-            path = self.store.commit(meta, digests)
-            done = self.clock()
-            run.terminals.committed(meta.id, meta.job_command or meta.command,
-                                    request.tree.root.pid)
-        except (CriuError, StoreError, OSError, CgroupGone) as exc:
-            if run.dumped:
-                self._fail_after_dump(request, run, exc)
-            self._fail(request, run, exc)
-        finally:
-            self._end(request, run)
-        timings = CheckpointTimings(freeze_s=run.frozen_at - request.start,
-                                    dump_s=run.dumped_at - run.frozen_at,
-                                    commit_s=done - run.dumped_at, total_s=done - request.start,
-                                    holders_s=run.terminals.told_in)
-        return CheckpointResult(meta=meta, path=path, timings=timings)
-
-    def _settle(self, request: CheckpointRequest, run: CheckpointRun) -> None:
+    def _settle(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
         """The stop waited for: arrivals in the cgroup held too, the headroom lifted over the
         cgroup's own limit, the children forked meanwhile stopped and recorded (with the
         connector), and the tasks the user stopped too left to them."""
@@ -270,55 +282,36 @@ class Checkpointer:
         self._unrecord(run.frozen.user_stopped)
 
     def _refuse_stopped(self, request: CheckpointRequest, run: CheckpointRun,
-                        room: Reservation | None) -> None:
+                        undos: Undos) -> None:
         """Refused once stopped, nothing dumped: a task that is not the asking user's (as
-        after a setuid program's exec), or a tree grown past the store's budget. The limit
-        is put back first (nothing runs meanwhile), then only the tasks oomguard stopped are
-        continued (never one the user had stopped)."""
+        after a setuid program's exec), or a tree grown past the store's budget. The undos
+        put the limit back first (nothing runs meanwhile), then continue only the tasks
+        oomguard stopped (never one the user had stopped)."""
         tree = request.tree
         foreign = None if request.rights_of is None else \
             self._foreign(tree, run.frozen, request.rights_of)
         if foreign is not None:
-            self._let_go(run)
             raise TreeNotYours(f"{foreign} (found once the tree had stopped; not so when "
                                "the request was checked, as after a setuid program's "
                                "exec): refused, nothing dumped, the processes oomguard "
                                "stopped continued", FailedCheckpoint.THAWED)
         try:
-            fit_stopped(room, tree, run.pids, self.proc)
+            fit_stopped(run.room, tree, run.pids, self.proc)
         except BudgetExceeded as exc:
-            self._let_go(run)
             raise StoreOverBudget(f"checkpoint of {tree.root.pid} refused once it had "
                                   f"stopped (it grew, or a restored checkpoint counted on was "
                                   f"being restored): {exc}; nothing dumped, "
                                   "the processes oomguard stopped continued",
                                   FailedCheckpoint.THAWED, exc.figures) from exc
 
-    def _let_go(self, run: CheckpointRun) -> None:
-        if run.undo_limit is not None:
-            with contextlib.suppress(OSError, CgroupGone):
-                run.undo_limit()
-            run.undo_limit = None
-        self.freezer.thaw(run.frozen.ours)
-
-    def _lift_for_dump(self, request: CheckpointRequest, run: CheckpointRun, own: bool,
-                       unthrottle: bool = False) -> None:
-        """The headroom over the cgroup's `own` limit (before the stop is waited for), or over
-        the limit in force (once stopped: a task inside one system call, mmap MAP_POPULATE...,
-        stops only on its way out, and may have used up the limit, or the headroom given
-        before, by then). Undone with the lifts before it."""
-        run.undo_limit = self.room.over(request.cgroup, request.headroom, own, run.undo_limit,
-                                        unthrottle)
-
-    def _meta_of_stopped(self, request: CheckpointRequest, run: CheckpointRun) -> CheckpointMeta:
+    def _describe(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
         """The tree unshielded (back to its own oom_score_adj, which CRIU saves with the
         images), lifted again if it must be, and described as it stopped, which is what CRIU
         dumps (and a restore needs free): not the tree chosen before the freeze, whose
         short-lived children may have been replaced meanwhile (a shell's `sleep`s). Its
         terminal holders are told to get ready."""
         tree = request.tree
-        if run.shielding:
-            self.shield.unshield(run.pids + list(tree.pids) + run.left)
+        undos.now(SHIELD)
         self._lift_for_dump(request, run, own=False)
         meta = describe_tree(run.checkpoint_id, tree, request.cgroup, request.reason,
                              self.criu.version, self.wall_clock())
@@ -326,19 +319,22 @@ class Checkpointer:
         run.terminals = DumpTerminals.of(self.proc.root, run.pids, tree.root.uid)
         run.terminals.record(meta.extra)
         run.terminals.start_dumping(run.checkpoint_id)  # answered while the dump is prepared
+        undos.did(TERMINALS, lambda failure: self._tell_terminals(request, run))
         meta.stopped_nspids = ns_pids(self.proc, run.frozen.user_stopped)
         if run.hold is not None:
             meta.gpu_pids, meta.vram_bytes = run.hold.ns_pids, run.hold.vram_bytes
             meta.gpu_engine = self.gpu.engine if self.gpu is not None else ""
-        return meta
+        run.meta = meta
 
-    def _dump(self, request: CheckpointRequest, run: CheckpointRun, meta: CheckpointMeta) -> Digests | None:
+    def _dump(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
         """CRIU dumps the stopped tree into a new checkpoint's images (two dumps at a time),
         checksummed as written and compressed alongside where asked; once the tree's memory
         is back, the lifted limit is put back and the rest of the cgroup continued."""
+        assert run.meta is not None
         with self.dump_slots:
-            images, run.lock_fd = self.store.begin(meta)
+            images, run.lock_fd = self.store.begin(run.meta)
             run.began = True
+            undos.did(IMAGES, lambda failure: self._leave_images(run))
             # What the stopped tree has open, to be checked again before a restore.
             self.store.write_private(images.parent / FILES_RECORD,
                                      fileids.to_json(fileids.record(run.pids)))
@@ -361,65 +357,95 @@ class Checkpointer:
             # CRIU has SIGKILLed the tree; its memory is back once the tasks have exited.
             self._wait_dead(run.pids)
             run.dumped_at = self.clock()
-            self._put_back_room(run.undo_limit, run.others)  # the memory is back: so are they
-            run.undo_limit = None
+            undos.now(LIMIT)  # the memory is back: so are the limit and the cgroup's others
+            undos.now(OTHERS)
             digests = digester.result()
             if packer is not None:
                 digests = with_packed(digests, *packer.finish())
-        return digests
+        run.meta.dump_seconds = round(run.dumped_at - run.frozen_at, 3)
+        run.digests = digests
 
-    def _fail_after_dump(self, request: CheckpointRequest, run: CheckpointRun,
-                         exc: BaseException) -> NoReturn:
-        """Dumped, the commit failed: never deleted, the partial stays, listed as incomplete,
-        completed at the next start (or restore) once the store can take the commit. The tree
-        is gone: the room lifted for it is put back before its holders are told."""
-        pid = request.tree.root.pid
-        self._put_back_room(run.undo_limit, run.others)
-        run.undo_limit, run.others = None, Held()
-        run.terminals.committed(run.checkpoint_id, request.tree.root.command, pid)
-        raise commit_failed(pid, run.checkpoint_id, exc) from exc
+    def _commit(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
+        """The images made durable and listed; the holders told where it is."""
+        assert run.meta is not None
+        run.path = self.store.commit(run.meta, run.digests)
+        run.done_at = self.clock()
+        undos.now(TERMINALS)
 
-    def _fail(self, request: CheckpointRequest, run: CheckpointRun, exc: BaseException) -> NoReturn:
-        """The dump failed (or was refused once stopped): CRIU's log kept, the partial gone,
-        the limit put back before anything else (the tree cannot grow meanwhile), the
-        terminals' holders told, the tree thawed (and back on the GPU)."""
-        pid = request.tree.root.pid
-        full = disk_full(self.budget, exc)  # before the partial goes: what the dump met
-        if run.began:
+    # -- the undos ---------------------------------------------------------------------------
+
+    def _put_back_limit(self, run: CheckpointRun) -> None:
+        """The limits lifted for the dump, put back (first of all: what was lifted for it is
+        never what the tree or the cgroup's others run into). `run.busy`: why not, if not."""
+        if run.undo_limit is None:
+            return
+        try:
+            run.busy = run.undo_limit() or ""
+        except (OSError, CgroupGone) as exc:
+            run.busy = str(exc)
+        run.undo_limit = None
+
+    def _let_others_go(self, run: CheckpointRun) -> None:
+        """The rest of the cgroup continued (once the limit is back)."""
+        if run.others.pids:
+            self.shield.unshield(run.others.pids)
+        self.bystanders.release(run.others)
+        run.others = Held()
+
+    def _thaw(self, run: CheckpointRun) -> None:
+        """Not dumped: the tree continued where it stopped (CRIU resumes a tree it failed to
+        dump stopped, as it found it), the tasks the user had stopped left stopped. A rule's
+        kill after a failed checkpoint is the action chain's next step (chain.py), never
+        decided here. Dumped: nothing is left of it to continue."""
+        if not run.dumped:
+            self.freezer.thaw(run.frozen.ours)
+
+    def _put_back_gpu(self, run: CheckpointRun, failure: BaseException | None) -> None:
+        """A failed run's tree, thawed: its CUDA state back on the GPU (what went wrong in
+        `run.gpu_note`); then, however it ended, the limit lifted for that state put back."""
+        assert run.hold is not None
+        if failure is not None and run.stopped and not run.dumped and run.hold.suspended \
+                and self.gpu:
+            trouble = back_to_gpu(self.gpu, run.hold.pids)
+            run.gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
+                            f"; its CUDA state could NOT be put back on the GPU: {trouble}")
+        put_back_limit(run.hold)
+
+    def _tell_terminals(self, request: CheckpointRequest, run: CheckpointRun) -> None:
+        """The terminals' holders told how it ended: dumped (committed or to be), they keep
+        the terminal for the restore; else the job runs on there."""
+        if not run.dumped:
+            run.terminals.failed()  # after the limit: a holder slow to answer holds nothing
+            return
+        meta = run.meta
+        command = (meta.job_command or meta.command) if meta is not None else \
+            request.tree.root.command
+        run.terminals.committed(run.checkpoint_id, command, request.tree.root.pid)
+
+    def _leave_images(self, run: CheckpointRun) -> None:
+        """Not dumped: CRIU's log kept for a look, the partial removed. Dumped, whether the
+        commit went through or not: the images stay (a failed commit's are listed as
+        incomplete, completed at the next start or restore); only the lock is closed."""
+        if not run.dumped:
             self.store.keep_failed_log(run.checkpoint_id)  # CRIU's whole story, for a look
             self.store.abort(run.checkpoint_id, run.lock_fd)  # closes the lock, as it goes
             run.lock_fd = None
-        busy = ""
-        if run.undo_limit is not None:
-            try:
-                busy = run.undo_limit() or ""
-            except (OSError, CgroupGone) as undo_exc:
-                busy = str(undo_exc)
-            run.undo_limit = None
-        run.terminals.failed()  # the limit is back: a holder slow to answer holds nothing
-        outcome = self._thaw_after_failure(run.frozen)
-        gpu_note = ""
-        if run.hold is not None and run.hold.suspended and \
-                outcome == FailedCheckpoint.THAWED and self.gpu:
-            trouble = back_to_gpu(self.gpu, run.hold.pids)
-            gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
-                        f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-        raise dump_failed(pid, exc, outcome, full, gpu_note, busy) from exc
-
-    def _end(self, request: CheckpointRequest, run: CheckpointRun) -> None:
-        """What every ending undoes, whatever undid what before it: the shield, the GPU's
-        lifted limit, the checkpoint's lock, the dump's lift and the held others, and the
-        crash ledger's entries."""
-        tree_pids = list(request.tree.pids)
-        if run.shielding:
-            self.shield.unshield(run.pids + tree_pids + run.left)
-        if run.hold is not None:
-            put_back_limit(run.hold)
         if run.lock_fd is not None:
             os.close(run.lock_fd)
-        self._put_back_room(run.undo_limit, run.others)
+            run.lock_fd = None
+
+    def _clear_ledger(self, request: CheckpointRequest, run: CheckpointRun) -> None:
         with contextlib.suppress(OSError):
-            self.ledger.clear(run.pids + tree_pids + run.left)
+            self.ledger.clear(run.pids + list(request.tree.pids) + run.left)
+
+    def _lift_for_dump(self, request: CheckpointRequest, run: CheckpointRun, own: bool,
+                       unthrottle: bool = False) -> None:
+        """The headroom over the cgroup's `own` limit (before the stop is waited for), or over
+        the limit in force (once stopped: a task inside one system call, mmap MAP_POPULATE...,
+        stops only on its way out, and may have used up the limit, or the headroom given
+        before, by then). Put back with the lifts before it (_put_back_limit)."""
+        run.undo_limit = self.room.over(request.cgroup, request.headroom, own, run.undo_limit,
+                                        unthrottle)
 
     def _foreign(self, tree: ProcessTree, frozen: Frozen, uid: int) -> str | None:
         """Why the tree as it stopped is not all `uid`'s (a task of another user, or holding
@@ -427,16 +453,6 @@ class Checkpointer:
         tasks = [(p.pid, p.comm, p.uids[:3] or (p.uid,))
                  for p in self.proc.processes(frozen.pids)]
         return foreign_of(tasks, tree.root.pid, uid)
-
-    def _put_back_room(self, undo_limit: Callable[[], str | None] | None, others: Held) -> None:
-        """The limit as it was, then the rest of the cgroup continued (in that order: what
-        was lifted for the dump is never theirs)."""
-        if undo_limit is not None:
-            with contextlib.suppress(OSError, CgroupGone):
-                undo_limit()
-        if others.pids:
-            self.shield.unshield(others.pids)
-        self.bystanders.release(others)
 
     def _packer(self, images: Path) -> Packer | None:
         if self.compress_level is None:
@@ -474,13 +490,6 @@ class Checkpointer:
                 except ProcessGone:
                     break
                 time.sleep(0.002)
-
-    def _thaw_after_failure(self, frozen: Frozen) -> FailedCheckpoint:
-        """After a failed dump CRIU has resumed the tree (stopped, as it found it): thawed,
-        the tasks the user had stopped left stopped. A rule's kill after a failed checkpoint
-        is the action chain's next step (chain.py), never decided here."""
-        self.freezer.thaw(frozen.ours)
-        return FailedCheckpoint.THAWED
 
     def _unrecord(self, user_stopped: list[int]) -> None:
         """Tasks the user had stopped leave the ledger: a restart after a crash thaws what the

@@ -12,8 +12,11 @@ from oomguard.act.bystanders import Held
 from oomguard.act.freezer import Frozen
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.gpu.offload import GpuHold
+from oomguard.policy.budget import BudgetReading
 from oomguard.policy.victims import ProcessTree
+from oomguard.store.budget import Reservation
 from oomguard.store.checkpoints import CheckpointMeta
+from oomguard.store.digest import Digests
 from oomguard.terminal.checkpointing import DumpTerminals
 
 
@@ -50,20 +53,33 @@ class CheckpointRequest:
 
 @dataclass
 class CheckpointRun:
-    """One checkpoint from the stop on: what has been done so far, so what is left to undo
-    (each step that undoes a thing sets it back to None, False or empty)."""
+    """One checkpoint as its steps go: what they have done so far, what each undo needs,
+    and what the failure's words take from them (each undo that is over sets its thing back
+    to None, False or empty)."""
 
-    frozen: Frozen
-    pids: list[int]  # the tree as it stopped
-    shielding: bool  # shielded from the OOM killer until stopped (cgroup v2)
-    hold: GpuHold | None  # its CUDA state moved off the GPU
-    others: Held  # the rest of its cgroup, held stopped while it is dumped
-    undo_limit: Callable[[], str | None] | None  # the limits lifted for it, latest first
-    terminals: DumpTerminals
-    checkpoint_id: str
+    terminals: DumpTerminals  # the tree's terminal holders, told of the dump
+    held: list[int] = field(default_factory=list)  # stopped by oomguard already (a chain's freeze)
+    room: Reservation | None = None  # the store's budget held for the images
+    frozen: Frozen = field(default_factory=lambda: Frozen(pids=[]))
+    pids: list[int] = field(default_factory=list)  # the tree as it stopped
+    stopped: bool = False  # SIGSTOP sent: a failure from here on is a failed dump, thawed
+    shielding: bool = False  # shielded from the OOM killer until stopped (cgroup v2)
+    hold: GpuHold | None = None  # its CUDA state moved off the GPU
+    others: Held = field(default_factory=Held)  # the rest of its cgroup, held stopped
+    undo_limit: Callable[[], str | None] | None = None  # the limits lifted for it, latest first
+    checkpoint_id: str = ""
+    meta: CheckpointMeta | None = None  # the new checkpoint's description, once stopped
     left: list[int] = field(default_factory=list)  # reparented out of the tree, let go
     began: bool = False  # the checkpoint's directory exists
     dumped: bool = False  # CRIU has killed the tree: the images are all there is of it
     lock_fd: int | None = None
+    digests: Digests | None = None  # the images' checksums, as CRIU wrote them
+    path: Path | None = None  # the committed checkpoint
     frozen_at: float = 0.0
     dumped_at: float = 0.0
+    done_at: float = 0.0
+    # What a failure's words take from the undos: why the lifted limit could not be put back,
+    # the GPU's, and the budget's figures where the store's disk filled.
+    busy: str = ""
+    gpu_note: str = ""
+    full: BudgetReading | None = None
