@@ -1,13 +1,14 @@
 """Looking at a guard when something woke the daemon (a kernel event, a due poll, arming) and
 deciding whether to act: the cgroup rules (resident memory against the threshold, time to the
 limit) and the system rules (the detection plug-ins of oomguard.detect: MemAvailable, PSI).
-The decisions are the policy's and the plug-ins'; this module reads the sensors, schedules the
-next look and hands the action to the Actor."""
+The decisions are the policy's and the plug-ins'. A cgroup guard's look is one call of
+oomguard.policy.guardlook.look_at_cgroup, which takes the guard's history and gives back the
+next (kept on the guard in one assignment) with its decision; this module reads the sensors,
+logs, schedules the next look and hands the action to the Actor."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +20,15 @@ from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
 from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.detect.base import CgroupSignal
-from oomguard.detect.registry import after_action, first_reason, judge_cgroup, polling
+from oomguard.detect.registry import first_reason
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.jobroot import job_init
 from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.observe.decisionlog import DecisionLog
+from oomguard.policy.guardlook import CgroupLook, look_at_cgroup, reclaim_counted
 from oomguard.policy.jobs import below_namespace_init, lift_to_jobs
 from oomguard.policy.preferences import select_victims
-from oomguard.policy.pressure import (
-    CacheWatch,
-    Verdict,
-    evaluate,
-    reclaim_due,
-    reclaim_room,
-    watch_next,
-)
+from oomguard.policy.pressure import Verdict, evaluate
 from oomguard.policy.systemrule import in_cgroups, next_poll, preparing
 from oomguard.policy.victims import (
     ProcessTree,
@@ -47,30 +42,6 @@ from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
 from oomguard.sense.ranking import ProcessRanking, stand_in
 from oomguard.sense.systemlook import PRESSURE_FILE, SystemLook
-
-PARKED_RETRY = 2.0  # v1: tasks wait at the limit and nothing acted yet: look again this soon
-
-
-@dataclass(frozen=True)
-class CgroupLook:
-    """One look at a guarded cgroup, as the cgroup detection plug-ins read it
-    (oomguard.detect.base.CgroupReadings)."""
-
-    snapshot: MemorySnapshot
-    now: float
-    dump_throughput: float
-
-    @property
-    def usage_bytes(self) -> int:
-        return self.snapshot.usage_bytes
-
-    @property
-    def anon_bytes(self) -> int:
-        return self.snapshot.anon_bytes
-
-    @property
-    def limit_bytes(self) -> int | None:
-        return self.snapshot.limit_bytes
 
 
 class Examiner:
@@ -121,40 +92,32 @@ class Examiner:
 
     def examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
                         limit_busy: str = "") -> None:
-        """`limit_busy`: why a limit lifted for a dump could not be put back (the cgroup grew
-        into the room): its trees are acted on even where a checkpoint was refused for good,
-        through the chain down to a kill (oomguard/respond/chainsteps.py)."""
+        """One look (policy.guardlook.look_at_cgroup): the guard's history taken and the
+        next kept, its next look scheduled, and an action handed to the Actor. `limit_busy`:
+        why a limit lifted for a dump could not be put back (the cgroup grew into the room):
+        its trees are acted on even where a checkpoint was refused for good, through the chain
+        down to a kill (oomguard/respond/chainsteps.py)."""
         try:
             snap = self.checkpointer.own_snapshot(guard.cgroup)  # never a limit we lifted
         except CgroupGone:
             self._cgroup_gone(guard)
             return
         guard.last_snapshot = snap
-        guard.reclaim_room = reclaim_room(snap, guard.spec.threshold)
-        guard.reclaim_events = 0
         self._note_oom_kills(guard, snap)
-        decision = evaluate(snap, guard.spec.threshold)
-        watching = decision.verdict is Verdict.WATCH
-        if watching and not guard.watching:
+        look = CgroupLook(snap, self.clock(), self.upkeep.throughput)
+        decision, guard.history = look_at_cgroup(
+            guard.history, look, guard.spec.threshold, guard.spec.signal_settings(),
+            poll_interval=self.config.poll_interval, woken=source == "event",
+            poll_only=guard.poll_only)
+        if decision.watch_started:
             self.log.info("threshold.cache_only", cgroup=guard.name, source=source,
                           usage=snap.usage_bytes, anon=snap.anon_bytes, limit=snap.limit_bytes,
                           explanation="usage is over the threshold in reclaimable page cache; "
                           "watching until it drops")
-        guard.watching = watching
-        reason = decision.reason
-        fired, predicted = None, None
-        if decision.verdict is not Verdict.ACT:
-            fired, predicted = self._judge_signals(guard, snap)
-        self._schedule(guard, snap, woken=source == "event")
-        if decision.verdict is not Verdict.ACT:
-            if predicted is None:
-                self.decisions.forget(guard.name)
-                return
-            reason = predicted
-        else:
-            guard.signal_states = after_action(guard.signal_states)
-        if snap.under_oom:  # parked at the limit: never left waiting for an event
-            self._set_due(guard, min(guard.due_at or 1e18, self.clock() + PARKED_RETRY))
+        self._set_due(guard, decision.due_at)
+        if decision.reason is None:
+            self.decisions.forget(guard.name)
+            return
         if not self.actor.may_act(guard.name, guard.spec.post_action_delay, self.clock(),
                                   urgent=bool(limit_busy)):
             retry_at = self.actor.retry_at(guard.name)
@@ -163,32 +126,15 @@ class Examiner:
             return
         self._say_crossed(guard.name, source=source, usage=snap.usage_bytes,
                           anon=snap.anon_bytes, resident=snap.unreclaimable_bytes,
-                          limit=snap.limit_bytes, reason=reason)
-        self._act_on_cgroup(guard, snap, woke, reason, decision.verdict is Verdict.ACT,
-                            limit_busy, fired)
+                          limit=snap.limit_bytes, reason=decision.reason)
+        self._act_on_cgroup(guard, snap, woke, decision.reason, decision.over_threshold,
+                            limit_busy, decision.fired)
 
     def reclaim_due(self, guard: CgroupGuard, events: int) -> bool:
         """The kernel's reclaim in the cgroup woke the loop (`events` windows): whether to look
-        now (see policy.pressure.reclaim_due)."""
-        guard.reclaim_events += events
-        return reclaim_due(guard.reclaim_events, guard.reclaim_room, RECLAIM_WINDOW_BYTES)
-
-    def _schedule(self, guard: CgroupGuard, snap: MemorySnapshot, woken: bool = False) -> None:
-        """When to look at this guard again without an event: a cache-only watch follows the
-        growth of resident memory (measured afresh after a wake-up by the kernel);
-        time-to-limit and polled guards every poll_interval."""
-        now = self.clock()
-        due: float | None = None
-        if guard.poll_only or polling(guard.signal_states):
-            due = now + self.config.poll_interval
-        if guard.watching and snap.limit_bytes is not None:
-            delay, guard.cache_watch = watch_next(
-                guard.cache_watch, now, snap.unreclaimable_bytes,
-                snap.limit_bytes * guard.spec.threshold, woken, self.config.poll_interval)
-            due = min(due or 1e18, now + delay)
-        else:
-            guard.cache_watch = CacheWatch()
-        self._set_due(guard, due)
+        now (policy.guardlook.reclaim_counted; the count is the guard's history)."""
+        due, guard.history = reclaim_counted(guard.history, events, RECLAIM_WINDOW_BYTES)
+        return due
 
     def _act_on_cgroup(self, guard: CgroupGuard, snap: MemorySnapshot, woke: float, reason: str,
                        acting: bool, limit_busy: str = "",
@@ -231,15 +177,6 @@ class Examiner:
         if quiet and self.decisions.due(name, "crossed", True) is None:
             return
         self.log.warning("threshold.crossed", cgroup=name, **fields)
-
-    def _judge_signals(self, guard: CgroupGuard,
-                       snap: MemorySnapshot) -> tuple[CgroupSignal | None, str | None]:
-        """The cgroup detection plug-ins (time-to-limit...): each takes its state from the
-        guard's last look and gives back the next; the first with a reason to act names it."""
-        look = CgroupLook(snap, self.clock(), self.upkeep.throughput)
-        fired, reason, guard.signal_states = judge_cgroup(look, guard.spec.signal_settings(),
-                                                          guard.signal_states)
-        return fired, reason
 
     def _vram(self) -> dict[int, int]:
         gpu = self.checkpointer.gpu

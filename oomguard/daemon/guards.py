@@ -15,7 +15,7 @@ from oomguard.cgroup.watch import OOM_KILL_KEY, PSI, Replaced, claimed_key, put_
 from oomguard.config.loading import GuardConfig
 from oomguard.lifecycle.restorefit import GuardLookup, RestoreGuard, guard_for
 from oomguard.model.errors import CgroupGone
-from oomguard.policy.pressure import CacheWatch
+from oomguard.policy.guardlook import GuardHistory
 from oomguard.sense.cgroupfiles import Stamp
 from oomguard.sense.psi import has_cap_sys_resource, open_trigger, shortest_window_us, trigger_string
 from oomguard.store.ledger import SavedLimits
@@ -31,7 +31,6 @@ class CgroupGuard:
     generation: int = 0  # one more each time its fds are let go (marks made before are stale)
     armed_limit: int | None = None
     poll_only: bool = False
-    watching: bool = False
     oom_kills: int = 0
     present: bool = True
     detection: str = ""
@@ -39,14 +38,12 @@ class CgroupGuard:
     quiet_since: float | None = None  # auto-restore: since when the checkpoint would fit
     pattern: str = ""  # the glob this cgroup was found by, if any
     parts: Any = None  # the rule's compiled chain, preferences and settings (acting.RuleParts)
-    # What each cgroup detection plug-in kept from its last look (oomguard.detect: by name).
-    signal_states: dict[str, Any] = field(default_factory=dict)
     last_snapshot: MemorySnapshot | None = None  # the latest reading (for the gauges)
     limit_stamp: Stamp | None = None  # the limit file when last read (the safety rescan)
     due_at: float | None = None  # look again then without an event (polls, a cache-only watch)
-    cache_watch: CacheWatch = field(default_factory=CacheWatch)  # policy.pressure.watch_next
-    reclaim_room: int = 0  # reclaim needed for resident memory to reach the threshold, at the last look
-    reclaim_events: int = 0  # the kernel's reclaim windows counted since (watch.RECLAIM)
+    # What it carries from look to look (cache-only watch, plug-in states, reclaim counted):
+    # a new value from each look (policy.guardlook.look_at_cgroup), replaced, never changed.
+    history: GuardHistory = field(default_factory=GuardHistory)
 
     @property
     def name(self) -> str:

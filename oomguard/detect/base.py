@@ -1,8 +1,8 @@
 """What a detection plug-in is: its config keys, its judgement of a look's readings, and its
 words for the startup line. A system rule's (SystemSignal) judges the machine; a cgroup rule's
 (CgroupSignal) judges one cgroup, and keeps a state of its own per guard from look to look (as
-systemd-oomd passes the previous tick's data): the examiner hands it in and keeps what comes
-back."""
+systemd-oomd passes the previous tick's data): a guard's look (oomguard.policy.guardlook) hands
+it its state from the guard's history and keeps what it gives back in the next history."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ startup line always agree on the plug-ins."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from oomguard.detect import memavailable, psifull, timetolimit
@@ -60,7 +61,7 @@ def cgroup_signals() -> tuple[CgroupSignal, ...]:
     return CGROUP_SIGNALS
 
 
-def judge_cgroup(readings: CgroupReadings, settings: Settings, states: dict[str, Any],
+def judge_cgroup(readings: CgroupReadings, settings: Settings, states: Mapping[str, Any],
                  ) -> tuple[CgroupSignal | None, str | None, dict[str, Any]]:
     """Every cgroup plug-in judges the look (each keeps its own history), the first with a
     reason names it: (that plug-in, its reason, the states for the next look)."""
@@ -73,12 +74,12 @@ def judge_cgroup(readings: CgroupReadings, settings: Settings, states: dict[str,
     return found[0], found[1], kept
 
 
-def polling(states: dict[str, Any]) -> bool:
+def polling(states: Mapping[str, Any]) -> bool:
     """Whether a cgroup plug-in wants the guard looked at every poll_interval."""
     return any(signal.polls(states.get(signal.name)) for signal in CGROUP_SIGNALS)
 
 
-def after_action(states: dict[str, Any]) -> dict[str, Any]:
+def after_action(states: Mapping[str, Any]) -> dict[str, Any]:
     """The states once the rule has acted."""
     return {signal.name: signal.after_action(states.get(signal.name))
             for signal in CGROUP_SIGNALS}

@@ -22,6 +22,7 @@ def loaded_by(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize("module", ["oomguard.config.loading", "oomguard.policy.pressure",
+                                    "oomguard.policy.guardlook",
                                     "oomguard.policy.victims", "oomguard.policy.preferences",
                                     "oomguard.policy.forecast", "oomguard.policy.retention",
                                     "oomguard.policy.systemrule", "oomguard.policy.rights",
@@ -35,7 +36,7 @@ def test_lower_layers_load_nothing_that_acts(module: str) -> None:
 
 
 POLICY = ("pressure", "victims", "preferences", "forecast", "retention", "systemrule", "rights",
-          "jobs")
+          "jobs", "guardlook")
 # What a pure policy may load: the model, other policy modules, and the modules whose frozen
 # types it takes (MemorySnapshot: cgroup; ProcessInfo: sense.procfs), never called from here,
 # and the detection plug-ins (pure judgements of readings, below the config).

@@ -291,12 +291,14 @@ def test_reclaim_wakes_are_counted_until_a_look_is_due(tmp_path: Path, closing: 
     from oomguard.cgroup.watch import RECLAIM
     from oomguard.config.schema import GuardConfig
     from oomguard.daemon.guards import CgroupGuard
+    from oomguard.policy.guardlook import GuardHistory
 
     daemon, _clock, epoll, _log, _memory = make_daemon(tmp_path)
     closing(daemon)
     guard = CgroupGuard(spec=GuardConfig(cgroups=("/x",)),
                         cgroup=SimpleNamespace(path=Path("/x")))  # type: ignore[arg-type]
-    guard.reclaim_room = 40 * (1 << 20)  # 40 MiB of reclaim before the threshold can be reached
+    # 40 MiB of reclaim before the threshold can be reached
+    guard.history = GuardHistory(reclaim_room=40 * (1 << 20))
     fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
     daemon._fd_owner[fd] = (guard, RECLAIM)
     looks: list[str] = []
@@ -309,6 +311,6 @@ def test_reclaim_wakes_are_counted_until_a_look_is_due(tmp_path: Path, closing: 
             with pytest.raises(BlockingIOError):
                 os.read(fd, 8)  # the count was read (consumed) by the turn
         assert looks == ["event"]
-        assert guard.reclaim_events == 9  # reset by the look itself (_examine_cgroup)
+        assert guard.history.reclaim_events == 9  # reset by the look itself (_examine_cgroup)
     finally:
         os.close(fd)
