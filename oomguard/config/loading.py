@@ -46,7 +46,8 @@ from oomguard.config.values import (
     url,
     zstd_level,
 )
-from oomguard.detect.registry import keys_of as signal_keys
+from oomguard.detect.base import Key
+from oomguard.detect.registry import gpu_keys, memory_keys
 from oomguard.model.errors import ConfigError, ConfigIssue
 from oomguard.model.quantities import (
     DURATION_OR_NONE,
@@ -230,13 +231,22 @@ def _guard_config(read: ConfigReader, issues: list[ConfigIssue], source: str, in
         issues.append(ConfigIssue(source, f"{prefix}cgroups", "empty: no cgroup to guard"))
     g = GuardConfig(cgroups=())
     system = read.take(rule, prefix, "system", boolean, False)
-    signals = tuple((key.name, read.take(rule, prefix, key.name, key.convert, key.default))
-                    for key in signal_keys())
+    signals = _signal_values(read, rule, prefix, memory_keys())
     values: dict[str, Any] = {key: read.take(rule, prefix, key, convert, getattr(g, key))
                               for key, convert in GUARD_KEYS.items()}
+    # The GPU plug-ins' keys after the rule's own (gpu_threshold's issues come where they
+    # always came in a file's list).
+    signals += _signal_values(read, rule, prefix, gpu_keys())
     spec = GuardConfig(cgroups=cgroups, system=system, signals=signals, **values)
     read.leftovers(rule, prefix)
     return spec
+
+
+def _signal_values(read: ConfigReader, rule: dict[str, Any], prefix: str,
+                   keys: tuple[Key, ...]) -> tuple[tuple[str, Any], ...]:
+    """(key, value) of each detection plug-in's key: the rule's, or the plug-in's default."""
+    return tuple((key.name, read.take(rule, prefix, key.name, key.convert, key.default))
+                 for key in keys)
 
 
 def _gpu_config(read: ConfigReader, gpu_t: dict[str, Any]) -> GpuConfig:

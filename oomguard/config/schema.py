@@ -114,9 +114,9 @@ class GuardConfig:
     kill_grace: float = 5.0  # SIGTERM, then SIGKILL after this
     store_margin: int = 256 << 20  # free space wanted in the store beyond the image estimate
     gpu: str = "neutral"  # GPU processes in victim choice: neutral | prefer | avoid
-    gpu_threshold: float | None = None  # also act when a GPU's memory reaches this share
     # The detection plug-ins' keys (oomguard.detect: a system rule's min_available, a share of
-    # MemTotal or bytes, and psi_full_avg10; a cgroup rule's time_to_limit and predict_from...)
+    # MemTotal or bytes, and psi_full_avg10; a cgroup rule's time_to_limit and predict_from;
+    # any rule's gpu_threshold, a share of a GPU's memory...)
     # as (key, value) pairs, every plug-in's key present (a key not given takes its plug-in's
     # default), in key order.
     signals: tuple[tuple[str, Any], ...] = ()

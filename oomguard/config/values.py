@@ -210,5 +210,5 @@ GUARD_KEYS: dict[str, Callable[[Any], Any]] = {
     "freeze_deadline": POSITIVE_DURATION,
     "kill_grace": wait(), "store_margin": size(), "restore_attempts": positive_count,
     "restore_retry": POSITIVE_DURATION,
-    "gpu": lambda v: choice(v, GPU_PREFERENCES), "gpu_threshold": SHARE,
+    "gpu": lambda v: choice(v, GPU_PREFERENCES),
 }

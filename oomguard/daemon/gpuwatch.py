@@ -1,8 +1,8 @@
-"""GPU memory pressure as a trigger. NVML has no events: while at least one rule sets
-`gpu_threshold` the daemon reads NVML every `[gpu] poll_interval` (2 s by default), and not at
-all otherwise. A device at or over a rule's threshold starts the rule's action chain on the
-tree that holds the most memory on that device, among the rule's cgroups (a system rule: any
-process, or those in `victim_cgroups`)."""
+"""GPU memory pressure as a trigger. NVML has no events: while at least one rule has a GPU
+detection on (oomguard.detect's GPU plug-ins: `gpu_threshold`) the daemon reads NVML every
+`[gpu] poll_interval` (2 s by default), and not at all otherwise. A device the rule's plug-in
+finds pressed starts the rule's action chain on the tree that holds the most memory on that
+device, among the rule's cgroups (a system rule: any process, or those in `victim_cgroups`)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,16 @@ from typing import Any
 from oomguard.cgroup.base import MemoryCgroup, subtree_procs
 from oomguard.config.loading import GuardConfig
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard
-from oomguard.gpu.nvml import GpuDevice, GpuSnapshot, devices_over
+from oomguard.detect.registry import gpu_watching, judge_gpu
+from oomguard.gpu.nvml import GpuSnapshot
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.lifecycle.jobroot import job_root
 from oomguard.model.errors import CgroupGone, ProcessGone
-from oomguard.model.units import format_size
 from oomguard.policy.victims import ProcessTree, build_trees, with_vram
 from oomguard.respond.actor import Actor, Request
 from oomguard.sense.procfs import ProcReader
 
 GPU_SUFFIX = " (GPU)"
-
-
-def pressure_reason(devices: list[GpuDevice], threshold: float) -> str:
-    return "; ".join(f"GPU {d.index} ({d.name}) memory {format_size(d.used_bytes)} of "
-                     f"{format_size(d.total_bytes)} >= {threshold:.0%}" for d in devices)
 
 
 def on_devices(snapshot: GpuSnapshot, indexes: set[int]) -> dict[int, int]:
@@ -59,7 +54,7 @@ class GpuWatch:
     @staticmethod
     def wanted(gpu: GpuSupport | None, specs: Iterable[GuardConfig]) -> bool:
         return gpu is not None and gpu.accounting and any(
-            s.gpu_threshold is not None for s in specs)
+            gpu_watching(s.signal_settings()) for s in specs)
 
     def due_in(self, now: float) -> float:
         return max(0.0, self.next_poll - now)
@@ -74,25 +69,24 @@ class GpuWatch:
             return
         by_spec: dict[int, list[Guard]] = {}
         for guard in guards:
-            if guard.spec.gpu_threshold is not None:
+            if gpu_watching(guard.spec.signal_settings()):
                 by_spec.setdefault(id(guard.spec), []).append(guard)
         for members in by_spec.values():
             self._consider(members, snapshot, now)
 
     def _consider(self, members: list[Guard], snapshot: GpuSnapshot, now: float) -> None:
         spec = members[0].spec
-        assert spec.gpu_threshold is not None
-        over = devices_over(snapshot, spec.gpu_threshold)
-        if not over:
+        settings = spec.signal_settings()
+        verdict = judge_gpu(snapshot, settings)
+        if verdict is None:
             return
         name = members[0].name + GPU_SUFFIX
         if not self.actor.may_act(name, spec.post_action_delay, now):
             return
-        indexes = {d.index for d in over}
-        reason = pressure_reason(over, spec.gpu_threshold)
+        indexes = set(verdict.devices)
+        reason = verdict.reason
         self.log.warning("threshold.crossed", cgroup=members[0].name, source="gpu",
                          devices=sorted(indexes), reason=reason)
-        threshold = spec.gpu_threshold
 
         def candidates() -> list[ProcessTree]:
             current = self.gpu.snapshot()
@@ -104,8 +98,8 @@ class GpuWatch:
 
         def still_pressing() -> bool:
             current = self.gpu.snapshot()
-            return current is not None and any(
-                d.index in indexes for d in devices_over(current, threshold))
+            verdict = judge_gpu(current, settings) if current is not None else None
+            return verdict is not None and not indexes.isdisjoint(verdict.devices)
 
         assert members[0].parts is not None
         self.actor.start(Request(name, members[0].parts, now, reason, candidates,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from oomguard.daemon.guards import CgroupGuard, Guard
-from oomguard.detect.registry import cgroup_descriptions, descriptions
+from oomguard.detect.registry import cgroup_descriptions, descriptions, gpu_descriptions
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.model.units import size_text
 from oomguard.respond.actor import RuleParts, rule_parts
@@ -43,8 +43,8 @@ def guard_line(guard: Guard, limit: int | None, mem_total: int = 0,
         if spec.victim_cgroups:
             level += f", on processes in {', '.join(spec.victim_cgroups)}"
         where = "the system"
-    if spec.gpu_threshold is not None:
-        level += f", or when a GPU's memory is {spec.gpu_threshold:.0%} used"
+    for words in gpu_descriptions(spec.signal_settings()):
+        level += f", or {words}"
     line = f"guarding {where}: {level}"
     if guard.detection and (limit is not None or not isinstance(guard, CgroupGuard)):
         line += f", {guard.detection}"

@@ -484,7 +484,7 @@ class Daemon:
         return park_reason(now - began if began is not None else 0.0, STALE_TURN, stuck)
 
     def _wants_gpu_watch(self) -> bool:
-        """NVML is read only while a rule has a gpu_threshold and NVML works (decided at
+        """NVML is read only while a rule has a GPU detection on and NVML works (decided at
         start and on each reload, not on every loop turn)."""
         return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
                                                               self.config.guards)

@@ -67,7 +67,8 @@ class GuardPolls:
 
 
 class GpuPolls:
-    """NVML read every gpu.poll_interval, while a rule has a gpu_threshold (`watching`)."""
+    """NVML read every gpu.poll_interval, while a rule has a GPU detection on (`watching`:
+    gpu_threshold, oomguard.detect's GPU plug-ins)."""
 
     def __init__(self, watch: GpuWatch | None, watching: Callable[[], bool],
                  guards: Callable[[], Sequence[Guard]]) -> None:

@@ -2,11 +2,12 @@
 words for the startup line. A system rule's (SystemSignal) judges the machine; a cgroup rule's
 (CgroupSignal) judges one cgroup, and keeps a state of its own per guard from look to look (as
 systemd-oomd passes the previous tick's data): a guard's look (oomguard.policy.guardlook) hands
-it its state from the guard's history and keeps what it gives back in the next history."""
+it its state from the guard's history and keeps what it gives back in the next history. A GPU
+one's (GpuSignal), any rule's, judges a read of the GPUs' memory (NVML's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,4 +109,57 @@ class CgroupSignal(Protocol):
     def describe(self, settings: Settings) -> str | None:
         """Its words on the startup line ("earlier when growth would reach the limit first
         (watched from 50%)"); None when the rule leaves it off."""
+        ...
+
+
+class GpuDeviceReading(Protocol):
+    """One GPU as a read of NVML shows it (an oomguard.gpu.nvml GpuDevice has these)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+
+class GpuReadings(Protocol):
+    """One read of the GPUs (an oomguard.gpu.nvml GpuSnapshot has this)."""
+
+    @property
+    def devices(self) -> Sequence[GpuDeviceReading]: ...
+
+
+@dataclass(frozen=True)
+class GpuVerdict:
+    """Why a rule acts on GPU memory: the devices pressed (their indexes, in the read's order)
+    and the reason for the events."""
+
+    devices: tuple[int, ...]
+    reason: str
+
+
+class GpuSignal(Protocol):
+    """A detection on the GPUs' memory, for any rule: NVML has no events, so the daemon reads
+    it (every [gpu] poll_interval) only while some rule has such a plug-in on."""
+
+    name: str
+    keys: tuple[Key, ...]
+
+    def on(self, settings: Settings) -> bool:
+        """Whether the rule has it on (NVML is read for it)."""
+        ...
+
+    def judge(self, readings: GpuReadings, settings: Settings) -> GpuVerdict | None:
+        """The devices it finds pressed and why, or None (also when it is off)."""
+        ...
+
+    def describe(self, settings: Settings) -> str | None:
+        """Its words on the startup line, after ", or " ("when a GPU's memory is 95% used");
+        None when the rule leaves it off."""
         ...

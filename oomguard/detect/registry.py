@@ -1,18 +1,22 @@
 """Every detection plug-in, in the order their reasons are asked for (the first that has one
-names why a rule acts): the system rules' (SYSTEM_SIGNALS) and the cgroup rules' beside their
-threshold (CGROUP_SIGNALS). A new one: its module in oomguard/detect/, and a line here. The
-functions read these lists when called, so the config, the examiner, the arming and the
-startup line always agree on the plug-ins."""
+names why a rule acts): the system rules' (SYSTEM_SIGNALS), the cgroup rules' beside their
+threshold (CGROUP_SIGNALS), and any rule's on the GPUs' memory (GPU_SIGNALS). A new one: its
+module in oomguard/detect/, and a line here. The functions read these lists when called, so
+the config, the examiner, the arming, the GPU watch and the startup line always agree on the
+plug-ins."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.detect import memavailable, psifull, timetolimit
+from oomguard.detect import gputhreshold, memavailable, psifull, timetolimit
 from oomguard.detect.base import (
     CgroupReadings,
     CgroupSignal,
+    GpuReadings,
+    GpuSignal,
+    GpuVerdict,
     Key,
     Settings,
     SystemReadings,
@@ -26,12 +30,25 @@ SYSTEM_SIGNALS: tuple[SystemSignal, ...] = (
 CGROUP_SIGNALS: tuple[CgroupSignal, ...] = (
     timetolimit.SIGNAL,
 )
+GPU_SIGNALS: tuple[GpuSignal, ...] = (
+    gputhreshold.SIGNAL,
+)
+
+
+def memory_keys() -> tuple[Key, ...]:
+    """The system and cgroup rules' plug-ins' keys."""
+    system = tuple(key for signal in SYSTEM_SIGNALS for key in signal.keys)
+    return system + tuple(key for signal in CGROUP_SIGNALS for key in signal.keys)
+
+
+def gpu_keys() -> tuple[Key, ...]:
+    """The GPU plug-ins' keys."""
+    return tuple(key for signal in GPU_SIGNALS for key in signal.keys)
 
 
 def keys_of() -> tuple[Key, ...]:
-    """Every plug-in's keys, system and cgroup rules' alike (a rule holds them all)."""
-    system = tuple(key for signal in SYSTEM_SIGNALS for key in signal.keys)
-    return system + tuple(key for signal in CGROUP_SIGNALS for key in signal.keys)
+    """Every plug-in's keys, system, cgroup and GPU alike (a rule holds them all)."""
+    return memory_keys() + gpu_keys()
 
 
 def defaults() -> dict[str, Any]:
@@ -93,3 +110,23 @@ def watched_from(settings: Settings) -> list[float]:
 
 def cgroup_descriptions(settings: Settings) -> list[str]:
     return [text for signal in CGROUP_SIGNALS if (text := signal.describe(settings)) is not None]
+
+
+# -- the GPUs' -----------------------------------------------------------------------------------
+
+def gpu_watching(settings: Settings) -> bool:
+    """Whether a GPU plug-in is on in `settings` (NVML is read for the rule)."""
+    return any(signal.on(settings) for signal in GPU_SIGNALS)
+
+
+def judge_gpu(readings: GpuReadings, settings: Settings) -> GpuVerdict | None:
+    """The verdict of the first GPU plug-in that has one, or None."""
+    for signal in GPU_SIGNALS:
+        verdict = signal.judge(readings, settings)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+def gpu_descriptions(settings: Settings) -> list[str]:
+    return [text for signal in GPU_SIGNALS if (text := signal.describe(settings)) is not None]

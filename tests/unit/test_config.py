@@ -278,7 +278,7 @@ def test_shipped_commented_guards_are_valid() -> None:
                     headroom=64 * MiB, on_failure="thaw", events=True,
                     actions=(Step("checkpoint"), Step("pageout")),
                     protect=("^(sshd|systemd|Xorg|gnome-shell)$",), gpu="neutral",
-                    gpu_threshold=0.95),
+                    signals=(("gpu_threshold", 0.95),)),
         GuardConfig(cgroups=(), system=True,
                     signals=(("min_available", 0.10), ("psi_full_avg10", 0.6)),
                     victim_cgroups=("/sys/fs/cgroup/user.slice",),

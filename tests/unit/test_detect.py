@@ -82,16 +82,19 @@ def test_the_shipped_plugins_are_the_floor_then_full_pressure() -> None:
     names = [signal.name for signal in registry.SYSTEM_SIGNALS]
     assert names == ["memavailable", "psi_full"]
     assert [signal.name for signal in registry.CGROUP_SIGNALS] == ["time_to_limit"]
+    assert [signal.name for signal in registry.GPU_SIGNALS] == ["gpu_threshold"]
     assert [key.name for key in registry.keys_of()] == [
-        "min_available", "psi_full_avg10", "time_to_limit", "predict_from"]
+        "min_available", "psi_full_avg10", "time_to_limit", "predict_from", "gpu_threshold"]
     assert registry.defaults() == {"min_available": 0.10, "psi_full_avg10": None,
-                                   "time_to_limit": False, "predict_from": 0.5}
+                                   "time_to_limit": False, "predict_from": 0.5,
+                                   "gpu_threshold": None}
 
 
 def test_a_rule_holds_every_plugins_key_at_its_value_or_default() -> None:
     spec = load_config_text(SYSTEM + 'min_available = "2G"\n', "c.toml").guards[0]
     assert spec.signal_settings() == {"min_available": 2 * GiB, "psi_full_avg10": None,
-                                      "time_to_limit": False, "predict_from": 0.5}
+                                      "time_to_limit": False, "predict_from": 0.5,
+                                      "gpu_threshold": None}
     assert spec.min_available == 2 * GiB
     assert spec == GuardConfig(cgroups=(), system=True, signals=(("min_available", 2 * GiB),))
     with pytest.raises(ValueError, match="no detection plug-in has the key 'min_avail'"):

@@ -11,8 +11,9 @@ import pytest
 
 from oomguard.config.actions import VRAM, parse_chain
 from oomguard.config.loading import GpuConfig, parse_config
-from oomguard.daemon.gpuwatch import GpuWatch, on_devices, pressure_reason
+from oomguard.daemon.gpuwatch import GpuWatch, on_devices
 from oomguard.daemon.guards import SystemGuard
+from oomguard.detect.gputhreshold import pressure_reason
 from oomguard.gpu.nvml import NvmlSensor
 from oomguard.gpu.offload import GpuRefused, move_off_gpu, restored_host_pids
 from oomguard.gpu.runtime import (
@@ -88,7 +89,8 @@ def test_gpu_section_and_rule_keys() -> None:
                                       "gpu_threshold": "90%"}]}, "t.toml")
     assert config.gpu == GpuConfig(engine="cuda-checkpoint", lock_timeout=5.0,
                                    poll_interval=0.5, host_margin=GiB)
-    assert (config.guards[0].gpu, config.guards[0].gpu_threshold) == ("avoid", 0.9)
+    assert (config.guards[0].gpu,
+            config.guards[0].signal_settings()["gpu_threshold"]) == ("avoid", 0.9)
 
 
 def test_bad_gpu_config_names_every_key() -> None:
@@ -259,7 +261,7 @@ def test_watch_polls_on_its_interval_and_starts_the_rule_on_pressure() -> None:
     calm = FakeDevice("u1", "H200", 100 * GiB, 5 * GiB, processes=[(30, 5 * GiB)])
     gpu = GpuSupport(accounting=True, engine=ENGINE_CUDA_CHECKPOINT, why="test",
                      sensor=sensor([busy, calm]))
-    spec = GuardConfig(cgroups=(), system=True, gpu_threshold=0.9)
+    spec = GuardConfig(cgroups=(), system=True, signals=(("gpu_threshold", 0.9),))
     guard = SystemGuard(spec=spec)
     guard.parts = object()  # type: ignore[assignment]
     now = [100.0]
