@@ -84,11 +84,6 @@ class GpuSnapshot:
         raise KeyError(index)
 
 
-def devices_over(snapshot: GpuSnapshot, threshold: float) -> list[GpuDevice]:
-    """Devices whose used/total is at least `threshold` (a fraction, 0..1)."""
-    return [dev for dev in snapshot.devices if dev.total_bytes > 0 and dev.used_fraction >= threshold]
-
-
 def tree_vram(snapshot: GpuSnapshot, pids: Iterable[int]) -> int:
     """VRAM held by the given PIDs (a process tree), over all devices; unknown amounts count as 0."""
     by_pid = snapshot.vram_by_pid()

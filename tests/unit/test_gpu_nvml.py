@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
+from oomguard.detect.gputhreshold import devices_at
 from oomguard.gpu.nvml import (
     GpuDevice,
     GpuProcess,
     GpuSnapshot,
     GpuUnavailable,
     NvmlSensor,
-    devices_over,
     tree_vram,
 )
 from tests.unit.fake_pynvml import (
@@ -225,7 +225,7 @@ SNAP = GpuSnapshot(
     [(0.95, [0]), (0.9, [0, 1]), (0.91, [0]), (0.0, [0, 1, 2]), (1.0, [])],
 )
 def test_devices_over(threshold: float, indexes: list[int]) -> None:
-    assert [d.index for d in devices_over(SNAP, threshold)] == indexes
+    assert [d.index for d in devices_at(SNAP.devices, threshold)] == indexes
 
 
 def test_tree_vram() -> None:
