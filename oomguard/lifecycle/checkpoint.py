@@ -8,14 +8,13 @@ the user had stopped is never continued (meta.json names it: restore leaves it s
 
 Beside it: the refusals before the stop (precheck.py), the store's room (storeroom.py), the
 limit lifted for the dump (dumproom.py), a GPU tree's hand-off (gpuhandoff.py), the new
-checkpoint's description (newmeta.py), the run's state (checkpointrun.py) and the errors a
-failure raises (dumpfailure.py).
+checkpoint's description (newmeta.py), the run's state (checkpointrun.py), how each step is
+undone (checkpointundo.py) and the errors a failure raises (dumpfailure.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -24,14 +23,14 @@ from pathlib import Path
 
 import psutil
 
-from oomguard.act.bystanders import Bystanders, Held
+from oomguard.act.bystanders import Bystanders
 from oomguard.act.criu import Criu
 from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, SigstopFreezer
 from oomguard.act.lifts import LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot
 from oomguard.cgroup.watch import shields_needed
-from oomguard.gpu.offload import GpuHold, back_to_gpu, put_back_limit
+from oomguard.gpu.offload import GpuHold
 from oomguard.gpu.runtime import GpuSupport
 from oomguard.lifecycle import fileids
 from oomguard.lifecycle.checkpointrun import (
@@ -39,6 +38,19 @@ from oomguard.lifecycle.checkpointrun import (
     CheckpointResult,
     CheckpointRun,
     CheckpointTimings,
+)
+from oomguard.lifecycle.checkpointundo import (
+    FREEZE,
+    GPU,
+    IMAGES,
+    LEDGER,
+    LIMIT,
+    OTHERS,
+    RESERVATION,
+    SHIELD,
+    TERMINALS,
+    VICTIM,
+    CheckpointUndo,
 )
 from oomguard.lifecycle.dumpfailure import commit_failed, dump_failed
 from oomguard.lifecycle.dumproom import DumpRoom, limited
@@ -74,18 +86,6 @@ DUMP_SLOTS = 2
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
 
-# What a checkpoint's steps do, each undone once (oomguard.model.unwind), latest first; the
-# limit lifted for the dump before anything else.
-LIMIT = "limit lifted for the dump"
-RESERVATION = "the store's room reserved"
-LEDGER = "crash ledger"
-VICTIM = "a victim, never a bystander"
-SHIELD = "shielded from the OOM killer"
-GPU = "CUDA state off the GPU"
-FREEZE = "stopped"
-OTHERS = "the cgroup's others held"
-TERMINALS = "terminal holders told"
-IMAGES = "the checkpoint's directory"
 
 
 class Checkpointer:
@@ -124,6 +124,7 @@ class Checkpointer:
         self.room = DumpRoom(self.lifts)
         # The other processes of the victim's cgroup, held stopped while it is dumped.
         self.bystanders = Bystanders(self.proc, self.ledger)
+        self.undo = CheckpointUndo(store, freezer, self.shield, self.bystanders, self.ledger, gpu)
         self.clock = clock
         self.wall_clock = wall_clock
         self.compress_level = compress_level  # zstd level of the pages; None: not compressed
@@ -195,7 +196,7 @@ class Checkpointer:
         """The room over the cgroup's limit, lifted before the store's budget is asked and the
         tree stopped: the dump's first lift (put back with the later ones)."""
         run.undo_limit = self.room.early(request.cgroup, request.headroom)
-        undos.did(LIMIT, lambda failure: self._put_back_limit(run), first=True)
+        undos.did(LIMIT, lambda failure: self.undo.put_back_limit(run), first=True)
 
     def _reserve(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
         """The store's room for the images (storeroom.room_for), held until the end."""
@@ -216,7 +217,7 @@ class Checkpointer:
         except (StoreError, OSError) as exc:
             raise CheckpointFailed(f"checkpoint of {tree.root.pid} refused before stopping it: "
                                    f"{exc}", OUTCOME_UNTOUCHED) from exc
-        undos.did(LEDGER, lambda failure: self._clear_ledger(request, run))
+        undos.did(LEDGER, lambda failure: self.undo.clear_ledger(request, run))
         undos.enter(VICTIM, self.bystanders.victim(tree.pids))
         # Held by another dump as a bystander: stopped by oomguard, not by its user.
         run.held = [*run.held, *self.bystanders.held_now(tree.pids)]
@@ -237,18 +238,18 @@ class Checkpointer:
                 run.pids + list(tree.pids) + run.left))
         run.hold = self._off_gpu(tree, cgroup, run.held)  # refused: CheckpointFailed, untouched
         if run.hold is not None:
-            undos.did(GPU, lambda failure: self._put_back_gpu(run, failure))
+            undos.did(GPU, lambda failure: self.undo.put_back_gpu(run, failure))
         run.frozen = self.freezer.freeze(tree.root.pid, run.held)
         run.pids, run.stopped = run.frozen.pids, True
         run.checkpoint_id = new_id(tree.root.pid, self.wall_clock())
-        undos.did(FREEZE, lambda failure: self._thaw(run))
+        undos.did(FREEZE, lambda failure: self.undo.thaw(run))
         self.ledger.record(run.frozen.ours)
         self._unrecord(run.frozen.user_stopped)
         if run.shielding:  # children forked before the stop inherited -1000
             self.shield.shield(run.frozen.pids, inherited=self.shield.original_of(tree.root.pid))
         if cgroup is not None and request.headroom > 0 and limited(cgroup):
             run.others = self.bystanders.hold(cgroup, run.frozen.pids, request.requester)
-            undos.did(OTHERS, lambda failure: self._let_others_go(run))
+            undos.did(OTHERS, lambda failure: self.undo.let_others_go(run))
             if run.shielding:  # stopped tasks are the OOM killer's too: never theirs meanwhile
                 self.shield.shield(run.others.pids)
         if request.after_signal is not None:
@@ -319,7 +320,7 @@ class Checkpointer:
         run.terminals = DumpTerminals.of(self.proc.root, run.pids, tree.root.uid)
         run.terminals.record(meta.extra)
         run.terminals.start_dumping(run.checkpoint_id)  # answered while the dump is prepared
-        undos.did(TERMINALS, lambda failure: self._tell_terminals(request, run))
+        undos.did(TERMINALS, lambda failure: self.undo.tell_terminals(request, run))
         meta.stopped_nspids = ns_pids(self.proc, run.frozen.user_stopped)
         if run.hold is not None:
             meta.gpu_pids, meta.vram_bytes = run.hold.ns_pids, run.hold.vram_bytes
@@ -334,7 +335,7 @@ class Checkpointer:
         with self.dump_slots:
             images, run.lock_fd = self.store.begin(run.meta)
             run.began = True
-            undos.did(IMAGES, lambda failure: self._leave_images(run))
+            undos.did(IMAGES, lambda failure: self.undo.leave_images(run))
             # What the stopped tree has open, to be checked again before a restore.
             self.store.write_private(images.parent / FILES_RECORD,
                                      fileids.to_json(fileids.record(run.pids)))
@@ -371,72 +372,6 @@ class Checkpointer:
         run.path = self.store.commit(run.meta, run.digests)
         run.done_at = self.clock()
         undos.now(TERMINALS)
-
-    # -- the undos ---------------------------------------------------------------------------
-
-    def _put_back_limit(self, run: CheckpointRun) -> None:
-        """The limits lifted for the dump, put back (first of all: what was lifted for it is
-        never what the tree or the cgroup's others run into). `run.busy`: why not, if not."""
-        if run.undo_limit is None:
-            return
-        try:
-            run.busy = run.undo_limit() or ""
-        except (OSError, CgroupGone) as exc:
-            run.busy = str(exc)
-        run.undo_limit = None
-
-    def _let_others_go(self, run: CheckpointRun) -> None:
-        """The rest of the cgroup continued (once the limit is back)."""
-        if run.others.pids:
-            self.shield.unshield(run.others.pids)
-        self.bystanders.release(run.others)
-        run.others = Held()
-
-    def _thaw(self, run: CheckpointRun) -> None:
-        """Not dumped: the tree continued where it stopped (CRIU resumes a tree it failed to
-        dump stopped, as it found it), the tasks the user had stopped left stopped. A rule's
-        kill after a failed checkpoint is the action chain's next step (chain.py), never
-        decided here. Dumped: nothing is left of it to continue."""
-        if not run.dumped:
-            self.freezer.thaw(run.frozen.ours)
-
-    def _put_back_gpu(self, run: CheckpointRun, failure: BaseException | None) -> None:
-        """A failed run's tree, thawed: its CUDA state back on the GPU (what went wrong in
-        `run.gpu_note`); then, however it ended, the limit lifted for that state put back."""
-        assert run.hold is not None
-        if failure is not None and run.stopped and not run.dumped and run.hold.suspended \
-                and self.gpu:
-            trouble = back_to_gpu(self.gpu, run.hold.pids)
-            run.gpu_note = ("; its CUDA state is back on the GPU" if trouble is None else
-                            f"; its CUDA state could NOT be put back on the GPU: {trouble}")
-        put_back_limit(run.hold)
-
-    def _tell_terminals(self, request: CheckpointRequest, run: CheckpointRun) -> None:
-        """The terminals' holders told how it ended: dumped (committed or to be), they keep
-        the terminal for the restore; else the job runs on there."""
-        if not run.dumped:
-            run.terminals.failed()  # after the limit: a holder slow to answer holds nothing
-            return
-        meta = run.meta
-        command = (meta.job_command or meta.command) if meta is not None else \
-            request.tree.root.command
-        run.terminals.committed(run.checkpoint_id, command, request.tree.root.pid)
-
-    def _leave_images(self, run: CheckpointRun) -> None:
-        """Not dumped: CRIU's log kept for a look, the partial removed. Dumped, whether the
-        commit went through or not: the images stay (a failed commit's are listed as
-        incomplete, completed at the next start or restore); only the lock is closed."""
-        if not run.dumped:
-            self.store.keep_failed_log(run.checkpoint_id)  # CRIU's whole story, for a look
-            self.store.abort(run.checkpoint_id, run.lock_fd)  # closes the lock, as it goes
-            run.lock_fd = None
-        if run.lock_fd is not None:
-            os.close(run.lock_fd)
-            run.lock_fd = None
-
-    def _clear_ledger(self, request: CheckpointRequest, run: CheckpointRun) -> None:
-        with contextlib.suppress(OSError):
-            self.ledger.clear(run.pids + list(request.tree.pids) + run.left)
 
     def _lift_for_dump(self, request: CheckpointRequest, run: CheckpointRun, own: bool,
                        unthrottle: bool = False) -> None:
