@@ -134,11 +134,9 @@ def write_config(path: Path, store: Path, sock: Path, **daemon_keys: object) -> 
     return path
 
 
-def threads_of(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("Threads:"):
-            return int(line.split()[1])
-    raise AssertionError("no Threads line")
+def threads_of(pid: int) -> set[int]:
+    """The thread ids of `pid` now (a thread that ends never comes back by its id)."""
+    return {int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()}
 
 
 def test_eight_users_holding_every_idle_connection_never_lock_root_out(
@@ -167,6 +165,10 @@ def test_eight_users_holding_every_idle_connection_never_lock_root_out(
             assert opened[7]["refused"] == MAX_PER_UID, opened
             assert all("kept for root" in r for r in opened[7]["reasons"]), opened
             assert 7 * MAX_PER_UID == MAX_CONNECTIONS - ROOT_RESERVE
+            # One thread per held connection (and only those are waited for below: the
+            # daemon may start a thread of its own meanwhile).
+            holding = threads_of(guard.handle.pid) - before
+            assert len(holding) >= 7 * MAX_PER_UID, (len(holding), before)
             # Root's `oomguard status` still answers.
             root = oomguard_status(sock)
             answered = time.time()
@@ -190,7 +192,8 @@ def test_eight_users_holding_every_idle_connection_never_lock_root_out(
                 for closed in closes["closed"]:
                     assert closed > answered
                     assert idle_s - 1 <= closed - closes["opened"] <= idle_s + 10, closes
-            assert wait_until(lambda: threads_of(guard.handle.pid) <= before, 10)
+            assert wait_until(lambda: not threads_of(guard.handle.pid) & holding, 10), \
+                sorted(threads_of(guard.handle.pid) & holding)
             with ControlClient(sock) as client:
                 assert "status" in client.call("Status")
         finally:
