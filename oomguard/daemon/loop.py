@@ -18,14 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import psutil
 
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.podman import PodmanEngine
 from oomguard.act.priority import ThreadPriority
-from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.configchecks import check_config, config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import RECLAIM, consume
@@ -33,12 +32,15 @@ from oomguard.config.loading import DaemonConfig, load_config
 from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.autoresume import AutoResumer
+from oomguard.daemon.cgroupchanges import CgroupChanges
 from oomguard.daemon.cgroupguards import CgroupGuards
 from oomguard.daemon.examining import Examiner
 from oomguard.daemon.gpuwatch import GpuWatch
+from oomguard.daemon.guardarming import GuardArming
 from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
+from oomguard.daemon.registrations import Registrations
 from oomguard.daemon.settling import Settler
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
@@ -51,8 +53,7 @@ from oomguard.model.errors import ConfigError, ConfigIssue, OomguardError
 from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
-from oomguard.policy.preferences import Preferences
-from oomguard.respond.actor import Actor, RuleParts, rule_parts
+from oomguard.respond.actor import Actor, rule_parts
 from oomguard.respond.chain import ChainRunner
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
@@ -98,7 +99,6 @@ class Daemon:
                                                  newcomers=self.newcomers.since)
         self.guards: list[Guard] = []
         self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
-        self._timed: dict[int, CgroupGuard] = {}  # the cgroup guards with a due_at
         self._open_wakeups(poller, files)
         self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
@@ -108,13 +108,8 @@ class Daemon:
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
         self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
-        self.cgroup_guards = CgroupGuards(
-            config=lambda: self.config, layout=layout, log=log, epoll=self.epoll,
-            checkpointer=checkpointer, saved_high=self.saved_high, armer=self.armer,
-            later_marks=self.later_marks, files=self.files,
-            park_watch=lambda: self.park_watch, standby=lambda: self.standby, clock=clock,
-            examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source),
-            guards=self.guards, fd_owner=self._fd_owner, timed=self._timed)
+        self.registrations = Registrations(self.epoll, self.later_marks, log)
+        self._build_cgroup_guards()
         self._build_workers(restorer, containers, podman, wall_clock)
         self._reload = False
         # A reload's rules are checked with this before they replace the running ones (the
@@ -131,14 +126,31 @@ class Daemon:
 
     def _build_timers(self) -> None:
         """The loop's timed work, in the order it fires (oomguard/daemon/timers.py)."""
-        self.rescan = SafetyRescan(lambda: self.cgroup_guards.safety_rescan(), self.settler.settle,
+        self.rescan = SafetyRescan(lambda: self.cgroup_changes.safety_rescan(), self.settler.settle,
                                    lambda: self.config.rescan_interval, self.clock)
         self.timers: list[Timer] = [
-            MarksIn(self.later_marks, lambda: self.cgroup_guards.add_later_marks()),
+            MarksIn(self.later_marks, lambda: self.registrations.add_later_marks()),
             GuardPolls(self._scheduled_polls, lambda g, now, source: self._examine(g, now, source)),
             GpuPolls(self.gpu_watch, lambda: self._gpu_watching, lambda: self.guards),
             Settling(self.settler, self._acted),
             self.rescan]
+
+    def _build_cgroup_guards(self) -> None:
+        """The cgroup guards (built, found, let go), their arming and what follows the
+        kernel's reports of changes to them."""
+        self.cgroup_guards = CgroupGuards(
+            layout=self.layout, log=self.log, checkpointer=self.checkpointer,
+            saved_high=self.saved_high, registrations=self.registrations, files=self.files,
+            park_watch=lambda: self.park_watch, standby=lambda: self.standby, guards=self.guards)
+        self.guard_arming = GuardArming(
+            guards=self.cgroup_guards, registrations=self.registrations, armer=self.armer,
+            later_marks=self.later_marks, files=self.files, checkpointer=self.checkpointer,
+            saved_high=self.saved_high, log=self.log, clock=self.clock,
+            config=lambda: self.config, park_watch=lambda: self.park_watch,
+            standby=lambda: self.standby,
+            examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source))
+        self.cgroup_changes = CgroupChanges(guards=self.cgroup_guards, arming=self.guard_arming,
+                                            files=self.files, checkpointer=self.checkpointer)
 
     def _examine(self, guard: Guard, woke: float, source: str) -> None:
         self.examiner.examine(guard, woke, source)
@@ -152,7 +164,7 @@ class Daemon:
         guards that have a time set (the timetable `_timed`, never all of them)."""
         found: list[tuple[Guard, float]] = [(g, self.examiner.next_system_poll)
                                             for g in self._system_guards]
-        found += [(g, g.due_at) for g in self._timed.values()
+        found += [(g, g.due_at) for g in self.registrations.timed.values()
                   if g.present and g.due_at is not None]
         return found
 
@@ -173,7 +185,6 @@ class Daemon:
         with its own wake-ups: the self-pipe (stop(), a reload, later marks, an action done)
         and the cgroup files' readiness."""
         self.epoll = poller()
-        self._fd_owner: dict[int, tuple[Guard, str]] = {}
         self._stopping = False
         self._wakeup = WakePipe()
         self.epoll.register(self._wakeup.fileno(), select.EPOLLIN)
@@ -210,7 +221,7 @@ class Daemon:
             clock=clock, meminfo=self.meminfo, checkpointer=checkpointer, actor=self.actor,
             decisions=self.decisions, upkeep=self.upkeep, ranking=self.ranking,
             newcomers=self.newcomers, cgroup_gone=lambda guard: self.cgroup_guards.cgroup_gone(guard),
-            set_due=lambda guard, at: self.cgroup_guards.set_due(guard, at),
+            set_due=lambda guard, at: self.registrations.set_due(guard, at),
             note_oom_kills=lambda guard, snap: self.cgroup_guards.note_oom_kills(guard, snap),
             protected_among=lambda processes: self.protected_among(processes))
         self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
@@ -237,12 +248,12 @@ class Daemon:
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
         self.settler.drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
-        self.cgroup_guards.examine_on_arm = False
+        self.guard_arming.examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:
             self._build_guards()
         finally:
-            self.cgroup_guards.examine_on_arm = True
+            self.guard_arming.examine_on_arm = True
         try:
             self._take_over_standby()  # before the leftovers are continued: it may hold some
             self.cgroup_guards.put_back_leftovers()
@@ -283,7 +294,7 @@ class Daemon:
                 self.guards.append(system)
                 self._system_guards.append(system)
                 arm_system(system, self.psi_trigger)
-                self.cgroup_guards.register(system)
+                self.registrations.register(system)
                 self.log.info("guard.armed", cgroup="system", detection=system.detection,
                               min_available=spec.min_available,
                               summary=guard_line(system, None, self.meminfo().total,
@@ -298,7 +309,7 @@ class Daemon:
         # (a scheduler's next job, while the daemon starts) is reported, not missed until the
         # next rescan (the v2 lane caught it).
         self.cgroup_guards.watch_directories()
-        self.cgroup_guards.arm(fixed + self.cgroup_guards.glob_matches())  # one batch: see arming.py
+        self.guard_arming.arm(fixed + self.cgroup_guards.glob_matches())  # one batch: see arming.py
         self.cgroup_guards.watch_directories()
 
     def install_signal_handlers(self) -> None:
@@ -340,7 +351,7 @@ class Daemon:
         self._release_guards()
         self.guards.clear()  # shared with the cgroup guards: emptied in place
         self._system_guards = []
-        self._timed.clear()
+        self.registrations.forget()
         self.cgroup_guards.forget_rules()
         self.config = replace(new, store=self.config.store, state_dir=self.config.state_dir,
                               socket=self.config.socket,
@@ -430,7 +441,7 @@ class Daemon:
             if fd == self.files.fileno():
                 files_ready = True
                 continue
-            owner = self._fd_owner.get(fd)
+            owner = self.registrations.fd_owner.get(fd)
             if owner is None:
                 continue
             guard, kind = owner
@@ -448,7 +459,7 @@ class Daemon:
         for guard in fired:  # first: a crossing never waits behind bookkeeping
             self._examine(guard, woke, "event")
         if files_ready:
-            self.cgroup_guards.apply_changes(self.files.read())
+            self.cgroup_changes.apply_changes(self.files.read())
         for timer in self.timers:
             now = self.clock()
             wait = timer.due_in(now)
@@ -488,18 +499,6 @@ class Daemon:
         start and on each reload, not on every loop turn)."""
         return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
                                                               self.config.guards)
-
-    def preferences_for(self, cgroup: MemoryCgroup) -> Preferences | None:
-        """The victim preferences of the rule guarding `cgroup` (parts are set when a guard
-        is made)."""
-        guard = self.cgroup_guards.guard_at(cgroup.path)
-        return None if guard is None else cast(RuleParts, guard.parts).prefs
-
-    def user_headroom(self, cgroup: MemoryCgroup) -> int:
-        """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its
-        rule says `user_headroom = true`."""
-        guard = self.cgroup_guards.guard_at(cgroup.path)
-        return guard.spec.headroom if guard is not None and guard.spec.user_headroom else 0
 
     def protected_pids(self) -> frozenset[int]:
         """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""

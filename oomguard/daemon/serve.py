@@ -324,11 +324,11 @@ def _start_control(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
     try:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
                                 restorer=restorer, status=daemon.status,
-                                user_headroom=daemon.user_headroom)
+                                user_headroom=daemon.cgroup_guards.user_headroom)
         service.events = log
         service.on_event = log.warning
         service.guard_of = daemon_lookup(lambda: daemon.guards)
-        service.prefs_of = daemon.preferences_for
+        service.prefs_of = daemon.cgroup_guards.preferences_for
         service.after_checkpoint = daemon.settle_soon
         outlets.server = ControlServer(config.socket, service, note=log.info, debug=log.debug,
                                        idle_timeout=config.control_idle_timeout,
