@@ -10,14 +10,12 @@ floor); the safety rescan (rescan_interval) costs one stat(2) per guard.
 
 from __future__ import annotations
 
-import glob
 import os
 import select
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import psutil
@@ -25,10 +23,10 @@ import psutil
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.podman import PodmanEngine
 from oomguard.act.priority import ThreadPriority
-from oomguard.cgroup.configchecks import check_config, config_warnings
+from oomguard.cgroup.configchecks import config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import RECLAIM, consume
-from oomguard.config.loading import DaemonConfig, load_config
+from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.arming import Armer, LaterMarks
 from oomguard.daemon.autorestore import AutoRestorer
 from oomguard.daemon.autoresume import AutoResumer
@@ -37,10 +35,10 @@ from oomguard.daemon.cgroupguards import CgroupGuards
 from oomguard.daemon.examining import Examiner
 from oomguard.daemon.gpuwatch import GpuWatch
 from oomguard.daemon.guardarming import GuardArming
-from oomguard.daemon.guardlines import guard_line
-from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
+from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, psi_trigger_for
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.registrations import Registrations
+from oomguard.daemon.rules import Rules
 from oomguard.daemon.settling import Settler
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
@@ -49,11 +47,10 @@ from oomguard.daemon.timers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, 
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
-from oomguard.model.errors import ConfigError, ConfigIssue, OomguardError
 from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
-from oomguard.respond.actor import Actor, rule_parts
+from oomguard.respond.actor import Actor
 from oomguard.respond.chain import ChainRunner
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
@@ -84,7 +81,6 @@ class Daemon:
                  after_arming: Callable[[], None] = lambda: None,
                  events: EventSink | None = None,
                  standby: Standby | None = None) -> None:
-        self.config = config
         self.after_arming = after_arming  # the daemon's: settle_heap
         self.checkpointer = checkpointer
         self.layout = layout
@@ -98,7 +94,6 @@ class Daemon:
         self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock,
                                                  newcomers=self.newcomers.since)
         self.guards: list[Guard] = []
-        self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
         self._open_wakeups(poller, files)
         self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
@@ -109,13 +104,9 @@ class Daemon:
         self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
         self.registrations = Registrations(self.epoll, self.later_marks, log)
-        self._build_cgroup_guards()
-        self._build_workers(restorer, containers, podman, wall_clock)
+        self._build_cgroup_guards(config)
+        self._build_workers(config, restorer, containers, podman, wall_clock)
         self._reload = False
-        # A reload's rules are checked with this before they replace the running ones (the
-        # app's: the new cgroups' locks, LockHeld where another daemon guards one).
-        self.claim: Callable[[DaemonConfig], None] = lambda new: None
-        self.on_reload: Callable[[DaemonConfig], None] = lambda new: None  # the app's: hooks
         self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
                                   self.proc, self.log, protected=self.protected_pids,
                                   in_cgroups=self.examiner.in_cgroups, cgroup_of=self.examiner.cgroup_of,
@@ -135,9 +126,14 @@ class Daemon:
             Settling(self.settler, self._acted),
             self.rescan]
 
-    def _build_cgroup_guards(self) -> None:
-        """The cgroup guards (built, found, let go), their arming and what follows the
-        kernel's reports of changes to them."""
+    @property
+    def config(self) -> DaemonConfig:
+        """The config in force (a reload replaces it)."""
+        return self.rules.config
+
+    def _build_cgroup_guards(self, config: DaemonConfig) -> None:
+        """The cgroup guards (built, found, let go), their arming, what follows the kernel's
+        reports of changes to them, and the rules that make them."""
         self.cgroup_guards = CgroupGuards(
             layout=self.layout, log=self.log, checkpointer=self.checkpointer,
             saved_high=self.saved_high, registrations=self.registrations, files=self.files,
@@ -151,6 +147,10 @@ class Daemon:
             examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source))
         self.cgroup_changes = CgroupChanges(guards=self.cgroup_guards, arming=self.guard_arming,
                                             files=self.files, checkpointer=self.checkpointer)
+        self.rules = Rules(config, layout=self.layout, log=self.log, meminfo=self.meminfo,
+                           psi_trigger=self.psi_trigger, guards=self.guards,
+                           cgroup_guards=self.cgroup_guards, arming=self.guard_arming,
+                           registrations=self.registrations)
 
     def _examine(self, guard: Guard, woke: float, source: str) -> None:
         self.examiner.examine(guard, woke, source)
@@ -163,7 +163,7 @@ class Daemon:
         """The guards looked at on a schedule, with when: the system rule's, and the cgroup
         guards that have a time set (the timetable `_timed`, never all of them)."""
         found: list[tuple[Guard, float]] = [(g, self.examiner.next_system_poll)
-                                            for g in self._system_guards]
+                                            for g in self.rules.system_guards]
         found += [(g, g.due_at) for g in self.registrations.timed.values()
                   if g.present and g.due_at is not None]
         return found
@@ -193,13 +193,13 @@ class Daemon:
         if files_fd is not None:
             self.epoll.register(files_fd, select.EPOLLIN)
 
-    def _build_workers(self, restorer: Restorer | None,
+    def _build_workers(self, config: DaemonConfig, restorer: Restorer | None,
                        containers: ContainerCheckpointer | None,
                        podman: PodmanEngine | None,
                        wall_clock: Callable[[], float]) -> None:
         """Who does the work the loop decides on: the store's upkeep, auto-restore, the
         action chains and their Actor, auto-resume of paged-out trees."""
-        checkpointer, config, clock = self.checkpointer, self.config, self.clock
+        checkpointer, clock = self.checkpointer, self.clock
         self.upkeep = StoreUpkeep(checkpointer.store, checkpointer.ledger, config, self.log,
                                   clock=clock, wall_clock=wall_clock)
         checkpointer.on_pruned = self.upkeep.log_pruned  # made room for a new checkpoint
@@ -237,7 +237,7 @@ class Daemon:
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
-        self._warn_config(config_warnings(self.config, self.layout))
+        self.rules.warn(config_warnings(self.config, self.layout))
         self.upkeep.recover_store()
         self.upkeep.prune()
         if not self.files.available:
@@ -251,7 +251,7 @@ class Daemon:
         self.guard_arming.examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:
-            self._build_guards()
+            self.rules.build_guards()
         finally:
             self.guard_arming.examine_on_arm = True
         try:
@@ -285,33 +285,6 @@ class Daemon:
         return sum(1 for guard in self.guards if isinstance(guard, SystemGuard)
                    or (guard.present and guard.armed_limit is not None))
 
-    def _build_guards(self) -> None:
-        fixed: list[CgroupGuard] = []
-        for spec in self.config.guards:
-            if spec.system:
-                system = SystemGuard(spec=spec)
-                system.parts = rule_parts(spec)
-                self.guards.append(system)
-                self._system_guards.append(system)
-                arm_system(system, self.psi_trigger)
-                self.registrations.register(system)
-                self.log.info("guard.armed", cgroup="system", detection=system.detection,
-                              min_available=spec.min_available,
-                              summary=guard_line(system, None, self.meminfo().total,
-                                                 self.config.dry_run))
-                continue
-            for path in spec.cgroups:
-                if glob.has_magic(path):
-                    self.cgroup_guards.globs.append((spec, path))
-                    continue
-                fixed.append(self.cgroup_guards.new_guard(spec, path))
-        # Where cgroups appear is watched before the globs are read: one made in between
-        # (a scheduler's next job, while the daemon starts) is reported, not missed until the
-        # next rescan (the v2 lane caught it).
-        self.cgroup_guards.watch_directories()
-        self.guard_arming.arm(fixed + self.cgroup_guards.glob_matches())  # one batch: see arming.py
-        self.cgroup_guards.watch_directories()
-
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self.stop())
@@ -322,58 +295,21 @@ class Daemon:
         self._wakeup.wake(b"r")
 
     def reload(self) -> None:
-        """SIGHUP: read the config file again. A config with any error is rejected, every error
-        logged, and the running rules stay; a good one replaces the rules."""
+        """SIGHUP, from the loop: the rules read again (rules.py); where they replace the
+        running ones, the new guards are built and then settled as at start."""
         self._reload = False
-        source = self.config.source
-        if not os.path.isfile(source):
-            self.log.warning("config.reload_ignored", source=source,
-                             explanation="rules came from the command line, not a file")
-            return
-        try:
-            new = load_config(source)
-            warnings = check_config(new, self.layout)
-            self.claim(new)
-        except ConfigError as exc:
-            issues = [str(i) for i in exc.issues]
-            self.log.error("config.rejected", source=source, issues=issues,
-                           explanation="the running rules stay in force")
-            return
-        except (OomguardError, OSError) as exc:  # LockHeld: another daemon guards one of them
-            self.log.error("config.rejected", source=source, issues=[str(exc)],
-                           explanation="the running rules stay in force")
-            return
-        for key in ("store", "socket", "criu", "nice"):
-            if getattr(new, key) != getattr(self.config, key):
-                self.log.warning("config.restart_needed", key=f"daemon.{key}",
-                                 explanation="this setting takes effect at the next start")
-        self._warn_config(warnings)
-        self._release_guards()
-        self.guards.clear()  # shared with the cgroup guards: emptied in place
-        self._system_guards = []
-        self.registrations.forget()
-        self.cgroup_guards.forget_rules()
-        self.config = replace(new, store=self.config.store, state_dir=self.config.state_dir,
-                              socket=self.config.socket,
-                              criu=self.config.criu, nice=self.config.nice)
-        self.upkeep.config = self.config  # the store's budget as the new config says
+        if self.rules.reload(release=self._release_guards, apply=self._apply_config):
+            self.after_arming()
+
+    def _apply_config(self, config: DaemonConfig) -> None:
+        """A reload's config handed to the parts that read it as a value."""
+        self.upkeep.config = config  # the store's budget as the new config says
         budget = self.checkpointer.budget  # shared with the control service: changed in place
         if budget is not None:
-            budget.max_size, budget.keep_free = new.store_max_size, new.store_keep_free
-            budget.max_age = new.store_max_age
+            budget.max_size, budget.keep_free = config.store_max_size, config.store_keep_free
+            budget.max_age = config.store_max_age
         self._gpu_watching = self._wants_gpu_watch()
-        self.actor.dry_run = self.armer.dry_run = self.config.dry_run
-        self.on_reload(self.config)
-        self.log.info("config.reloaded", source=source, guards=len(new.guards),
-                      hooks=[event for event, _ in new.hooks] or None)
-        self._build_guards()
-        self.after_arming()
-
-    def _warn_config(self, warnings: list[ConfigIssue]) -> None:
-        """What check-config prints as warnings: the rules run, the mistake is logged."""
-        for issue in warnings:
-            self.log.warning("config.warning", source=issue.source, key=issue.key,
-                             reason=issue.reason)
+        self.actor.dry_run = self.armer.dry_run = config.dry_run
 
     def stop(self) -> None:
         self._stopping = True

@@ -216,8 +216,8 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
                     podman=build_podman(config.podman), after_arming=settle_heap,
                     events=log, standby=None if config.dry_run else Standby(
                         config.node_state_dir, log, proc))
-    daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
-    daemon.on_reload = lambda new: apply_hooks(tap, new)
+    daemon.rules.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
+    daemon.rules.on_reload = lambda new: apply_hooks(tap, new)
     daemon.install_signal_handlers()
     outlets = _Outlets()
     if metrics is not None:
