@@ -22,27 +22,18 @@ import psutil
 
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.podman import PodmanEngine
-from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.configchecks import config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import RECLAIM, consume
 from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.arming import Armer, LaterMarks
-from oomguard.daemon.autorestore import AutoRestorer
-from oomguard.daemon.autoresume import AutoResumer
-from oomguard.daemon.cgroupchanges import CgroupChanges
-from oomguard.daemon.cgroupguards import CgroupGuards
-from oomguard.daemon.examining import Examiner
+from oomguard.daemon.daemonparts import cgroup_side, workers
 from oomguard.daemon.gpuwatch import GpuWatch
-from oomguard.daemon.guardarming import GuardArming
 from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, psi_trigger_for
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
 from oomguard.daemon.registrations import Registrations
-from oomguard.daemon.rules import Rules
-from oomguard.daemon.settling import Settler
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
-from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.daemon.timers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, Settling, Timer
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
@@ -50,8 +41,6 @@ from oomguard.lifecycle.restore import Restorer
 from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
-from oomguard.respond.actor import Actor
-from oomguard.respond.chain import ChainRunner
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
@@ -104,13 +93,15 @@ class Daemon:
         self._starting = False  # arm() is settling what a dead run (or its standby) left
         self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
         self.registrations = Registrations(self.epoll, self.later_marks, log)
-        self._build_cgroup_guards(config)
-        self._build_workers(config, restorer, containers, podman, wall_clock)
+        side = cgroup_side(self, config)  # daemonparts.py
+        self.cgroup_guards, self.guard_arming = side.guards, side.arming
+        self.cgroup_changes, self.rules = side.changes, side.rules
+        parts = workers(self, config, restorer, containers, podman, wall_clock)
+        self.upkeep, self.auto_restore = parts.upkeep, parts.auto_restore
+        self.priority, self.auto_resume = parts.priority, parts.auto_resume
+        self.actor, self.examiner = parts.actor, parts.examiner
+        self.settler, self.gpu_watch = parts.settler, parts.gpu_watch
         self._reload = False
-        self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
-                                  self.proc, self.log, protected=self.protected_pids,
-                                  in_cgroups=self.examiner.in_cgroups, cgroup_of=self.examiner.cgroup_of,
-                                  clock=clock) if checkpointer.gpu is not None else None
         self._gpu_watching = self._wants_gpu_watch()
         self._init_turns()
         self._build_timers()
@@ -130,27 +121,6 @@ class Daemon:
     def config(self) -> DaemonConfig:
         """The config in force (a reload replaces it)."""
         return self.rules.config
-
-    def _build_cgroup_guards(self, config: DaemonConfig) -> None:
-        """The cgroup guards (built, found, let go), their arming, what follows the kernel's
-        reports of changes to them, and the rules that make them."""
-        self.cgroup_guards = CgroupGuards(
-            layout=self.layout, log=self.log, checkpointer=self.checkpointer,
-            saved_high=self.saved_high, registrations=self.registrations, files=self.files,
-            park_watch=lambda: self.park_watch, standby=lambda: self.standby, guards=self.guards)
-        self.guard_arming = GuardArming(
-            guards=self.cgroup_guards, registrations=self.registrations, armer=self.armer,
-            later_marks=self.later_marks, files=self.files, checkpointer=self.checkpointer,
-            saved_high=self.saved_high, log=self.log, clock=self.clock,
-            config=lambda: self.config, park_watch=lambda: self.park_watch,
-            standby=lambda: self.standby,
-            examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source))
-        self.cgroup_changes = CgroupChanges(guards=self.cgroup_guards, arming=self.guard_arming,
-                                            files=self.files, checkpointer=self.checkpointer)
-        self.rules = Rules(config, layout=self.layout, log=self.log, meminfo=self.meminfo,
-                           psi_trigger=self.psi_trigger, guards=self.guards,
-                           cgroup_guards=self.cgroup_guards, arming=self.guard_arming,
-                           registrations=self.registrations)
 
     def _examine(self, guard: Guard, woke: float, source: str) -> None:
         self.examiner.examine(guard, woke, source)
@@ -192,47 +162,6 @@ class Daemon:
         files_fd = self.files.fileno()
         if files_fd is not None:
             self.epoll.register(files_fd, select.EPOLLIN)
-
-    def _build_workers(self, config: DaemonConfig, restorer: Restorer | None,
-                       containers: ContainerCheckpointer | None,
-                       podman: PodmanEngine | None,
-                       wall_clock: Callable[[], float]) -> None:
-        """Who does the work the loop decides on: the store's upkeep, auto-restore, the
-        action chains and their Actor, auto-resume of paged-out trees."""
-        checkpointer, clock = self.checkpointer, self.clock
-        self.upkeep = StoreUpkeep(checkpointer.store, checkpointer.ledger, config, self.log,
-                                  clock=clock, wall_clock=wall_clock)
-        checkpointer.on_pruned = self.upkeep.log_pruned  # made room for a new checkpoint
-        self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
-                                         events=self.events, clock=clock,
-                                         restored=self.upkeep.forget_listing)
-        self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
-        chains = ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
-                             clock=clock, containers=containers, podman=podman,
-                             events=self.events)
-        # Paged-out trees continued once they fit (the chain's pageout step made them).
-        self.auto_resume = AutoResumer(chains.pageout, self.log, clock=clock)
-        self.actor = Actor(chains,
-                           self.log, dry_run=config.dry_run, on_checkpoint=self.upkeep.after_dump,
-                           clock=clock, decisions=self.decisions, on_done=self._action_done,
-                           priority=self.priority, events=self.events)
-        self.examiner = Examiner(
-            config=lambda: self.config, layout=self.layout, log=self.log, proc=self.proc,
-            clock=clock, meminfo=self.meminfo, checkpointer=checkpointer, actor=self.actor,
-            decisions=self.decisions, upkeep=self.upkeep, ranking=self.ranking,
-            newcomers=self.newcomers, cgroup_gone=lambda guard: self.cgroup_guards.cgroup_gone(guard),
-            set_due=lambda guard, at: self.registrations.set_due(guard, at),
-            note_oom_kills=lambda guard, snap: self.cgroup_guards.note_oom_kills(guard, snap),
-            protected_among=lambda processes: self.protected_among(processes))
-        self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
-                               upkeep=self.upkeep, auto_restore=self.auto_restore,
-                               auto_resume=self.auto_resume, actor=self.actor, proc=self.proc,
-                               log=self.log, clock=clock, guards=self.cgroup_guards.listed,
-                               cgroup_at=self.cgroup_guards.cgroup_at, guard_at=self.cgroup_guards.guard_at,
-                               examine=self._examine_cgroup, config=lambda: self.config,
-                               starting=lambda: self._starting)
-        self.upkeep.hold_back = self.settler.leftover_waits
-        self.upkeep.paged_out = self.auto_resume.held
 
     # -- set-up --------------------------------------------------------------------------------
 
