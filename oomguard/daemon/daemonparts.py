@@ -65,8 +65,7 @@ def cgroup_side(daemon: Daemon, config: DaemonConfig) -> CgroupSide:
         guards=guards, registrations=daemon.registrations, armer=daemon.armer,
         later_marks=daemon.later_marks, files=daemon.files, checkpointer=daemon.checkpointer,
         saved_high=daemon.saved_high, log=daemon.log, clock=daemon.clock,
-        config=lambda: daemon.config, park_watch=lambda: daemon.park_watch,
-        standby=lambda: daemon.standby,
+        config=lambda: daemon.config,
         examine_cgroup=lambda guard, woke, source: daemon._examine_cgroup(guard, woke, source))
     changes = CgroupChanges(guards=guards, arming=arming, files=daemon.files,
                             checkpointer=daemon.checkpointer)

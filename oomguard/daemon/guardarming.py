@@ -15,9 +15,7 @@ from oomguard.daemon.arming import Armer, LaterMarks, Prepared
 from oomguard.daemon.cgroupguards import CgroupGuards
 from oomguard.daemon.guardlines import guard_line
 from oomguard.daemon.guards import CgroupGuard
-from oomguard.daemon.parkwatch import ParkWatchdog
 from oomguard.daemon.registrations import Registrations
-from oomguard.daemon.standby import Standby
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.model.errors import CgroupGone
 from oomguard.sense.cgroupfiles import CgroupFiles, stamp
@@ -30,13 +28,13 @@ class GuardArming:
     """Arms the Daemon's cgroup guards (oomguard/daemon/cgroupguards.py). Owns whether a guard
     is looked at as soon as it is armed (`examine_on_arm`: False while the daemon's arm() builds
     the guards at start). What it reads of the Daemon that can change (the config after a
-    reload, the park watchdog, the standby the app sets) it reads through callables."""
+    reload) it reads through a callable; the park watchdog and the standby, as the cgroup guards
+    do."""
 
     def __init__(self, *, guards: CgroupGuards, registrations: Registrations, armer: Armer,
                  later_marks: LaterMarks, files: CgroupFiles, checkpointer: Checkpointer,
                  saved_high: SavedLimits, log: Any, clock: Callable[[], float],
-                 config: Callable[[], DaemonConfig], park_watch: Callable[[], ParkWatchdog],
-                 standby: Callable[[], Standby | None],
+                 config: Callable[[], DaemonConfig],
                  examine_cgroup: Callable[[CgroupGuard, float, str], None]) -> None:
         self.guards = guards
         self.registrations = registrations
@@ -48,22 +46,12 @@ class GuardArming:
         self.log = log
         self.clock = clock
         self._config = config
-        self._park_watch = park_watch
-        self._standby = standby
         self._examine_cgroup = examine_cgroup
         self.examine_on_arm = True
 
     @property
     def config(self) -> DaemonConfig:
         return self._config()
-
-    @property
-    def park_watch(self) -> ParkWatchdog:
-        return self._park_watch()
-
-    @property
-    def standby(self) -> Standby | None:
-        return self._standby()
 
     def arm(self, guards: list[CgroupGuard]) -> None:
         """Arm these guards together (concurrently: see arming.py), then register and report
@@ -131,10 +119,11 @@ class GuardArming:
             self.registrations.register(guard)
             parking = watch.parks_at_limit(guard)
             if parking is not None:
-                self.park_watch.watch(guard.name, parking, guard.spec.park_deadline)
-                if self.standby is not None:  # stops it at the threshold while no daemon runs
-                    self.standby.tell(guard.name, int(snap.limit_bytes * guard.spec.threshold),
-                                      str(parking.mount), guard.spec.park_deadline)
+                self.guards.park_watch.watch(guard.name, parking, guard.spec.park_deadline)
+                standby = self.guards.standby
+                if standby is not None:  # stops it at the threshold while no daemon runs
+                    standby.tell(guard.name, int(snap.limit_bytes * guard.spec.threshold),
+                                 str(parking.mount), guard.spec.park_deadline)
         self.log.info("guard.armed", cgroup=guard.name, cgroup_version=guard.cgroup.version,
                       detection=guard.detection, limit=snap.limit_bytes,
                       threshold=guard.spec.threshold, usage=snap.usage_bytes,
