@@ -131,7 +131,7 @@ class Daemon:
 
     def _scheduled_polls(self) -> list[tuple[Guard, float]]:
         """The guards looked at on a schedule, with when: the system rule's, and the cgroup
-        guards that have a time set (the timetable `_timed`, never all of them)."""
+        guards that have a time set (the registrations' timetable, never all of them)."""
         found: list[tuple[Guard, float]] = [(g, self.examiner.next_system_poll)
                                             for g in self.rules.system_guards]
         found += [(g, g.due_at) for g in self.registrations.timed.values()
