@@ -66,7 +66,7 @@ def cgroup_side(daemon: Daemon, config: DaemonConfig) -> CgroupSide:
         later_marks=daemon.later_marks, files=daemon.files, checkpointer=daemon.checkpointer,
         saved_high=daemon.saved_high, log=daemon.log, clock=daemon.clock,
         config=lambda: daemon.config,
-        examine_cgroup=lambda guard, woke, source: daemon._examine_cgroup(guard, woke, source))
+        examine_cgroup=lambda guard, woke, source: daemon.examine_cgroup(guard, woke, source))
     changes = CgroupChanges(guards=guards, arming=arming, files=daemon.files,
                             checkpointer=daemon.checkpointer)
     rules = Rules(config, layout=daemon.layout, log=daemon.log, meminfo=daemon.meminfo,
@@ -91,7 +91,7 @@ def workers(daemon: Daemon, config: DaemonConfig, restorer: Restorer | None,
     # Paged-out trees continued once they fit (the chain's pageout step made them).
     auto_resume = AutoResumer(chains.pageout, log, clock=clock)
     actor = Actor(chains, log, dry_run=config.dry_run, on_checkpoint=upkeep.after_dump,
-                  clock=clock, decisions=daemon.decisions, on_done=daemon._action_done,
+                  clock=clock, decisions=daemon.decisions, on_done=daemon.action_done,
                   priority=priority, events=events)
     cgroup_guards, registrations = daemon.cgroup_guards, daemon.registrations
     examiner = Examiner(
@@ -106,8 +106,8 @@ def workers(daemon: Daemon, config: DaemonConfig, restorer: Restorer | None,
                       upkeep=upkeep, auto_restore=auto_restore, auto_resume=auto_resume,
                       actor=actor, proc=daemon.proc, log=log, clock=clock,
                       guards=cgroup_guards.listed, cgroup_at=cgroup_guards.cgroup_at,
-                      guard_at=cgroup_guards.guard_at, examine=daemon._examine_cgroup,
-                      config=lambda: daemon.config, starting=lambda: daemon._starting)
+                      guard_at=cgroup_guards.guard_at, examine=daemon.examine_cgroup,
+                      config=lambda: daemon.config, starting=lambda: daemon.starting)
     upkeep.hold_back = settler.leftover_waits
     upkeep.paged_out = auto_resume.held
     gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, actor, daemon.proc, log,

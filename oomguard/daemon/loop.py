@@ -90,7 +90,7 @@ class Daemon:
                            dry_run=config.dry_run)
         self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wakeup.wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
-        self._starting = False  # arm() is settling what a dead run (or its standby) left
+        self.starting = False  # arm() is settling what a dead run (or its standby) left
         self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
         self.registrations = Registrations(self.epoll, self.later_marks, log)
         side = cgroup_side(self, config)  # daemonparts.py
@@ -125,8 +125,9 @@ class Daemon:
     def _examine(self, guard: Guard, woke: float, source: str) -> None:
         self.examiner.examine(guard, woke, source)
 
-    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
-                        limit_busy: str = "") -> None:
+    def examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                       limit_busy: str = "") -> None:
+        """A cgroup guard looked at now (asked by the arming and the settler too)."""
         self.examiner.examine_cgroup(guard, woke, source, limit_busy)
 
     def _scheduled_polls(self) -> list[tuple[Guard, float]]:
@@ -187,13 +188,13 @@ class Daemon:
             self._take_over_standby()  # before the leftovers are continued: it may hold some
             self.cgroup_guards.put_back_leftovers()
             self.park_watch.start()
-            self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
+            self.starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.upkeep.thaw_leftovers()
             self.settler.settle()  # limits a dead run lifted for a dump's headroom, leftovers
             for guard in self.cgroup_guards.listed():
                 if guard.present and guard.armed_limit is not None:
-                    self._examine_cgroup(guard, self.clock(), source="arm")
-            self._starting = False
+                    self.examine_cgroup(guard, self.clock(), source="arm")
+            self.starting = False
             self.rescan.schedule()
             self.after_arming()
         finally:
@@ -331,7 +332,7 @@ class Daemon:
             if wait is not None and wait <= 0:
                 timer.fire(now, fired)
 
-    def _action_done(self, name: str) -> None:
+    def action_done(self, name: str) -> None:
         """From an Actor thread: an action ended; the loop settles what it left (a lifted
         limit to put back, a store to prune) at once."""
         self._acted.set()
@@ -340,7 +341,7 @@ class Daemon:
     def settle_soon(self) -> None:
         """From the control service's thread: a checkpoint asked for ended; settled at once
         as an action's end is (a limit it lifted and could not put back is acted on)."""
-        self._action_done("control")
+        self.action_done("control")
 
     # -- asked by others (the control service, the park watchdog, the GPU watch) --------------
 

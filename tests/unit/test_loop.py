@@ -245,7 +245,7 @@ def test_every_timer_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: 
     assert gpu.due_in(clock.now) is None  # no GPU here
     assert settling.due_in(clock.now) is None  # nothing waits to be settled
     assert rescan.due_in(clock.now) == pytest.approx(30.0)
-    daemon._action_done("x")  # an action ended (from an Actor thread): settled at once
+    daemon.action_done("x")  # an action ended (from an Actor thread): settled at once
     assert settling.due_in(clock.now) == 0.0
 
 
