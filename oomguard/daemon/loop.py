@@ -10,50 +10,37 @@ floor); the safety rescan (rescan_interval) costs one stat(2) per guard.
 
 from __future__ import annotations
 
-import glob
 import os
 import select
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import psutil
 
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.podman import PodmanEngine
-from oomguard.act.priority import ThreadPriority
-from oomguard.cgroup.base import MemoryCgroup
-from oomguard.cgroup.configchecks import check_config, config_warnings
+from oomguard.cgroup.configchecks import config_warnings
 from oomguard.cgroup.mounts import CgroupLayout
 from oomguard.cgroup.watch import RECLAIM, consume
-from oomguard.config.loading import DaemonConfig, load_config
+from oomguard.config.loading import DaemonConfig
 from oomguard.daemon.arming import Armer, LaterMarks
-from oomguard.daemon.autorestore import AutoRestorer
-from oomguard.daemon.autoresume import AutoResumer
-from oomguard.daemon.cgroupguards import CgroupGuards
-from oomguard.daemon.examining import Examiner
+from oomguard.daemon.daemonparts import cgroup_side, workers
 from oomguard.daemon.gpuwatch import GpuWatch
-from oomguard.daemon.guardlines import guard_line
-from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, arm_system, psi_trigger_for
+from oomguard.daemon.guards import CgroupGuard, Guard, SystemGuard, psi_trigger_for
 from oomguard.daemon.parkwatch import ParkWatchdog, park_reason
-from oomguard.daemon.settling import Settler
+from oomguard.daemon.registrations import Registrations
 from oomguard.daemon.standby import Standby
 from oomguard.daemon.status import guard_entries, summary_line
-from oomguard.daemon.storeupkeep import StoreUpkeep
 from oomguard.daemon.timers import GpuPolls, GuardPolls, MarksIn, SafetyRescan, Settling, Timer
 from oomguard.lifecycle.checkpoint import Checkpointer
 from oomguard.lifecycle.lazyrestore import running_keepers, wait_for_keepers
 from oomguard.lifecycle.restore import Restorer
-from oomguard.model.errors import ConfigError, ConfigIssue, OomguardError
 from oomguard.model.wakepipe import WakePipe
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import EventSink, sink_for
-from oomguard.policy.preferences import Preferences
-from oomguard.respond.actor import Actor, RuleParts, rule_parts
-from oomguard.respond.chain import ChainRunner
 from oomguard.sense.cgroupfiles import CgroupFiles
 from oomguard.sense.newcomers import Newcomers
 from oomguard.sense.procfs import ProcessInfo, ProcReader
@@ -83,7 +70,6 @@ class Daemon:
                  after_arming: Callable[[], None] = lambda: None,
                  events: EventSink | None = None,
                  standby: Standby | None = None) -> None:
-        self.config = config
         self.after_arming = after_arming  # the daemon's: settle_heap
         self.checkpointer = checkpointer
         self.layout = layout
@@ -97,8 +83,6 @@ class Daemon:
         self.ranking = ranking or ProcessRanking(self.proc.root, clock=clock,
                                                  newcomers=self.newcomers.since)
         self.guards: list[Guard] = []
-        self._system_guards: list[SystemGuard] = []  # the system rule's (at most one)
-        self._timed: dict[int, CgroupGuard] = {}  # the cgroup guards with a due_at
         self._open_wakeups(poller, files)
         self.saved_high = SavedLimits(config.node_state_dir / SAVED_HIGH)
         self.psi_trigger = psi_trigger_for()
@@ -106,53 +90,52 @@ class Daemon:
                            dry_run=config.dry_run)
         self.later_marks = LaterMarks(self.armer, on_done=lambda: self._wakeup.wake(b"m"))
         self.decisions = DecisionLog(clock)  # a dry run says a lasting decision once
-        self._starting = False  # arm() is settling what a dead run (or its standby) left
+        self.starting = False  # arm() is settling what a dead run (or its standby) left
         self.standby = standby  # guards the parking cgroups while no daemon runs (app's)
-        self.cgroup_guards = CgroupGuards(
-            config=lambda: self.config, layout=layout, log=log, epoll=self.epoll,
-            checkpointer=checkpointer, saved_high=self.saved_high, armer=self.armer,
-            later_marks=self.later_marks, files=self.files,
-            park_watch=lambda: self.park_watch, standby=lambda: self.standby, clock=clock,
-            examine_cgroup=lambda guard, woke, source: self._examine_cgroup(guard, woke, source),
-            guards=self.guards, fd_owner=self._fd_owner, timed=self._timed)
-        self._build_workers(restorer, containers, podman, wall_clock)
+        self.registrations = Registrations(self.epoll, self.later_marks, log)
+        side = cgroup_side(self, config)  # daemonparts.py
+        self.cgroup_guards, self.guard_arming = side.guards, side.arming
+        self.cgroup_changes, self.rules = side.changes, side.rules
+        parts = workers(self, config, restorer, containers, podman, wall_clock)
+        self.upkeep, self.auto_restore = parts.upkeep, parts.auto_restore
+        self.priority, self.auto_resume = parts.priority, parts.auto_resume
+        self.actor, self.examiner = parts.actor, parts.examiner
+        self.settler, self.gpu_watch = parts.settler, parts.gpu_watch
         self._reload = False
-        # A reload's rules are checked with this before they replace the running ones (the
-        # app's: the new cgroups' locks, LockHeld where another daemon guards one).
-        self.claim: Callable[[DaemonConfig], None] = lambda new: None
-        self.on_reload: Callable[[DaemonConfig], None] = lambda new: None  # the app's: hooks
-        self.gpu_watch = GpuWatch(checkpointer.gpu, config.gpu.poll_interval, self.actor,
-                                  self.proc, self.log, protected=self.protected_pids,
-                                  in_cgroups=self.examiner.in_cgroups, cgroup_of=self.examiner.cgroup_of,
-                                  clock=clock) if checkpointer.gpu is not None else None
         self._gpu_watching = self._wants_gpu_watch()
         self._init_turns()
         self._build_timers()
 
     def _build_timers(self) -> None:
         """The loop's timed work, in the order it fires (oomguard/daemon/timers.py)."""
-        self.rescan = SafetyRescan(lambda: self.cgroup_guards.safety_rescan(), self.settler.settle,
+        self.rescan = SafetyRescan(lambda: self.cgroup_changes.safety_rescan(), self.settler.settle,
                                    lambda: self.config.rescan_interval, self.clock)
         self.timers: list[Timer] = [
-            MarksIn(self.later_marks, lambda: self.cgroup_guards.add_later_marks()),
+            MarksIn(self.later_marks, lambda: self.registrations.add_later_marks()),
             GuardPolls(self._scheduled_polls, lambda g, now, source: self._examine(g, now, source)),
             GpuPolls(self.gpu_watch, lambda: self._gpu_watching, lambda: self.guards),
             Settling(self.settler, self._acted),
             self.rescan]
 
+    @property
+    def config(self) -> DaemonConfig:
+        """The config in force (a reload replaces it)."""
+        return self.rules.config
+
     def _examine(self, guard: Guard, woke: float, source: str) -> None:
         self.examiner.examine(guard, woke, source)
 
-    def _examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
-                        limit_busy: str = "") -> None:
+    def examine_cgroup(self, guard: CgroupGuard, woke: float, source: str,
+                       limit_busy: str = "") -> None:
+        """A cgroup guard looked at now (asked by the arming and the settler too)."""
         self.examiner.examine_cgroup(guard, woke, source, limit_busy)
 
     def _scheduled_polls(self) -> list[tuple[Guard, float]]:
         """The guards looked at on a schedule, with when: the system rule's, and the cgroup
-        guards that have a time set (the timetable `_timed`, never all of them)."""
+        guards that have a time set (the registrations' timetable, never all of them)."""
         found: list[tuple[Guard, float]] = [(g, self.examiner.next_system_poll)
-                                            for g in self._system_guards]
-        found += [(g, g.due_at) for g in self._timed.values()
+                                            for g in self.rules.system_guards]
+        found += [(g, g.due_at) for g in self.registrations.timed.values()
                   if g.present and g.due_at is not None]
         return found
 
@@ -173,7 +156,6 @@ class Daemon:
         with its own wake-ups: the self-pipe (stop(), a reload, later marks, an action done)
         and the cgroup files' readiness."""
         self.epoll = poller()
-        self._fd_owner: dict[int, tuple[Guard, str]] = {}
         self._stopping = False
         self._wakeup = WakePipe()
         self.epoll.register(self._wakeup.fileno(), select.EPOLLIN)
@@ -182,51 +164,10 @@ class Daemon:
         if files_fd is not None:
             self.epoll.register(files_fd, select.EPOLLIN)
 
-    def _build_workers(self, restorer: Restorer | None,
-                       containers: ContainerCheckpointer | None,
-                       podman: PodmanEngine | None,
-                       wall_clock: Callable[[], float]) -> None:
-        """Who does the work the loop decides on: the store's upkeep, auto-restore, the
-        action chains and their Actor, auto-resume of paged-out trees."""
-        checkpointer, config, clock = self.checkpointer, self.config, self.clock
-        self.upkeep = StoreUpkeep(checkpointer.store, checkpointer.ledger, config, self.log,
-                                  clock=clock, wall_clock=wall_clock)
-        checkpointer.on_pruned = self.upkeep.log_pruned  # made room for a new checkpoint
-        self.auto_restore = AutoRestorer(checkpointer.store, restorer, self.log,
-                                         events=self.events, clock=clock,
-                                         restored=self.upkeep.forget_listing)
-        self.priority = ThreadPriority(config.nice)  # the loop's and the action workers'
-        chains = ChainRunner(checkpointer, checkpointer.freezer, self.proc, self.log,
-                             clock=clock, containers=containers, podman=podman,
-                             events=self.events)
-        # Paged-out trees continued once they fit (the chain's pageout step made them).
-        self.auto_resume = AutoResumer(chains.pageout, self.log, clock=clock)
-        self.actor = Actor(chains,
-                           self.log, dry_run=config.dry_run, on_checkpoint=self.upkeep.after_dump,
-                           clock=clock, decisions=self.decisions, on_done=self._action_done,
-                           priority=self.priority, events=self.events)
-        self.examiner = Examiner(
-            config=lambda: self.config, layout=self.layout, log=self.log, proc=self.proc,
-            clock=clock, meminfo=self.meminfo, checkpointer=checkpointer, actor=self.actor,
-            decisions=self.decisions, upkeep=self.upkeep, ranking=self.ranking,
-            newcomers=self.newcomers, cgroup_gone=lambda guard: self.cgroup_guards.cgroup_gone(guard),
-            set_due=lambda guard, at: self.cgroup_guards.set_due(guard, at),
-            note_oom_kills=lambda guard, snap: self.cgroup_guards.note_oom_kills(guard, snap),
-            protected_among=lambda processes: self.protected_among(processes))
-        self.settler = Settler(lifts=checkpointer.lifts, own_snapshot=checkpointer.own_snapshot,
-                               upkeep=self.upkeep, auto_restore=self.auto_restore,
-                               auto_resume=self.auto_resume, actor=self.actor, proc=self.proc,
-                               log=self.log, clock=clock, guards=self.cgroup_guards.listed,
-                               cgroup_at=self.cgroup_guards.cgroup_at, guard_at=self.cgroup_guards.guard_at,
-                               examine=self._examine_cgroup, config=lambda: self.config,
-                               starting=lambda: self._starting)
-        self.upkeep.hold_back = self.settler.leftover_waits
-        self.upkeep.paged_out = self.auto_resume.held
-
     # -- set-up --------------------------------------------------------------------------------
 
     def arm(self) -> None:
-        self._warn_config(config_warnings(self.config, self.layout))
+        self.rules.warn(config_warnings(self.config, self.layout))
         self.upkeep.recover_store()
         self.upkeep.prune()
         if not self.files.available:
@@ -237,23 +178,23 @@ class Daemon:
         # the cgroups: a thawed victim over its threshold grows again at once, and must find
         # the guard in place rather than the OOM killer.
         self.settler.drop_changed_lifts()  # a limit set while no daemon ran is the cgroup's own
-        self.cgroup_guards.examine_on_arm = False
+        self.guard_arming.examine_on_arm = False
         self.later_marks.hold()  # registered once the rest of the start is done
         try:
-            self._build_guards()
+            self.rules.build_guards()
         finally:
-            self.cgroup_guards.examine_on_arm = True
+            self.guard_arming.examine_on_arm = True
         try:
             self._take_over_standby()  # before the leftovers are continued: it may hold some
             self.cgroup_guards.put_back_leftovers()
             self.park_watch.start()
-            self._starting = True  # a cgroup over its threshold keeps its leftovers stopped
+            self.starting = True  # a cgroup over its threshold keeps its leftovers stopped
             self.upkeep.thaw_leftovers()
             self.settler.settle()  # limits a dead run lifted for a dump's headroom, leftovers
             for guard in self.cgroup_guards.listed():
                 if guard.present and guard.armed_limit is not None:
-                    self._examine_cgroup(guard, self.clock(), source="arm")
-            self._starting = False
+                    self.examine_cgroup(guard, self.clock(), source="arm")
+            self.starting = False
             self.rescan.schedule()
             self.after_arming()
         finally:
@@ -274,33 +215,6 @@ class Daemon:
         return sum(1 for guard in self.guards if isinstance(guard, SystemGuard)
                    or (guard.present and guard.armed_limit is not None))
 
-    def _build_guards(self) -> None:
-        fixed: list[CgroupGuard] = []
-        for spec in self.config.guards:
-            if spec.system:
-                system = SystemGuard(spec=spec)
-                system.parts = rule_parts(spec)
-                self.guards.append(system)
-                self._system_guards.append(system)
-                arm_system(system, self.psi_trigger)
-                self.cgroup_guards.register(system)
-                self.log.info("guard.armed", cgroup="system", detection=system.detection,
-                              min_available=spec.min_available,
-                              summary=guard_line(system, None, self.meminfo().total,
-                                                 self.config.dry_run))
-                continue
-            for path in spec.cgroups:
-                if glob.has_magic(path):
-                    self.cgroup_guards.globs.append((spec, path))
-                    continue
-                fixed.append(self.cgroup_guards.new_guard(spec, path))
-        # Where cgroups appear is watched before the globs are read: one made in between
-        # (a scheduler's next job, while the daemon starts) is reported, not missed until the
-        # next rescan (the v2 lane caught it).
-        self.cgroup_guards.watch_directories()
-        self.cgroup_guards.arm(fixed + self.cgroup_guards.glob_matches())  # one batch: see arming.py
-        self.cgroup_guards.watch_directories()
-
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self.stop())
@@ -311,58 +225,21 @@ class Daemon:
         self._wakeup.wake(b"r")
 
     def reload(self) -> None:
-        """SIGHUP: read the config file again. A config with any error is rejected, every error
-        logged, and the running rules stay; a good one replaces the rules."""
+        """SIGHUP, from the loop: the rules read again (rules.py); where they replace the
+        running ones, the new guards are built and then settled as at start."""
         self._reload = False
-        source = self.config.source
-        if not os.path.isfile(source):
-            self.log.warning("config.reload_ignored", source=source,
-                             explanation="rules came from the command line, not a file")
-            return
-        try:
-            new = load_config(source)
-            warnings = check_config(new, self.layout)
-            self.claim(new)
-        except ConfigError as exc:
-            issues = [str(i) for i in exc.issues]
-            self.log.error("config.rejected", source=source, issues=issues,
-                           explanation="the running rules stay in force")
-            return
-        except (OomguardError, OSError) as exc:  # LockHeld: another daemon guards one of them
-            self.log.error("config.rejected", source=source, issues=[str(exc)],
-                           explanation="the running rules stay in force")
-            return
-        for key in ("store", "socket", "criu", "nice"):
-            if getattr(new, key) != getattr(self.config, key):
-                self.log.warning("config.restart_needed", key=f"daemon.{key}",
-                                 explanation="this setting takes effect at the next start")
-        self._warn_config(warnings)
-        self._release_guards()
-        self.guards.clear()  # shared with the cgroup guards: emptied in place
-        self._system_guards = []
-        self._timed.clear()
-        self.cgroup_guards.forget_rules()
-        self.config = replace(new, store=self.config.store, state_dir=self.config.state_dir,
-                              socket=self.config.socket,
-                              criu=self.config.criu, nice=self.config.nice)
-        self.upkeep.config = self.config  # the store's budget as the new config says
+        if self.rules.reload(release=self._release_guards, apply=self._apply_config):
+            self.after_arming()
+
+    def _apply_config(self, config: DaemonConfig) -> None:
+        """A reload's config handed to the parts that read it as a value."""
+        self.upkeep.config = config  # the store's budget as the new config says
         budget = self.checkpointer.budget  # shared with the control service: changed in place
         if budget is not None:
-            budget.max_size, budget.keep_free = new.store_max_size, new.store_keep_free
-            budget.max_age = new.store_max_age
+            budget.max_size, budget.keep_free = config.store_max_size, config.store_keep_free
+            budget.max_age = config.store_max_age
         self._gpu_watching = self._wants_gpu_watch()
-        self.actor.dry_run = self.armer.dry_run = self.config.dry_run
-        self.on_reload(self.config)
-        self.log.info("config.reloaded", source=source, guards=len(new.guards),
-                      hooks=[event for event, _ in new.hooks] or None)
-        self._build_guards()
-        self.after_arming()
-
-    def _warn_config(self, warnings: list[ConfigIssue]) -> None:
-        """What check-config prints as warnings: the rules run, the mistake is logged."""
-        for issue in warnings:
-            self.log.warning("config.warning", source=issue.source, key=issue.key,
-                             reason=issue.reason)
+        self.actor.dry_run = self.armer.dry_run = config.dry_run
 
     def stop(self) -> None:
         self._stopping = True
@@ -430,7 +307,7 @@ class Daemon:
             if fd == self.files.fileno():
                 files_ready = True
                 continue
-            owner = self._fd_owner.get(fd)
+            owner = self.registrations.fd_owner.get(fd)
             if owner is None:
                 continue
             guard, kind = owner
@@ -448,14 +325,14 @@ class Daemon:
         for guard in fired:  # first: a crossing never waits behind bookkeeping
             self._examine(guard, woke, "event")
         if files_ready:
-            self.cgroup_guards.apply_changes(self.files.read())
+            self.cgroup_changes.apply_changes(self.files.read())
         for timer in self.timers:
             now = self.clock()
             wait = timer.due_in(now)
             if wait is not None and wait <= 0:
                 timer.fire(now, fired)
 
-    def _action_done(self, name: str) -> None:
+    def action_done(self, name: str) -> None:
         """From an Actor thread: an action ended; the loop settles what it left (a lifted
         limit to put back, a store to prune) at once."""
         self._acted.set()
@@ -464,7 +341,7 @@ class Daemon:
     def settle_soon(self) -> None:
         """From the control service's thread: a checkpoint asked for ended; settled at once
         as an action's end is (a limit it lifted and could not put back is acted on)."""
-        self._action_done("control")
+        self.action_done("control")
 
     # -- asked by others (the control service, the park watchdog, the GPU watch) --------------
 
@@ -488,18 +365,6 @@ class Daemon:
         start and on each reload, not on every loop turn)."""
         return self.gpu_watch is not None and GpuWatch.wanted(self.gpu_watch.gpu,
                                                               self.config.guards)
-
-    def preferences_for(self, cgroup: MemoryCgroup) -> Preferences | None:
-        """The victim preferences of the rule guarding `cgroup` (parts are set when a guard
-        is made)."""
-        guard = self.cgroup_guards.guard_at(cgroup.path)
-        return None if guard is None else cast(RuleParts, guard.parts).prefs
-
-    def user_headroom(self, cgroup: MemoryCgroup) -> int:
-        """Headroom for a non-root user's on-demand checkpoint in `cgroup`: only where its
-        rule says `user_headroom = true`."""
-        guard = self.cgroup_guards.guard_at(cgroup.path)
-        return guard.spec.headroom if guard is not None and guard.spec.user_headroom else 0
 
     def protected_pids(self) -> frozenset[int]:
         """oomguard, what it runs, and its ancestors: never victims (selfguard.own_family)."""

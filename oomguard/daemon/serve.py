@@ -216,8 +216,8 @@ def run_daemon(config: DaemonConfig, base_log: Any, layout: CgroupLayout,
                     podman=build_podman(config.podman), after_arming=settle_heap,
                     events=log, standby=None if config.dry_run else Standby(
                         config.node_state_dir, log, proc))
-    daemon.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
-    daemon.on_reload = lambda new: apply_hooks(tap, new)
+    daemon.rules.claim = lambda new: locks.take_cgroups(cgroup_keys(new, layout))
+    daemon.rules.on_reload = lambda new: apply_hooks(tap, new)
     daemon.install_signal_handlers()
     outlets = _Outlets()
     if metrics is not None:
@@ -324,11 +324,11 @@ def _start_control(config: DaemonConfig, layout: CgroupLayout, proc: ProcReader,
     try:
         service = build_service(config, layout, proc, checkpointer=checkpointer,
                                 restorer=restorer, status=daemon.status,
-                                user_headroom=daemon.user_headroom)
+                                user_headroom=daemon.cgroup_guards.user_headroom)
         service.events = log
         service.on_event = log.warning
         service.guard_of = daemon_lookup(lambda: daemon.guards)
-        service.prefs_of = daemon.preferences_for
+        service.prefs_of = daemon.cgroup_guards.preferences_for
         service.after_checkpoint = daemon.settle_soon
         outlets.server = ControlServer(config.socket, service, note=log.info, debug=log.debug,
                                        idle_timeout=config.control_idle_timeout,

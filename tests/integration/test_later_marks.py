@@ -78,7 +78,7 @@ def test_a_guard_is_armed_with_its_threshold_and_its_later_marks_follow(
         assert _turns_until(daemon, lambda: all(len(g.fds) == 5 for g in guards))
         for guard in guards:
             for fd, kind in guard.fds.items():
-                assert kind in ("eventfd", RECLAIM) and daemon._fd_owner[fd] == (guard, kind)
+                assert kind in ("eventfd", RECLAIM) and daemon.registrations.fd_owner[fd] == (guard, kind)
                 assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
         assert [e["guards"] for e in log.named("guard.marks_added")] == [3]
         assert log.named("guard.marks_incomplete") == []

@@ -153,7 +153,7 @@ def test_put_back_leftovers_restores_only_what_no_armed_guard_holds(tmp_path: Pa
 def test_the_safety_rescan_looks_at_every_guard_a_few_at_a_time(count: int) -> None:
     """With inotify at work: at most SWEEP_MOST limit files stat'ed per rescan, each guard
     within max(SWEEP_SLICES, count / SWEEP_MOST) rescans."""
-    from oomguard.daemon.cgroupguards import SWEEP_MOST, SWEEP_SLICES, sweep_slice
+    from oomguard.daemon.cgroupchanges import SWEEP_MOST, SWEEP_SLICES, sweep_slice
 
     guards = list(range(count))
     rounds = max(SWEEP_SLICES, -(-count // SWEEP_MOST))

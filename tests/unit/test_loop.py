@@ -245,7 +245,7 @@ def test_every_timer_of_the_daemon_says_when_it_is_due(tmp_path: Path, closing: 
     assert gpu.due_in(clock.now) is None  # no GPU here
     assert settling.due_in(clock.now) is None  # nothing waits to be settled
     assert rescan.due_in(clock.now) == pytest.approx(30.0)
-    daemon._action_done("x")  # an action ended (from an Actor thread): settled at once
+    daemon.action_done("x")  # an action ended (from an Actor thread): settled at once
     assert settling.due_in(clock.now) == 0.0
 
 
@@ -269,7 +269,7 @@ def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> No
     examined: list[str] = []
     daemon._examine = lambda guard, now, source: examined.append(guard.name)  # type: ignore[method-assign]
     assert polls.due_in(clock.now) is None
-    daemon.cgroup_guards.set_due(timed, clock.now + 5)
+    daemon.registrations.set_due(timed, clock.now + 5)
     assert polls.due_in(clock.now) == pytest.approx(5.0)
     polls.fire(clock.now, [])
     assert examined == []
@@ -280,8 +280,8 @@ def test_guard_polls_read_only_the_timetable(tmp_path: Path, closing: Any) -> No
     timed.present = False
     assert polls.due_in(clock.now) is None
     timed.present = True
-    daemon.cgroup_guards.set_due(timed, None)
-    assert polls.due_in(clock.now) is None and daemon._timed == {}
+    daemon.registrations.set_due(timed, None)
+    assert polls.due_in(clock.now) is None and daemon.registrations.timed == {}
 
 
 def test_reclaim_wakes_are_counted_until_a_look_is_due(tmp_path: Path, closing: Any) -> None:
@@ -300,7 +300,7 @@ def test_reclaim_wakes_are_counted_until_a_look_is_due(tmp_path: Path, closing: 
     # 40 MiB of reclaim before the threshold can be reached
     guard.history = GuardHistory(reclaim_room=40 * (1 << 20))
     fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-    daemon._fd_owner[fd] = (guard, RECLAIM)
+    daemon.registrations.fd_owner[fd] = (guard, RECLAIM)
     looks: list[str] = []
     daemon._examine = lambda g, woke, source: looks.append(source)  # type: ignore[method-assign]
     try:
