@@ -83,6 +83,8 @@ from oomguard.store.names import FROZEN_LEDGER, HOOKS_DIR, LIFTS_LEDGER, OOM_SHI
 from oomguard.terminal.checkpointing import DumpTerminals
 
 DUMP_SLOTS = 2
+# What a failure once the tree has stopped is told as a failed dump (or commit) from.
+DUMP_ERRORS = (CriuError, StoreError, OSError, CgroupGone)
 OUTCOME_UNTOUCHED = FailedCheckpoint.UNTOUCHED  # refused before the process was stopped
 OUTCOME_INCOMPLETE = FailedCheckpoint.INCOMPLETE  # gone, images intact, commit to be finished
 
@@ -151,7 +153,7 @@ class Checkpointer:
         stopped are continued (a child may exec a setuid program after the request's check,
         before its SIGSTOP; once stopped it cannot).
 
-        The steps (STEPS), each saying what it did and its undo; whatever ends the run, what
+        The steps (_walk), each saying what it did and its undo; whatever ends the run, what
         was done is undone once, latest first (oomguard.model.unwind), the lifted limit
         before anything else. A failure once the tree has stopped is then told as a failed
         dump (the tree thawed) or, once CRIU has dumped it, a failed commit."""
@@ -164,7 +166,7 @@ class Checkpointer:
         try:
             with unwinding() as undos:
                 self._walk(request, run, undos)
-        except (CriuError, StoreError, OSError, CgroupGone) as exc:
+        except DUMP_ERRORS as exc:
             if not run.stopped:
                 raise
             if run.dumped:
@@ -180,13 +182,14 @@ class Checkpointer:
         return CheckpointResult(meta=run.meta, path=run.path, timings=timings)
 
     def _walk(self, request: CheckpointRequest, run: CheckpointRun, undos: Undos) -> None:
+        """The steps, in order, each saying what it did and its undo in `undos`."""
         steps = (self._lift_early, self._reserve, self._record, self._stop, self._settle,
                  self._refuse_stopped, self._describe, self._dump, self._commit)
         try:
             for step in steps:
                 step(request, run, undos)
-        except (CriuError, StoreError, OSError, CgroupGone) as exc:
-            if run.stopped:  # before the partial goes: what the dump met
+        except DUMP_ERRORS as exc:
+            if run.stopped and not run.dumped:  # before the partial goes: what the dump met
                 run.full = disk_full(self.budget, exc)
             raise
 
@@ -240,7 +243,7 @@ class Checkpointer:
         if run.hold is not None:
             undos.did(GPU, lambda failure: self.undo.put_back_gpu(run, failure))
         run.frozen = self.freezer.freeze(tree.root.pid, run.held)
-        run.pids, run.stopped = run.frozen.pids, True
+        run.stopped = True
         run.checkpoint_id = new_id(tree.root.pid, self.wall_clock())
         undos.did(FREEZE, lambda failure: self.undo.thaw(run))
         self.ledger.record(run.frozen.ours)
@@ -269,7 +272,6 @@ class Checkpointer:
         run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
         if run.shielding and run.frozen.stopped is False:  # once more before it is unshielded
             run.frozen = self.freezer.wait_frozen(run.frozen, self.freeze_timeout)
-        run.pids, run.left = run.frozen.pids, run.frozen.left  # left: reparented out, let go
         run.frozen_at = self.clock()
         if run.others.pids:
             run.frozen = replace(run.frozen, others_held=tuple(run.others.pids))

@@ -61,7 +61,6 @@ class CheckpointRun:
     held: list[int] = field(default_factory=list)  # stopped by oomguard already (a chain's freeze)
     room: Reservation | None = None  # the store's budget held for the images
     frozen: Frozen = field(default_factory=lambda: Frozen(pids=[]))
-    pids: list[int] = field(default_factory=list)  # the tree as it stopped
     stopped: bool = False  # SIGSTOP sent: a failure from here on is a failed dump, thawed
     shielding: bool = False  # shielded from the OOM killer until stopped (cgroup v2)
     hold: GpuHold | None = None  # its CUDA state moved off the GPU
@@ -69,7 +68,6 @@ class CheckpointRun:
     undo_limit: Callable[[], str | None] | None = None  # the limits lifted for it, latest first
     checkpoint_id: str = ""
     meta: CheckpointMeta | None = None  # the new checkpoint's description, once stopped
-    left: list[int] = field(default_factory=list)  # reparented out of the tree, let go
     began: bool = False  # the checkpoint's directory exists
     dumped: bool = False  # CRIU has killed the tree: the images are all there is of it
     lock_fd: int | None = None
@@ -83,3 +81,13 @@ class CheckpointRun:
     busy: str = ""
     gpu_note: str = ""
     full: BudgetReading | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        """The tree as it stopped (none before the stop)."""
+        return self.frozen.pids
+
+    @property
+    def left(self) -> list[int]:
+        """Reparented out of the tree before it stopped: let go."""
+        return self.frozen.left

@@ -88,10 +88,9 @@ class CheckpointUndo:
         if not run.dumped:
             run.terminals.failed()  # after the limit: a holder slow to answer holds nothing
             return
-        meta = run.meta
-        command = (meta.job_command or meta.command) if meta is not None else \
-            request.tree.root.command
-        run.terminals.committed(run.checkpoint_id, command, request.tree.root.pid)
+        assert run.meta is not None  # described before the dump
+        run.terminals.committed(run.checkpoint_id, run.meta.job_command or run.meta.command,
+                                request.tree.root.pid)
 
     def leave_images(self, run: CheckpointRun) -> None:
         """Not dumped: CRIU's log kept for a look, the partial removed. Dumped, whether the
