@@ -72,6 +72,10 @@ def proc_state(pid: int) -> str | None:
 # Inside the v2 VM lane (qemu's software emulation, the host's root over 9p) a daemon's first
 # start alone can take tens of seconds: waits for its events are stretched there.
 EMULATION_FACTOR = 3 if os.environ.get("OOMGUARD_VM") == "1" else 1
+# On cgroup v2 the guard's own memory.high throttles a hog that crosses it, and the kernel stops
+# or freezes a throttled task only once its penalty is slept out: at most 2 s
+# (MEMCG_MAX_HIGH_DELAY_JIFFIES, mm/memcontrol.c).
+HIGH_PENALTY_MAX_MS = 2000
 
 
 def read_counts(log: Path) -> list[int]:

@@ -10,15 +10,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from oomguard.act.freezer import Frozen
 from oomguard.act.priority import ThreadPriority
-from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup
+from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup, subtree_procs
 from oomguard.config.actions import DEFAULT_CHAIN, KILL, PAGEOUT, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
-from oomguard.model.errors import CgroupGone
+from oomguard.model.errors import CgroupGone, ProcessGone
 from oomguard.model.patterns import compile_patterns
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import CheckpointDone, EventSink, VictimFrozen, sink_for
@@ -27,6 +28,7 @@ from oomguard.policy.retry import retry_delay
 from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
 from oomguard.respond.chain import ChainOutcome, ChainResult, ChainRunner, ChainSettings
+from oomguard.sense.procfs import ProcReader
 
 MiB = 1 << 20
 MAX_VICTIM_ATTEMPTS = 3
@@ -34,9 +36,26 @@ NEXT_VICTIM_SHARE = 4  # a fallback victim must hold at least a quarter of the t
 # A task throttled at memory.high sleeps out its penalty (up to 2 s, killable only) before the
 # freezer can park it; it allocates nothing meanwhile, so waiting longer buys nothing.
 CGROUP_FREEZE_TIMEOUT = 0.25
+# Where a task waits once the v2 freezer has it (its wchan): do_freezer_trap, or get_signal
+# where the kernel inlined it (6.1); a stopped task counts as frozen too (do_signal_stop).
+PARKED_WAITS = frozenset({"do_freezer_trap", "get_signal", "do_signal_stop"})
+MAX_UNPARKED_TOLD = 16
 
 
 KEEP_WORKERS = 4  # idle action threads kept for the next crossing
+
+
+def unparked(path: Path, proc: ProcReader) -> list[dict[str, object]]:
+    """The threads of a cgroup's subtree that its freezer has not parked yet, with their state
+    and where they sleep (a task throttled at memory.high sleeps out its penalty in
+    mem_cgroup_handle_over_high first): what a freeze that did not end in time waits for."""
+    found: list[dict[str, object]] = []
+    with contextlib.suppress(OSError, CgroupGone):
+        for pid in subtree_procs(path):
+            with contextlib.suppress(OSError, ProcessGone):
+                found += [{"pid": pid, "tid": wait.tid, "state": wait.state, "wchan": wait.wchan}
+                          for wait in proc.thread_waits(pid) if wait.wchan not in PARKED_WAITS]
+    return found[:MAX_UNPARKED_TOLD]
 
 
 class Workers:
@@ -129,8 +148,9 @@ class Actor:
                  decisions: DecisionLog | None = None,
                  on_done: Callable[[str], None] | None = None,
                  priority: ThreadPriority | None = None,
-                 events: EventSink | None = None) -> None:
+                 events: EventSink | None = None, proc: ProcReader | None = None) -> None:
         self.runner = runner
+        self.proc = proc or ProcReader()
         self.priority = priority
         self.on_done = on_done  # called (from the action's thread) when an action has ended
         self.log = log
@@ -196,8 +216,10 @@ class Actor:
                 ledger.record_cgroup(cgroup.path)
                 cgroup.freeze()
                 frozen = cgroup.wait_frozen(CGROUP_FREEZE_TIMEOUT)
+                waited_ms = round((self.clock() - request.woke) * 1000, 2)
+                more = {} if frozen else {"unparked": unparked(cgroup.path, self.proc)}
                 self.log.info("cgroup.frozen", cgroup=request.name, frozen=frozen,
-                              detect_to_frozen_ms=round((self.clock() - request.woke) * 1000, 2))
+                              detect_to_frozen_ms=waited_ms, **more)
             self._run(request, thaw)
         except (OSError, CgroupGone) as exc:
             self.log.error("action.failed", cgroup=request.name, error=str(exc))

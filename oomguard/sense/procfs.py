@@ -56,6 +56,16 @@ class StatusFields:
 
 
 @dataclass(frozen=True)
+class ThreadWait:
+    """Where one thread is: its state letter and the kernel function it sleeps in (its wchan,
+    "" while it runs), e.g. do_freezer_trap for a thread parked by the v2 freezer."""
+
+    tid: int
+    state: str
+    wchan: str
+
+
+@dataclass(frozen=True)
 class ProcessInfo:
     pid: int
     ppid: int
@@ -212,6 +222,24 @@ class ProcReader:
             except (FileNotFoundError, ProcessLookupError):
                 continue
         return states
+
+    def thread_waits(self, pid: int) -> list[ThreadWait]:
+        """Each thread of `pid` with its state and wchan; threads that end meanwhile are left
+        out."""
+        base = self.root / str(pid) / "task"
+        try:
+            tids = os.listdir(base)
+        except (FileNotFoundError, ProcessLookupError) as exc:
+            raise ProcessGone(f"process {pid} is gone") from exc
+        waits = []
+        for tid in tids:
+            try:
+                state = parse_stat((base / tid / "stat").read_text(errors="replace")).state
+                wchan = (base / tid / "wchan").read_text(errors="replace").strip()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            waits.append(ThreadWait(int(tid), state, "" if wchan == "0" else wchan))
+        return waits
 
     def status(self, pid: int) -> StatusFields:
         try:

@@ -1,7 +1,7 @@
 """A job as its terminal and /proc show it, for its pty's holder: the session leading the
 terminal and its foreground process group (read off the master), a process's state, an init's
 job, a job's processes, and whether one of them waits for input in select/poll/epoll.
-Stdlib only (the holder imports it)."""
+Stdlib and the /proc sensor only (the holder imports it)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import fcntl
 import os
 import struct
 import time
+
+from oomguard.model.errors import ProcessGone
+from oomguard.sense.procfs import ProcReader
 
 TIOCGSID = 0x5429
 POLL_WAITS = ("poll_schedule_timeout", "do_epoll_wait", "ep_poll", "do_select",
@@ -80,12 +83,11 @@ def waiting_in_poll(pids: list[int], looks: int = 5, interval: float = 0.01) -> 
 
 
 def _in_poll(pids: list[int]) -> bool:
+    proc = ProcReader()
     for pid in pids:
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/wchan") as f:
-                    if f.read().startswith(POLL_WAITS):
-                        return True
+        with contextlib.suppress(OSError, ProcessGone):
+            if any(wait.wchan.startswith(POLL_WAITS) for wait in proc.thread_waits(pid)):
+                return True
     return False
 
 

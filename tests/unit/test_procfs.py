@@ -366,3 +366,35 @@ def test_reader_on_real_self() -> None:
     assert me.ppid == os.getppid()
     assert me.rss_bytes > 0
     assert not me.kernel_thread
+
+
+def test_thread_waits_of_real_threads() -> None:
+    """Each thread of a real process, with its state and the kernel function it sleeps in."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"up\n"
+        deadline = time.monotonic() + 10
+        while True:
+            waits = ProcReader().thread_waits(child.pid)
+            if all(wait.state == "S" and wait.wchan for wait in waits) or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert sorted(wait.tid for wait in waits) == sorted(
+            int(tid) for tid in os.listdir(f"/proc/{child.pid}/task"))
+        assert len(waits) == 2 and child.pid in {wait.tid for wait in waits}
+        assert {wait.state for wait in waits} == {"S"}
+        assert all(wait.wchan and wait.wchan != "0" for wait in waits), waits
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(ProcessGone):
+        ProcReader().thread_waits(child.pid)
