@@ -44,6 +44,7 @@ class Replaced:
     high_set: bool = False  # v2: `high` events come at (or before) the threshold
     high_changed: bool = False  # ...because oomguard lowered memory.high
     high_original: int | None = None
+    high_yielded: bool = False  # v2: given up to another writer that keeps taking it back
     oom_disable_changed: bool = False  # v1: oomguard set oom_kill_disable
     oom_disable_original: bool = False
 
@@ -146,7 +147,8 @@ def read_setting(guard: Watched, limit: int, dry_run: bool, ours: bool = False) 
         if guard.spec.oom_kill_disable and not dry_run:  # nothing acts in a dry run
             found.now = int(cgroup.oom_kill_disabled())
             found.change = True
-    elif isinstance(cgroup, V2MemoryCgroup) and guard.spec.memory_high:
+    elif isinstance(cgroup, V2MemoryCgroup) and guard.spec.memory_high \
+            and not guard.replaced.high_yielded:
         found.now = cgroup.high()
         found.change = ours or high_to_set(guard, limit, found.now)
     return found
@@ -255,12 +257,20 @@ def high_taken_back(guard: Watched, limit: int) -> int | None:
     return value if value > int(limit * guard.spec.threshold) else None
 
 
+def yield_high(guard: Watched) -> None:
+    """Give memory.high up to another writer that keeps taking it back (a tug of war is
+    worse than either value): arming no longer sets it, theirs stands with nothing of
+    oomguard's to put back, and the guard is polled (reports_crossings is False). Until the
+    guard lets go of the cgroup (put_back)."""
+    guard.replaced = Replaced(high_yielded=True)
+
+
 def set_high_at_threshold(guard: Watched, cgroup: V2MemoryCgroup, limit: int,
                           change: bool, original: int | None) -> None:
     """memory.high at the threshold: the kernel throttles there and counts a `high` event,
     which wakes us exactly at the crossing (v2 has no usage thresholds). `original` was
     saved (SavedLimits) before this is called."""
-    if not guard.spec.memory_high:
+    if not guard.spec.memory_high or guard.replaced.high_yielded:
         return
     guard.replaced.high_set = True
     if not change:

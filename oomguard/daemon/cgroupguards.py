@@ -131,6 +131,7 @@ class CgroupGuards:
             self.registrations.disarm(guard)
             self.files.unwatch(guard.name)
             self.saved_high.forget_many(self._put_back(guard))  # the cgroup is gone: forgets
+            guard.high_takebacks = ()  # (and a yielded memory.high: a new one is armed anew)
             guard.present = False
             self.registrations.set_due(guard, None)
             guard.limit_stamp = None

@@ -22,6 +22,18 @@ from oomguard.sense.cgroupfiles import CgroupFiles, stamp
 from oomguard.store.ledger import SavedLimits
 
 ARM_ROUNDS = 3  # a limit written while arming: armed again, at most this many times in all
+# memory.high taken back more often than this within the window: given up to the other writer.
+# A scheduler that writes it once per job or step, or an agent on a timer, is followed; one
+# that writes its value back whenever it changes would fight oomguard for ever, both writing
+# as fast as inotify wakes them.
+HIGH_TAKEBACKS_FOLLOWED = 20
+HIGH_TAKEBACK_WINDOW = 30.0
+
+
+def recent_takebacks(before: tuple[float, ...], now: float,
+                     window: float = HIGH_TAKEBACK_WINDOW) -> tuple[float, ...]:
+    """The take-backs within `window` of `now`, this one (`now`) last."""
+    return (*(at for at in before if now - at < window), now)
 
 
 class GuardArming:
@@ -152,11 +164,27 @@ class GuardArming:
         found = watch.high_taken_back(guard, guard.armed_limit)
         if found is None:
             return False
+        guard.high_takebacks = recent_takebacks(guard.high_takebacks, self.clock())
+        self.saved_high.forget(watch.saved_key(guard))
+        if len(guard.high_takebacks) > HIGH_TAKEBACKS_FOLLOWED:
+            self._yield_high(guard, found)
+            return True
         self.log.warning("guard.high_taken_back", cgroup=guard.name, memory_high=found,
                          threshold_bytes=int(guard.armed_limit * guard.spec.threshold),
                          explanation="another writer (a job scheduler, systemd's MemoryHigh=) "
                          "set memory.high above the guard's threshold, where the kernel would "
                          "wake oomguard only at the limit: set at the threshold again; theirs "
                          "is what oomguard puts back when it lets go")
-        self.saved_high.forget(watch.saved_key(guard))
         return True
+
+    def _yield_high(self, guard: CgroupGuard, found: int) -> None:
+        watch.yield_high(guard)
+        window = HIGH_TAKEBACK_WINDOW
+        self.log.warning(
+            "guard.high_yielded", cgroup=guard.name, memory_high=found,
+            takebacks=len(guard.high_takebacks), window_s=window,
+            poll_interval_s=self.config.poll_interval,
+            explanation=f"another writer took memory.high back {len(guard.high_takebacks)} "
+            f"times in {window:.0f} s: oomguard no longer sets it, so as not to fight it; "
+            "theirs stands, and the guard polls the cgroup's usage instead (until the cgroup "
+            "is made anew or the daemon restarts)")

@@ -44,6 +44,8 @@ class CgroupGuard:
     # What it carries from look to look (cache-only watch, plug-in states, reclaim counted):
     # a new value from each look (policy.guardlook.look_at_cgroup), replaced, never changed.
     history: GuardHistory = field(default_factory=GuardHistory)
+    # When another writer took back the memory.high oomguard set (monotonic; the recent ones).
+    high_takebacks: tuple[float, ...] = ()
 
     @property
     def name(self) -> str:

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from oomguard.cgroup.mounts import read_layout
 from oomguard.cgroup.v2 import V2MemoryCgroup
+from oomguard.daemon.guardarming import HIGH_TAKEBACKS_FOLLOWED
 from oomguard.respond.actor import unparked
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.ledger import FrozenLedger
 from oomguard.store.names import FROZEN_LEDGER
 from tests.helpers import (
+    EMULATION_FACTOR,
     CgroupFactory,
     DaemonProcess,
     MiB,
@@ -109,6 +112,52 @@ def test_memory_high_taken_back_by_a_scheduler_is_set_again_and_theirs_put_back(
     tail = (tmp_path / "daemon.log").read_text()[-3000:]
     assert stopped == 0, tail
     assert cg.high() == limit, f"the scheduler's memory.high not put back:\n{tail}"
+
+
+def test_memory_high_taken_back_again_and_again_is_given_up_not_fought(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
+    """A writer that puts its memory.high back whenever it changes (a controller reconciling
+    its own value) would be fought for ever, each write of one waking the other. oomguard
+    follows HIGH_TAKEBACKS_FOLLOWED take-backs in the window, then yields: theirs stands, the
+    guard polls instead, and a hog is still checkpointed, not killed."""
+    limit = 128 * MiB
+    cg = cgroups.make("fought", limit)
+    assert isinstance(cg, V2MemoryCgroup)
+    mark = int(limit * 0.85) // 4096 * 4096
+    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    hog = None
+    try:
+        guard.wait_event("guard.ready", timeout=60)
+        assert cg.high() == mark
+        # The other writer: its value back each time it sees oomguard's, as fast as it can.
+        writes = 0
+        deadline = time.monotonic() + 60 * EMULATION_FACTOR
+        while not guard.events("guard.high_yielded") and time.monotonic() < deadline:
+            if cg.high() == mark:
+                (cg.path / "memory.high").write_text(str(limit))
+                writes += 1
+            time.sleep(0.005)
+        said = guard.wait_event("guard.high_yielded", timeout=1)[0]
+        assert said["takebacks"] == HIGH_TAKEBACKS_FOLLOWED + 1 and said["memory_high"] == limit
+        assert len(guard.events("guard.high_taken_back")) == HIGH_TAKEBACKS_FOLLOWED
+        assert writes >= HIGH_TAKEBACKS_FOLLOWED + 1, writes  # (one may land under a re-arm)
+        armed = guard.wait_event("guard.armed", timeout=30, count=HIGH_TAKEBACKS_FOLLOWED + 2)
+        assert "polling" in armed[-1]["detection"], armed[-1]
+        assert "memory.high" not in armed[-1]["detection"], armed[-1]
+        assert cg.high() == limit, "memory.high set again after oomguard yielded"
+        hog = start_in_cgroup(cg, hog_argv(tmp_path / "hog.log", target=200, rate=50,
+                                           count=100_000))
+        guard.wait_event("checkpoint.done", timeout=120)
+        assert hog.wait(timeout=30) == -signal.SIGKILL
+        assert cg.high() == limit
+    finally:
+        stopped = guard.stop()
+        if hog is not None:
+            kill_pid(hog.pid)
+    tail = (tmp_path / "daemon.log").read_text()[-3000:]
+    assert stopped == 0, tail
+    assert cg.high() == limit, f"their memory.high not left as it was:\n{tail}"
+    assert cg.snapshot().oom_kills == 0, tail
 
 
 def test_a_throttled_task_is_told_unparked_until_the_freezer_has_it(

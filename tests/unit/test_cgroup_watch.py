@@ -93,6 +93,27 @@ def test_v2_memory_high_taken_back_by_another_writer(tmp_path: Path) -> None:
     assert watch.high_taken_back(users, LIMIT) is None
 
 
+def test_v2_memory_high_yielded_to_a_writer_that_keeps_taking_it(tmp_path: Path) -> None:
+    guard = v2_guard(tmp_path)
+    assert isinstance(guard.cgroup, V2MemoryCgroup)
+    high = guard.cgroup.path / "memory.high"
+    watch.set_high_at_threshold(guard, guard.cgroup, LIMIT, change=True, original=None)
+    high.write_text(f"{LIMIT}\n")  # theirs, once more
+    watch.yield_high(guard)
+    # Nothing of oomguard's is left there: no watch, nothing to put back, no take-back seen.
+    assert watch.replaced_setting_file(guard) is None and watch.claimed_key(guard) is None
+    assert watch.high_taken_back(guard, LIMIT) is None
+    # Armed again: memory.high is not read as one to change, nor set; the guard is polled.
+    assert not watch.read_setting(guard, LIMIT, dry_run=False, ours=True).change
+    assert not watch.arm_first(guard, LIMIT, True, None, "some 1 2")
+    assert high.read_text() == f"{LIMIT}\n" and not watch.reports_crossings(guard)
+    assert "memory.high" not in guard.detection
+    assert watch.put_back(guard) == [] and high.read_text() == f"{LIMIT}\n"
+    assert guard.replaced == watch.Replaced()  # let go: a cgroup made anew is armed anew
+    for fd in guard.fds:
+        os.close(fd)
+
+
 def test_v1_put_back_and_parking(tmp_path: Path) -> None:
     guard = v1_guard(tmp_path)
     assert watch.arm_first(guard, LIMIT, True, 0, "some 1 2")  # later marks follow

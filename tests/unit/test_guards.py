@@ -164,3 +164,15 @@ def test_the_safety_rescan_looks_at_every_guard_a_few_at_a_time(count: int) -> N
         assert len(looked) <= SWEEP_MOST
         seen += looked  # type: ignore[arg-type]
     assert sorted(seen) == guards
+
+
+def test_recent_takebacks_keep_the_window_and_count_this_one() -> None:
+    from oomguard.daemon.guardarming import HIGH_TAKEBACK_WINDOW, recent_takebacks
+
+    times: tuple[float, ...] = ()
+    for at in (0.0, 10.0, 20.0):
+        times = recent_takebacks(times, at)
+    assert times == (0.0, 10.0, 20.0)
+    assert recent_takebacks(times, HIGH_TAKEBACK_WINDOW + 5.0) == (10.0, 20.0,
+                                                                  HIGH_TAKEBACK_WINDOW + 5.0)
+    assert recent_takebacks(times, 10_000.0) == (10_000.0,)
