@@ -21,6 +21,7 @@ from oomguard.lifecycle.fileids import FILES_RECORD
 from oomguard.lifecycle.lazyrestore import LazySession, lazy_unavailable
 from oomguard.lifecycle.restoreoutcome import RestoreResult, one_line
 from oomguard.model.errors import CgroupGone, CriuError, NeverFits, NoRoom, RestoreFailed, StoreError
+from oomguard.model.unwind import on_failure, unwinding
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.checkpoints import COMPRESSED, IMAGES, STATE_INCOMPLETE, CheckpointMeta, Store
 from oomguard.store.compression import compressed_pages, expand, raw_name
@@ -42,6 +43,8 @@ RESTORE_MARGIN = 32 << 20  # CRIU's restorer and the tasks' first steps need a l
 # (warm_small_runs). 1 GiB job on this VM, 8 restores each way: the first beat came 8-50 ms
 # (median 14) after CRIU returned, 20-110 ms (median 43) without.
 WARM_BUDGET = 64 << 20
+# What a restore undoes if it fails before the tree runs (oomguard.model.unwind)
+VERIFIER, EXPANDED, TERMINALS, LAZY = "verifier", "expanded pages", "terminals", "lazy session"
 
 
 def memory_pages_bytes(store: Store, checkpoint_id: str) -> int:
@@ -195,30 +198,28 @@ class Restorer:
         # then the pages are read and checked from now on, while the checks below and CRIU's
         # start go on: CRIU finds them in the page cache, or reads them in alongside. (Lazily:
         # the keeper checks the pages as they stream in.)
-        verifier = self._start_verifier(checkpoint_id, images, work_dir,
-                                        pages=not lazy and not packed)
-        warmed = warm_small_runs(images) if lazy else 0
-        session: LazySession | None = None
-        expanded: list[Path] = []
-        try:
+        with unwinding() as undos:
+            verifier = self._start_verifier(checkpoint_id, images, work_dir,
+                                            pages=not lazy and not packed)
+            undos.did(VERIFIER, lambda failure: _stop_verifier(verifier, failure))
+            warmed = warm_small_runs(images) if lazy else 0
+            session: LazySession | None = None
             if packed:  # verified as they are expanded: no pages left to check behind CRIU
                 expanded = self._expand(checkpoint_id, packed, verifier)
+                # CRIU has read them (or failed): only the .zst is kept
+                undos.did(EXPANDED, lambda _failure: _unlink_all(expanded))
             self._check_files(meta, force)
             start = self.clock()
             since = self.exits.expect(self.criu.options.timeout) if self.exits is not None else 0
             ttys = self._lease_ttys(checkpoint_id, meta, images)
+            # On any failure from here (CRIU's, an OSError of the hook's, a damaged page), the
+            # old holders stay pinned to the checkpoint and the new ones end.
+            undos.did(TERMINALS, on_failure(ttys.failed))
             if lazy and lazy_lock is not None:
-                session = self._start_lazy(meta.id, images, work_dir, lazy_lock, ttys)
+                session = self._start_lazy(meta.id, images, work_dir, lazy_lock)
+                undos.did(LAZY, on_failure(session.abort))
             pid = self._run_criu(meta, images, work_dir, target, ttys, verifier, session)
-        except BaseException:
-            with contextlib.suppress(OSError):  # what the verifier read in, charged to us
-                drop_cache([str(path) for path in verifier.pages()])
-            raise
-        finally:
-            report = verifier.finish(cancel=True)  # done by now unless something failed
-            for path in expanded:  # CRIU has read them (or failed): only the .zst is kept
-                with contextlib.suppress(OSError):
-                    path.unlink()
+            report = verifier.finish(cancel=True)  # done by now
         ttys.succeeded()
         _record_ttys(meta, ttys)
         still, gpu_pids, gpu_error = self._let_run(meta, pid)
@@ -308,12 +309,11 @@ class Restorer:
             raise RestoreFailed(f"refusing to restore {checkpoint_id}: {exc}") from exc
         return expanded
 
-    def _start_lazy(self, checkpoint_id: str, images: Path, work_dir: Path, lock_fd: int,
-                    ttys: TtyLease) -> LazySession:
+    def _start_lazy(self, checkpoint_id: str, images: Path, work_dir: Path,
+                    lock_fd: int) -> LazySession:
         try:
             return LazySession.start(self.criu, images, work_dir, lock_fd)
         except (CriuError, OSError) as exc:
-            ttys.failed()
             detail = one_line(exc) if isinstance(exc, CriuError) else str(exc)
             raise RestoreFailed(f"cannot restore {checkpoint_id} lazily: {detail}; the "
                                 "checkpoint is intact (restore it without --lazy)") from exc
@@ -331,10 +331,7 @@ class Restorer:
                                     keep_stopped=meta.stopped_nspids,
                                     env=verifier.gate_env(), lazy=session is not None,
                                     wrapper=ttys.wrapper(work_dir / RESTORE_PIDFILE))
-        except CriuError as exc:
-            ttys.failed()
-            if session is not None:
-                session.abort()
+        except CriuError as exc:  # (the terminals and the lazy session are undone after)
             report = verifier.finish(cancel=True)
             if report.problems:
                 raise RestoreFailed(
@@ -346,7 +343,6 @@ class Restorer:
         report = verifier.finish()
         if report.problems:  # the gate cannot have said yes: never let such a tree run on
             kill_tree(self.proc.descendants(pid))
-            ttys.failed()
             raise RestoreFailed(f"refusing to restore {meta.id}: "
                                 f"{verifier.damage(report)}; the restored tree was killed")
         return pid
@@ -403,6 +399,21 @@ class Restorer:
                           f"memory, locked: no cuda-checkpoint here ({why}); run "
                           "`cuda-checkpoint --action restore` then `--action unlock` on each")
         return host, back_to_gpu(self.gpu, host)
+
+
+def _stop_verifier(verifier: RestoreVerifier, failure: BaseException | None) -> None:
+    """The verifier's reading stopped; after a failure, what it read in (charged to us) is
+    dropped from the page cache."""
+    if failure is not None:
+        with contextlib.suppress(OSError):
+            drop_cache([str(path) for path in verifier.pages()])
+    verifier.finish(cancel=True)
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _record_ttys(meta: CheckpointMeta, ttys: TtyLease) -> None:

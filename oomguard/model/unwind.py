@@ -80,6 +80,15 @@ class Undos:
             raise error
 
 
+def on_failure(action: Callable[[], object]) -> Undo:
+    """An undo that runs `action` only where the run failed (nothing is left to undo after a
+    success)."""
+    def undo(failure: BaseException | None) -> None:
+        if failure is not None:
+            action()
+    return undo
+
+
 @contextlib.contextmanager
 def unwinding() -> Iterator[Undos]:
     """Undos for the steps run inside it, unwound as it is left, however it is left."""

@@ -361,3 +361,66 @@ def test_holder_keeps_a_vacated_terminal_only_when_pinned(runtime_env: dict[str,
     assert request(pinned[0], "info")["pinned"] == "cp-1"
     assert request(pinned[0], "done", force=True) == {}  # ...unless told to end
     assert wait_until(lambda: not pinned[0].exists(), 30)
+
+
+def _answers(socket_path: str) -> bool:
+    try:
+        request(socket_path, "info", timeout=2)
+    except Exception:
+        return False
+    return True
+
+
+def _terminal_fds(pid: int) -> int:
+    """How many of the process's fds are terminals (a pty's master or slave)."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            found += target == "/dev/ptmx" or target.startswith("/dev/pts/")
+    return found
+
+
+def test_a_restore_failing_after_its_terminal_was_leased_gives_it_back(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, runtime_env: dict[str, str]) -> None:
+    """A restore that fails after the job's terminal was leased, with an error that is not
+    CRIU's (an OSError: here the hook CRIU would run cannot be read; a full disk when it is
+    rewritten, the same): the daemon kept the leased pty's fds for good, and the holder
+    started for the restore went on serving a terminal no job would ever have. Now every
+    failure once the terminal is leased gives it back, as a failed CRIU does."""
+    small = cgroups.make("ttylease", 128 * MiB)
+    big = cgroups.make("ttyleasebig", 512 * MiB)
+    log = tmp_path / "job.log"
+    with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
+        guard.wait_event("guard.armed")
+        first = Terminal([*oomguard_argv(store), "exec", "--cgroup", str(small.path), "--",
+                          *job_argv(log, count=200)], runtime_env, tmp_path)
+        done = guard.wait_event("checkpoint.done", timeout=60)[0]
+        assert first.proc.wait(timeout=30) == EXIT_CHECKPOINTED
+        first.close()
+        socket_path = Store(store).get(done["id"]).extra["ttys"][0]["socket"]
+        holder = holder_pid(socket_path)
+        kill_pid(holder)  # the terminal's holder is gone: the restore starts a new one
+        assert wait_until(lambda: not Path(f"/proc/{holder}").exists(), 10)
+        hook = store / ".hooks" / "criu-post-dump"
+        hook.unlink()
+        hook.mkdir()  # read as the hook: IsADirectoryError
+        ptys = _terminal_fds(guard.handle.pid)
+        failed = run_cli(store, "--socket", str(guard.socket), "restore", done["id"],
+                         "--cgroup", str(big.path), env=runtime_env)
+        assert failed.returncode != 0 and "Is a directory" in failed.stderr, failed.stderr
+        assert guard.wait_event("restore.failed")
+        assert Store(store).get(done["id"]).state == "checkpointed"
+        assert _terminal_fds(guard.handle.pid) == ptys, "the leased terminal stayed open"
+        assert wait_until(lambda: not _answers(socket_path), 30), \
+            "the holder started for the failed restore still serves its terminal"
+        hook.rmdir()
+        result = run_cli(store, "--socket", str(guard.socket), "restore", done["id"],
+                         "--cgroup", str(big.path), env=runtime_env)
+        assert result.returncode == 0, result.stderr
+        pid = int(result.stdout.strip())
+    try:
+        assert wait_until(lambda: done_line(log), 60) == "done 200 ok"
+        assert counts(log) == list(range(1, 201)), "the count restarted or skipped"
+    finally:
+        kill_pid(pid)

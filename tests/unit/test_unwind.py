@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from oomguard.model.unwind import Undos, unwinding
+from oomguard.model.unwind import Undos, on_failure, unwinding
 
 
 def recorder(log: list[str], name: str) -> Callable[[BaseException | None], None]:
@@ -106,3 +106,14 @@ def test_undos_outside_a_with_are_unwound_when_asked_once() -> None:
     undos.unwind(None)
     undos.unwind(None)
     assert log == ["a:ok"]
+
+
+def test_on_failure_runs_only_after_a_failure() -> None:
+    ran: list[str] = []
+    with unwinding() as undos:
+        undos.did("lease", on_failure(lambda: ran.append("given back")))
+    assert ran == []
+    with pytest.raises(OSError), unwinding() as undos:
+        undos.did("lease", on_failure(lambda: ran.append("given back")))
+        raise OSError("the hook cannot be read")
+    assert ran == ["given back"]
