@@ -40,7 +40,7 @@ from typing import Protocol
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.cnproc import FORKS, ProcessFork
 from oomguard.sense.procevents import EventSource, Subscriber
-from oomguard.sense.procfs import PF_EXITING, ProcReader
+from oomguard.sense.procfs import PF_EXITING, ProcReader, threads_told
 
 STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
 USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)
@@ -74,6 +74,8 @@ class Frozen:
     # Continued by another process after oomguard's SIGSTOP: {"pid", "comm", "why"} each.
     not_held: list[dict[str, object]] = field(default_factory=list)
     others_held: tuple[int, ...] = ()  # the rest of its cgroup, stopped for the dump
+    # Where the wait timed out: the threads not stopped, {"pid", "tid", "state", "wchan"} each.
+    unstopped: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def ours(self) -> list[int]:
@@ -98,6 +100,7 @@ class Frozen:
             found["events_lost"] = self.events_lost
         if self.stopped is False:
             found["all_stopped"] = False  # the wait timed out: some task had not stopped
+            found["unstopped"] = self.unstopped
         if self.not_held:
             found["not_held"] = self.not_held
         if self.others_held:
@@ -358,9 +361,16 @@ class SigstopFreezer:
 
     def wait_frozen(self, frozen: Frozen, timeout: float) -> Frozen:
         """Wait until every task is stopped (or gone); returns the tree as it stopped, with
-        `stopped` saying whether it did in time. On the connector, children forked meanwhile
-        are stopped and added. A task in D state at the memory limit only stops once it can
+        `stopped` saying whether it did in time (and, where not, `unstopped`: each thread
+        still running and where it sleeps). On the connector, children forked meanwhile are
+        stopped and added. A task in D state at the memory limit only stops once it can
         return to user space: give it headroom first."""
+        waited = self._wait_frozen(frozen, timeout)
+        if waited.stopped is False:
+            waited = replace(waited, unstopped=unstopped_threads(self.proc, waited.ours))
+        return waited
+
+    def _wait_frozen(self, frozen: Frozen, timeout: float) -> Frozen:
         follow = frozen.follow
         if follow is None:
             free: list[dict[str, object]] = []
@@ -435,6 +445,14 @@ class SigstopFreezer:
         it found stopped, stops it again itself.)"""
         for pid in pids:
             _signal(pid, signal.SIGCONT, self.kill)
+
+
+def unstopped_threads(proc: ProcReader, pids: Iterable[int]) -> list[dict[str, object]]:
+    """The threads of these tasks that have not stopped, with their state and the kernel
+    function they sleep in (a task in D at the memory limit, or sleeping out a memory.high
+    penalty, stops only on its way back to user space): what a freeze that timed out waited
+    for."""
+    return threads_told(proc, pids, lambda wait: wait.state not in STOPPED_STATES)
 
 
 def kill_tree(pids: Iterable[int]) -> None:

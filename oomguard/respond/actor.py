@@ -19,7 +19,7 @@ from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup, subtree_procs
 from oomguard.config.actions import DEFAULT_CHAIN, KILL, PAGEOUT, Step
 from oomguard.config.loading import GuardConfig
 from oomguard.config.schema import ON_FAILURE_KILL
-from oomguard.model.errors import CgroupGone, ProcessGone
+from oomguard.model.errors import CgroupGone
 from oomguard.model.patterns import compile_patterns
 from oomguard.observe.decisionlog import DecisionLog
 from oomguard.observe.events import CheckpointDone, EventSink, VictimFrozen, sink_for
@@ -28,7 +28,7 @@ from oomguard.policy.retry import retry_delay
 from oomguard.policy.unfit import UnfitMarks
 from oomguard.policy.victims import ProcessTree
 from oomguard.respond.chain import ChainOutcome, ChainResult, ChainRunner, ChainSettings
-from oomguard.sense.procfs import ProcReader
+from oomguard.sense.procfs import ProcReader, threads_told
 
 MiB = 1 << 20
 MAX_VICTIM_ATTEMPTS = 3
@@ -39,7 +39,6 @@ CGROUP_FREEZE_TIMEOUT = 0.25
 # Where a task waits once the v2 freezer has it (its wchan): do_freezer_trap, or get_signal
 # where the kernel inlined it (6.1); a stopped task counts as frozen too (do_signal_stop).
 PARKED_WAITS = frozenset({"do_freezer_trap", "get_signal", "do_signal_stop"})
-MAX_UNPARKED_TOLD = 16
 
 
 KEEP_WORKERS = 4  # idle action threads kept for the next crossing
@@ -49,13 +48,11 @@ def unparked(path: Path, proc: ProcReader) -> list[dict[str, object]]:
     """The threads of a cgroup's subtree that its freezer has not parked yet, with their state
     and where they sleep (a task throttled at memory.high sleeps out its penalty in
     mem_cgroup_handle_over_high first): what a freeze that did not end in time waits for."""
-    found: list[dict[str, object]] = []
-    with contextlib.suppress(OSError, CgroupGone):
-        for pid in subtree_procs(path):
-            with contextlib.suppress(OSError, ProcessGone):
-                found += [{"pid": pid, "tid": wait.tid, "state": wait.state, "wchan": wait.wchan}
-                          for wait in proc.thread_waits(pid) if wait.wchan not in PARKED_WAITS]
-    return found[:MAX_UNPARKED_TOLD]
+    try:
+        pids = subtree_procs(path)
+    except (OSError, CgroupGone):
+        return []
+    return threads_told(proc, pids, lambda wait: wait.wchan not in PARKED_WAITS)
 
 
 class Workers:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +63,20 @@ class ThreadWait:
     tid: int
     state: str
     wchan: str
+
+
+def threads_told(proc: ProcReader, pids: Iterable[int], wanted: Callable[[ThreadWait], bool],
+                 most: int = 16) -> list[dict[str, object]]:
+    """The threads of these tasks that `wanted` picks, as an event tells them ({"pid",
+    "tid", "state", "wchan"} each), at most `most`; tasks gone meanwhile are left out."""
+    found: list[dict[str, object]] = []
+    for pid in pids:
+        with contextlib.suppress(ProcessGone, OSError):
+            found += [{"pid": pid, "tid": wait.tid, "state": wait.state, "wchan": wait.wchan}
+                      for wait in proc.thread_waits(pid) if wanted(wait)]
+        if len(found) >= most:
+            break
+    return found[:most]
 
 
 @dataclass(frozen=True)

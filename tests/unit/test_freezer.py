@@ -22,6 +22,7 @@ from oomguard.store.criu_hook import continue_tree, hung_up_at_exit, ns_pid, par
 from tests.helpers import REPO
 
 FORKSTORM = REPO / "tests" / "workloads" / "forkstorm.py"
+VFORKER = REPO / "tests" / "workloads" / "vforker.c"
 
 
 def _state(pid: int) -> str:
@@ -60,6 +61,38 @@ def test_frozen_ours_leaves_out_the_users() -> None:
     assert frozen.plus_user_stopped([2, 3]) == Frozen([1, 2, 3], [3, 2])
     assert frozen.plus_user_stopped([3]) is frozen
     assert Frozen([1]).ours == [1]
+
+
+def test_a_freeze_that_times_out_names_the_threads_it_waited_for(tmp_path: Path) -> None:
+    """A task whose SIGSTOP cannot take yet (here: a parent held in the kernel until its vfork
+    child execs; in life, one in D at the limit or sleeping out a memory.high penalty) is
+    named in victim.frozen, with its state and where it sleeps."""
+    binary = tmp_path / "vforker"
+    subprocess.run(["gcc", "-O1", "-o", str(binary), str(VFORKER)], check=True)
+    parent = subprocess.Popen([str(binary)], stdout=subprocess.PIPE, start_new_session=True)
+    proc = ProcReader()
+    freezer = SigstopFreezer()
+    frozen = None
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"up\n"
+        assert _until(lambda: proc.children_of(parent.pid) and _state(parent.pid) == "D")
+        frozen = freezer.wait_frozen(freezer.freeze(parent.pid), 0.3)
+        assert frozen.stopped is False
+        assert [(t["pid"], t["state"]) for t in frozen.unstopped] == [(parent.pid, "D")], \
+            frozen.unstopped
+        # (wait_for_vfork_done, where the kernel did not inline it into kernel_clone)
+        assert frozen.unstopped[0]["wchan"] in ("kernel_clone", "wait_for_vfork_done"), \
+            frozen.unstopped
+        told = frozen.fields()
+        assert told["all_stopped"] is False and told["unstopped"] == frozen.unstopped
+    finally:
+        if frozen is not None:
+            freezer.thaw(frozen.ours)
+        for pid in [*proc.children_of(parent.pid), parent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()
+    assert "unstopped" not in Frozen([1], stopped=True).fields()
 
 
 def test_a_task_found_stopped_gets_no_sigstop_and_no_sigcont(
