@@ -29,83 +29,33 @@ and the dump goes ahead (CRIU seizes its tasks with ptrace, which no SIGCONT und
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Protocol
 
+from oomguard.act.forkfollow import ForkFollow
+from oomguard.act.frozen import (
+    BY_LISTING,
+    STOPPED_STATES,
+    USER_STOPPED_STATE,
+    BeforeStop,
+    Frozen,
+    Kill,
+    continued,
+    not_held,
+    note_before_stop,
+    send_signal,
+    unstopped_threads,
+)
 from oomguard.model.errors import ProcessGone
-from oomguard.sense.cnproc import FORKS, ProcessFork
-from oomguard.sense.procevents import EventSource, Subscriber
-from oomguard.sense.procfs import PF_EXITING, ProcReader, threads_told
+from oomguard.sense.cnproc import FORKS
+from oomguard.sense.procevents import Subscriber
+from oomguard.sense.procfs import ProcReader
 
-STOPPED_STATES = frozenset("TtZX")  # stopped, traced, or already dead
-USER_STOPPED_STATE = "T"  # job-control stop; "t" is a ptrace stop (a debugger's, or CRIU's)
-BY_EVENTS = "connector"  # how the freeze caught forks: the kernel's process events
-BY_LISTING = "proc"  # or re-listing /proc/PID/task/*/children
 RELISTS = 50
-
-
-@dataclass(frozen=True)
-class Frozen:
-    """A stopped tree: every task (`pids`, parents first) and those that were stopped before
-    oomguard's SIGSTOP (`user_stopped`): they stay stopped whatever happens next.
-
-    `method`: how forks racing the freeze were caught (BY_EVENTS or BY_LISTING, then
-    `why_listing` says why); `caught`: children stopped on their fork event; `left`: tasks
-    that left the tree before it stopped (their parent exited and they were reparented out
-    of it: CRIU cannot dump them with it; continued unless the user's); `events_lost`: times
-    the connector's buffer overflowed (then /proc was walked again); `stopped`: whether
-    wait_frozen saw every task stopped (None before it). `follow` is the live subscription
-    between freeze() and wait_frozen()."""
-
-    pids: list[int]
-    user_stopped: list[int] = field(default_factory=list)
-    method: str = BY_LISTING
-    why_listing: str | None = None
-    caught: int = 0
-    left: list[int] = field(default_factory=list)
-    events_lost: int = 0
-    stopped: bool | None = None
-    follow: ForkFollow | None = field(default=None, compare=False, repr=False)
-    # Continued by another process after oomguard's SIGSTOP: {"pid", "comm", "why"} each.
-    not_held: list[dict[str, object]] = field(default_factory=list)
-    others_held: tuple[int, ...] = ()  # the rest of its cgroup, stopped for the dump
-    # Where the wait timed out: the threads not stopped, {"pid", "tid", "state", "wchan"} each.
-    unstopped: list[dict[str, object]] = field(default_factory=list)
-
-    @property
-    def ours(self) -> list[int]:
-        """The tasks oomguard stopped: the ones a thaw or a restore continues."""
-        kept = set(self.user_stopped)
-        return [pid for pid in self.pids if pid not in kept]
-
-    def plus_user_stopped(self, pids: Iterable[int]) -> Frozen:
-        more = [pid for pid in pids if pid not in self.user_stopped]
-        return replace(self, user_stopped=self.user_stopped + more) if more else self
-
-    def fields(self) -> dict[str, object]:
-        """For the victim.frozen event: how forks were caught, and what escaped the tree."""
-        found: dict[str, object] = {"freeze": self.method}
-        if self.method == BY_EVENTS:
-            found["forks_caught"] = self.caught
-        if self.why_listing:
-            found["freeze_fallback"] = self.why_listing
-        if self.left:
-            found["left_tree"] = self.left
-        if self.events_lost:
-            found["events_lost"] = self.events_lost
-        if self.stopped is False:
-            found["all_stopped"] = False  # the wait timed out: some task had not stopped
-            found["unstopped"] = self.unstopped
-        if self.not_held:
-            found["not_held"] = self.not_held
-        if self.others_held:
-            found["others_held"] = list(self.others_held)
-        return found
 
 
 class Freezer(Protocol):
@@ -116,189 +66,6 @@ class Freezer(Protocol):
     def stopped_again(self, pids: Iterable[int]) -> list[int]: ...
 
     def thaw(self, pids: Iterable[int]) -> None: ...
-
-
-Kill = Callable[[int, int], None]  # os.kill, or a test's
-BeforeStop = Callable[[list[int]], None]  # the frozen ledger's note(): recorded first
-
-
-def _note(before_stop: BeforeStop | None, pid: int) -> None:
-    """Record-before-act: a task found for the freeze (a child forked since its tree was
-    chosen and recorded) is in the frozen ledger before its SIGSTOP, so a daemon killed right
-    after the signal leaves it to the next start to continue, never stopped for good (found
-    stopped and not in the ledger, a task reads as its user's). A ledger that cannot be
-    written stops it anyway: the freeze must hold the whole tree for CRIU."""
-    if before_stop is not None:
-        with contextlib.suppress(OSError):
-            before_stop([pid])
-
-
-def _signal(pid: int, sig: signal.Signals, kill: Kill = os.kill) -> bool:
-    try:
-        kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def continued(proc: ProcReader, pid: int) -> bool:
-    """A task seen not stopped that someone continued after its SIGSTOP (the module's
-    docstring says why this is exact): no stop signal pending, then no thread stopped. The
-    order matters: a stop taken between the two reads leaves its thread stopped. A task on
-    its way out (a kill discards stop signals) is not: it is waited for until it is gone."""
-    try:
-        if proc.status(pid).stop_pending:
-            return False
-        states = proc.thread_states(pid)
-        exiting = bool(proc.stat(pid).flags & PF_EXITING)
-    except (ProcessGone, ValueError):
-        return False
-    return bool(states) and not exiting and not any(state in STOPPED_STATES for state in states)
-
-
-def not_held(proc: ProcReader, pid: int, tree: Collection[int]) -> dict[str, object]:
-    """The event's account of a task that was continued: pid, comm, and why (its parent, where
-    that is outside the tree: tmux continues its panes' programs)."""
-    try:
-        stat = proc.stat(pid)
-    except ProcessGone:
-        return {"pid": pid, "comm": "", "why": "continued by another process after SIGSTOP"}
-    why = "continued by another process after SIGSTOP"
-    if stat.ppid not in tree:
-        try:
-            parent = proc.stat(stat.ppid).comm
-        except ProcessGone:
-            parent = "?"
-        why += f"; its parent {stat.ppid} ({parent}) is outside the tree"
-    return {"pid": pid, "comm": stat.comm, "why": why + ": dumped as it runs"}
-
-
-class ForkFollow:
-    """One freeze on the connector: the tree's tasks as found by a walk of /proc and by fork
-    events, each stopped as it is found (or noted as the user's)."""
-
-    def __init__(self, root: int, events: EventSource, proc: ProcReader,
-                 held: Collection[int] = (), kill: Kill = os.kill,
-                 before_stop: BeforeStop | None = None) -> None:
-        self.root = root
-        self.kill = kill
-        self.before_stop = before_stop
-        self.events = events
-        self.proc = proc
-        self.held = frozenset(held)
-        self.members: dict[int, int] = {}  # pid -> start time, in the order found (parents
-        # before children); with the pid, the start time names one process (pids are reused)
-        self.user_stopped: list[int] = []
-        self.settled: set[int] = set()  # seen stopped in every thread, or gone, or continued
-        self.not_held: list[dict[str, object]] = []  # continued by another process
-        self.caught = 0
-        self.lost = 0
-        self.left: list[int] = []
-        self.tree: list[int] | None = None  # the stopped tree, as the final walk saw it
-
-    def take(self, pid: int) -> None:
-        """A new task of the tree: the user's if found stopped (and not `held`), else
-        SIGSTOPped."""
-        self.members[pid] = 0
-        try:
-            stat = self.proc.stat(pid)
-        except ProcessGone:
-            self.settled.add(pid)
-            return
-        self.members[pid] = stat.starttime
-        if stat.state == USER_STOPPED_STATE:
-            # Held: stopped by oomguard already. No second SIGSTOP: it would stay pending in
-            # the stopped task and read as the user's (stopped_again).
-            if pid not in self.held:
-                self.user_stopped.append(pid)
-            return
-        _note(self.before_stop, pid)
-        if not _signal(pid, signal.SIGSTOP, self.kill):
-            self.settled.add(pid)
-
-    def walk(self) -> tuple[int, list[int]]:
-        """The root's tree in /proc now, each task stopped before its children are listed;
-        returns how many were new and the tree, parents first."""
-        new, tree, index = 0, [self.root], 0
-        seen = {self.root}
-        while index < len(tree):
-            pid = tree[index]
-            index += 1
-            if pid not in self.members:
-                self.take(pid)
-                new += 1
-            for kid in self.proc.children_of(pid):
-                if kid not in seen:
-                    seen.add(kid)
-                    tree.append(kid)
-        return new, tree
-
-    def drain(self) -> int:
-        """Every event queued: a new process whose parent is in the tree is stopped at once.
-        (Exit events are not trusted to end a task: a group leader may exit before its other
-        threads; /proc says when the whole process has.) After lost events, /proc is walked
-        again. Returns how many tasks were new."""
-        batch = self.events.read()
-        new = 0
-        for event in batch.events:
-            if (isinstance(event, ProcessFork) and event.new_process
-                    and event.parent_tgid in self.members
-                    and event.child_tgid not in self.members):
-                self.take(event.child_tgid)
-                self.caught += 1
-                new += 1
-        if batch.lost:
-            self.lost += batch.lost
-            new += self.walk()[0]
-        return new
-
-    def unsettled(self) -> list[int]:
-        """Tasks not yet seen stopped (in every thread) or gone."""
-        waiting = []
-        for pid in self.members:
-            if pid in self.settled:
-                continue
-            try:
-                states = self.proc.thread_states(pid)
-            except ProcessGone:
-                states = []
-            if all(state in STOPPED_STATES for state in states) or not self._same(pid):
-                self.settled.add(pid)  # stopped, or gone (its pid taken by another process)
-            elif continued(self.proc, pid):
-                self.settled.add(pid)  # never held: waiting for it would wait out the timeout
-                self.not_held.append(not_held(self.proc, pid, self.members))
-            else:
-                waiting.append(pid)
-        return waiting
-
-    def _same(self, pid: int) -> bool:
-        return self.proc.starttime(pid) == self.members[pid] != 0
-
-    def reconcile(self) -> int:
-        """Walk the stopped tree: a task no event named is stopped (returns how many), and
-        a task that left the tree (reparented out of it) is let go: continued, unless the
-        user's."""
-        new, tree = self.walk()
-        inside = set(tree)
-        self.tree = [pid for pid in tree if self.proc.exists(pid)]
-        for pid in self.members:
-            if pid not in inside and pid not in self.left and self._same(pid):
-                self.left.append(pid)
-                if pid not in self.user_stopped:
-                    _signal(pid, signal.SIGCONT, self.kill)
-        return new
-
-    def frozen(self, stopped: bool | None = None) -> Frozen:
-        pids = self.tree if self.tree is not None else list(self.members)
-        kept = set(pids)
-        return Frozen(list(pids), [p for p in self.user_stopped if p in kept], BY_EVENTS,
-                      caught=self.caught, left=list(self.left), events_lost=self.lost,
-                      stopped=stopped, follow=None if stopped is not None else self,
-                      not_held=list(self.not_held))
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.events.close()
 
 
 class SigstopFreezer:
@@ -353,8 +120,8 @@ class SigstopFreezer:
                     if pid not in held:  # held: stopped by oomguard already (see take)
                         user_stopped.append(pid)
                 else:
-                    _note(self.before_stop, pid)
-                    _signal(pid, signal.SIGSTOP, self.kill)
+                    note_before_stop(self.before_stop, pid)
+                    send_signal(pid, signal.SIGSTOP, self.kill)
         if not seen or not self.proc.exists(root_pid):
             raise ProcessGone(f"process {root_pid} is gone")
         return Frozen(seen, user_stopped, BY_LISTING, why_listing=why)
@@ -444,18 +211,10 @@ class SigstopFreezer:
         """SIGCONT each task. (No second look at pending stops here: CRIU, giving back a task
         it found stopped, stops it again itself.)"""
         for pid in pids:
-            _signal(pid, signal.SIGCONT, self.kill)
-
-
-def unstopped_threads(proc: ProcReader, pids: Iterable[int]) -> list[dict[str, object]]:
-    """The threads of these tasks that have not stopped, with their state and the kernel
-    function they sleep in (a task in D at the memory limit, or sleeping out a memory.high
-    penalty, stops only on its way back to user space): what a freeze that timed out waited
-    for."""
-    return threads_told(proc, pids, lambda wait: wait.state not in STOPPED_STATES)
+            send_signal(pid, signal.SIGCONT, self.kill)
 
 
 def kill_tree(pids: Iterable[int]) -> None:
     """The last resort: SIGKILL every task of the tree (stopped tasks die too)."""
     for pid in pids:
-        _signal(pid, signal.SIGKILL)
+        send_signal(pid, signal.SIGKILL)

@@ -25,7 +25,8 @@ import psutil
 
 from oomguard.act.bystanders import Bystanders
 from oomguard.act.criu import Criu
-from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, SigstopFreezer
+from oomguard.act.freezer import Freezer, SigstopFreezer
+from oomguard.act.frozen import USER_STOPPED_STATE, Frozen
 from oomguard.act.lifts import LimitLifts
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.base import MemoryCgroup, MemorySnapshot

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.act.bystanders import Held
-from oomguard.act.freezer import Frozen
+from oomguard.act.frozen import Frozen
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.gpu.offload import GpuHold
 from oomguard.policy.budget import BudgetReading

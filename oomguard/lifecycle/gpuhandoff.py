@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection
 
-from oomguard.act.freezer import USER_STOPPED_STATE, Freezer
+from oomguard.act.freezer import Freezer
+from oomguard.act.frozen import USER_STOPPED_STATE
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.gpu.offload import GpuHold, GpuRefused, move_off_gpu
 from oomguard.gpu.runtime import GpuSupport

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from oomguard.act.cgrouphold import CgroupHold
-from oomguard.act.freezer import USER_STOPPED_STATE, continued
+from oomguard.act.frozen import USER_STOPPED_STATE, continued
 from oomguard.act.pageout import PageoutError
 from oomguard.act.swapfiles import SwapFiles
 from oomguard.model.errors import ProcessGone

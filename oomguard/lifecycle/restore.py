@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.act.criu import RESTORE_PIDFILE, Criu
-from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, kill_tree
+from oomguard.act.freezer import Freezer, kill_tree
+from oomguard.act.frozen import USER_STOPPED_STATE
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.gpu.offload import back_to_gpu, restored_host_pids
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, GpuSupport

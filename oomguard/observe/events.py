@@ -292,7 +292,7 @@ class VictimFrozen:
 
     detect_to_frozen_ms: float  # from the crossing's wake-up to the tree stopped
     choose_ms: float  # reading and ranking the trees
-    freeze: Mapping[str, object] = field(default_factory=dict)  # how (act.freezer.Frozen)
+    freeze: Mapping[str, object] = field(default_factory=dict)  # how (act.frozen.Frozen)
     victim: VictimFields = field(default_factory=dict)
 
     @property

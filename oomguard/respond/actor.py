@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomguard.act.freezer import Frozen
+from oomguard.act.frozen import Frozen
 from oomguard.act.priority import ThreadPriority
 from oomguard.cgroup.base import FreezableCgroup, MemoryCgroup, subtree_procs
 from oomguard.config.actions import DEFAULT_CHAIN, KILL, PAGEOUT, Step

@@ -17,7 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from oomguard.act.freezer import USER_STOPPED_STATE, Freezer, Frozen, kill_tree
+from oomguard.act.freezer import Freezer, kill_tree
+from oomguard.act.frozen import USER_STOPPED_STATE, Frozen
 from oomguard.act.kubelet import ContainerCheckpointer
 from oomguard.act.podman import PodmanEngine
 from oomguard.cgroup.base import MemoryCgroup

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from oomguard.act.freezer import Frozen
+from oomguard.act.frozen import Frozen
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.lifecycle.checkpointrun import CheckpointResult
 from oomguard.policy.victims import ProcessTree

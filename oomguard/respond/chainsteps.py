@@ -13,7 +13,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Protocol
 
-from oomguard.act.freezer import USER_STOPPED_STATE
+from oomguard.act.frozen import USER_STOPPED_STATE
 from oomguard.act.kubelet import KubeletError
 from oomguard.config.actions import CHECKPOINT, FREEZE, KILL, PAGEOUT, SIGNAL, VRAM, Step
 from oomguard.gpu.cudackpt import CudaCheckpointError

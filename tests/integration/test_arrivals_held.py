@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.freezer import Frozen
+from oomguard.act.frozen import Frozen
 from oomguard.lifecycle.checkpoint import tree_of
 from tests.helpers import (
     CgroupFactory,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.act.criu import Criu
-from oomguard.act.freezer import Frozen, SigstopFreezer
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.frozen import Frozen
 from oomguard.act.oomshield import OomShield
 from oomguard.cgroup.v2 import V2MemoryCgroup
 from oomguard.gpu.runtime import ENGINE_CUDA_CHECKPOINT, ENGINE_NONE, GpuSupport

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.freezer import Frozen
+from oomguard.act.frozen import Frozen
 from oomguard.cgroup.base import MemoryCgroup
 from oomguard.cgroup.mounts import read_layout
 from oomguard.config.loading import load_config

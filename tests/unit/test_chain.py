@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.act.freezer import Frozen
+from oomguard.act.frozen import Frozen
 from oomguard.config.actions import CHECKPOINT, KILL, Step, parse_step
 from oomguard.model.errors import CheckpointFailed, FailedCheckpoint, ProcessGone
 from oomguard.policy.victims import ProcessTree

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from oomguard.act.criu import Criu
-from oomguard.act.freezer import BY_EVENTS, Frozen, SigstopFreezer
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.frozen import BY_EVENTS, Frozen
 from oomguard.config.loading import GuardConfig, load_config_text
 from oomguard.control.service import Service
 from oomguard.daemon.autorestore import RESTORE_BACKOFF, AutoRestorer

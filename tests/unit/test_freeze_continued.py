@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.freezer import SigstopFreezer, continued
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.frozen import continued
 from oomguard.sense.procevents import EventSource, Subscriber
 from oomguard.sense.procfs import PF_EXITING, ProcReader
 from tests.unit._support import USER_FLAGS, stat_line

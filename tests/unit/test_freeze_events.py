@@ -1,4 +1,4 @@
-"""The exact freeze (oomguard.act.freezer.ForkFollow) against a fake /proc in kernel format and
+"""The exact freeze (oomguard.act.forkfollow.ForkFollow) against a fake /proc in kernel format and
 fake process events: a SIGSTOP takes effect at the next tick of the injected sleep, and a
 task may fork on its way to the stop (a fork that has passed copy_process's signal check).
 The same world through the /proc re-listing shows what that path lets escape."""
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.act.freezer import BY_EVENTS, BY_LISTING, ForkFollow, SigstopFreezer
+from oomguard.act.forkfollow import ForkFollow
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.frozen import BY_EVENTS, BY_LISTING
 from oomguard.model.errors import ProcessGone
 from oomguard.sense.cnproc import ProcessEvent, ProcessExec, ProcessExit, ProcessFork
 from oomguard.sense.procevents import EventBatch, EventSource, Subscriber

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from oomguard.act.criu import KEEP_STOPPED_ENV, hook_script_text
-from oomguard.act.freezer import Frozen, SigstopFreezer
+from oomguard.act.freezer import SigstopFreezer
+from oomguard.act.frozen import Frozen
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.criu_hook import continue_tree, hung_up_at_exit, ns_pid, parse_keep
 from tests.helpers import REPO
