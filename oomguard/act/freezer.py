@@ -4,27 +4,18 @@ expects of a tree it dumps (a stopped task is dumped and restored stopped).
 Tasks the user had stopped (Ctrl-Z, SIGSTOP) before oomguard came are left as they are and
 never continued by it: `Frozen.user_stopped` names them, `Frozen.ours` the tasks to continue.
 
-A fork racing the freeze: with the kernel's process-event connector (oomguard.sense.
-procevents) the freeze subscribes before its first SIGSTOP, and every child whose fork event
-names a parent in the tree is stopped at once (ForkFollow). It is exact: a stopped task cannot
-fork, and a fork's event is queued before the parent returns to user space (where its pending
-SIGSTOP takes it; a fork that has not reached the end of copy_process by then is undone and
-restarted after the stop). So once every thread of every task in the set is seen stopped, one
-last read of the socket and one walk of the stopped tree in /proc find nothing new. freeze()
-sends the SIGSTOPs and returns at once (a task parked at the memory limit stops only once the
-headroom is given, a v2-frozen cgroup only once thawed); wait_frozen() follows the forks until
-the whole tree has stopped, and closes the subscription. Where the connector is unavailable,
-the tree is re-listed until no new child appears (up to 50 times): a child forked after the
-last listing, before its parent stopped, escapes.
+A fork racing the freeze: with the kernel's process-event connector the freeze follows the
+forks exactly (oomguard.act.forkfollow). freeze() sends the SIGSTOPs and returns at once (a
+task parked at the memory limit stops only once the headroom is given, a v2-frozen cgroup only
+once thawed); wait_frozen() follows the forks until the whole tree has stopped, and closes the
+subscription. Where the connector is unavailable, the tree is re-listed until no new child
+appears (up to 50 times): a child forked after the last listing, before its parent stopped,
+escapes.
 
-A task that another process continues (tmux sends SIGCONT to a pane's program that anything
-but a terminal read or write stopped; so does a person's `kill -CONT`) cannot be held by
-SIGSTOP. It is told from a task that has not stopped yet (its SIGSTOP still pending: not yet
-scheduled, or in the kernel at the memory limit) by the kernel's own bookkeeping: a stop
-signal is taken off the pending set under the same lock that stops the thread taking it, and a
-SIGCONT discards a pending one. So a task with no stop signal pending and no thread stopped
-was continued. The wait does not wait for it: `Frozen.not_held` names it (pid, comm, why)
-and the dump goes ahead (CRIU seizes its tasks with ptrace, which no SIGCONT undoes).
+A task another process continues after its SIGSTOP (tmux, a person's `kill -CONT`; how it is
+told from one not stopped yet: oomguard.act.frozen) is not waited for: `Frozen.not_held`
+names it (pid, comm, why) and the dump goes ahead (CRIU seizes its tasks with ptrace, which no
+SIGCONT undoes). Where the wait times out, `Frozen.unstopped` names the threads it waited for.
 """
 
 from __future__ import annotations

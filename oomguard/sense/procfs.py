@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,36 +224,34 @@ class ProcReader:
     def thread_states(self, pid: int) -> list[str]:
         """The state of each thread of `pid` (/proc/PID/task/*/stat): a process has stopped
         only once every thread has. Threads that end meanwhile are left out."""
-        base = self.root / str(pid) / "task"
-        try:
-            tids = os.listdir(base)
-        except (FileNotFoundError, ProcessLookupError) as exc:
-            raise ProcessGone(f"process {pid} is gone") from exc
-        states = []
-        for tid in tids:
-            try:
-                states.append(parse_stat((base / tid / "stat").read_text(errors="replace")).state)
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-        return states
+        return [state for _tid, state, _task in self._threads(pid)]
 
     def thread_waits(self, pid: int) -> list[ThreadWait]:
         """Each thread of `pid` with its state and wchan; threads that end meanwhile are left
         out."""
+        waits = []
+        for tid, state, task in self._threads(pid):
+            try:
+                wchan = (task / "wchan").read_text(errors="replace").strip()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            waits.append(ThreadWait(tid, state, "" if wchan == "0" else wchan))
+        return waits
+
+    def _threads(self, pid: int) -> Iterator[tuple[int, str, Path]]:
+        """(tid, state, its /proc directory) of each thread still there; ProcessGone where
+        the process is."""
         base = self.root / str(pid) / "task"
         try:
             tids = os.listdir(base)
         except (FileNotFoundError, ProcessLookupError) as exc:
             raise ProcessGone(f"process {pid} is gone") from exc
-        waits = []
         for tid in tids:
             try:
                 state = parse_stat((base / tid / "stat").read_text(errors="replace")).state
-                wchan = (base / tid / "wchan").read_text(errors="replace").strip()
             except (FileNotFoundError, ProcessLookupError):
                 continue
-            waits.append(ThreadWait(int(tid), state, "" if wchan == "0" else wchan))
-        return waits
+            yield int(tid), state, base / tid
 
     def status(self, pid: int) -> StatusFields:
         try:

@@ -17,13 +17,24 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from oomguard.cgroup.base import MemoryCgroup
 from oomguard.store.checkpoints import Store
 from oomguard.terminal.client import request
 from oomguard.terminal.execwrap import EXIT_CHECKPOINTED, EXIT_DETACHED
-from tests.helpers import REPO, CgroupFactory, MiB, daemon, kill_pid, oomguard_argv, wait_until
+from tests.helpers import (
+    REPO,
+    CgroupFactory,
+    DaemonProcess,
+    MiB,
+    daemon,
+    kill_pid,
+    oomguard_argv,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 TTY_JOB = REPO / "tests" / "workloads" / "tty_job.py"
@@ -295,6 +306,17 @@ def _is_init_of(pid: str, log: Path) -> bool:
     return any(arg.endswith(b"nsinit.py") for arg in cmdline) and str(log).encode() in cmdline
 
 
+def _job_typed_and_checkpointed(guard: DaemonProcess, store: Path, cgroup: MemoryCgroup,
+                                log: Path, env: dict[str, str],
+                                tmp_path: Path) -> tuple[dict[str, Any], Terminal]:
+    """A 200-count job run with `oomguard exec` on a terminal, checkpointed by the guard."""
+    first = Terminal([*oomguard_argv(store), "exec", "--cgroup", str(cgroup.path), "--",
+                      *job_argv(log, count=200)], env, tmp_path)
+    done = guard.wait_event("checkpoint.done", timeout=60)[0]
+    assert first.proc.wait(timeout=30) == EXIT_CHECKPOINTED
+    return done, first
+
+
 def test_failed_restore_leaves_checkpoint_and_terminal_restorable(
         cgroups: CgroupFactory, store: Path, tmp_path: Path, runtime_env: dict[str, str]) -> None:
     small = cgroups.make("ttyfail", 128 * MiB)
@@ -302,10 +324,7 @@ def test_failed_restore_leaves_checkpoint_and_terminal_restorable(
     log = tmp_path / "job.log"
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
         guard.wait_event("guard.armed")
-        first = Terminal([*oomguard_argv(store), "exec", "--cgroup", str(small.path), "--",
-                          *job_argv(log, count=200)], runtime_env, tmp_path)
-        done = guard.wait_event("checkpoint.done", timeout=60)[0]
-        assert first.proc.wait(timeout=30) == EXIT_CHECKPOINTED
+        done, first = _job_typed_and_checkpointed(guard, store, small, log, runtime_env, tmp_path)
     first.close()
     broken = tmp_path / "criu-broken"  # a CRIU that is new enough but fails every restore
     broken.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Version: 4.2.1" && exit 0\n'
@@ -393,10 +412,7 @@ def test_a_restore_failing_after_its_terminal_was_leased_gives_it_back(
     log = tmp_path / "job.log"
     with daemon(store, tmp_path / "daemon.log", "--cgroup", str(small.path)) as guard:
         guard.wait_event("guard.armed")
-        first = Terminal([*oomguard_argv(store), "exec", "--cgroup", str(small.path), "--",
-                          *job_argv(log, count=200)], runtime_env, tmp_path)
-        done = guard.wait_event("checkpoint.done", timeout=60)[0]
-        assert first.proc.wait(timeout=30) == EXIT_CHECKPOINTED
+        done, first = _job_typed_and_checkpointed(guard, store, small, log, runtime_env, tmp_path)
         first.close()
         socket_path = Store(store).get(done["id"]).extra["ttys"][0]["socket"]
         holder = holder_pid(socket_path)

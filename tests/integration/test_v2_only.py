@@ -80,6 +80,24 @@ def test_memory_high_events_drive_detection_and_high_is_put_back(
     assert not cg.is_frozen()
 
 
+def _guarded_with_high_at_threshold(cgroups: CgroupFactory, store: Path, tmp_path: Path,
+                                   name: str, limit: int,
+                                   ) -> tuple[V2MemoryCgroup, int, DaemonProcess]:
+    """A cgroup under a guard at 85%, ready, its memory.high set there: (cgroup, that mark,
+    the daemon); the caller stops the daemon."""
+    cg = cgroups.make(name, limit)
+    assert isinstance(cg, V2MemoryCgroup)
+    mark = int(limit * 0.85) // 4096 * 4096
+    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    try:
+        guard.wait_event("guard.ready", timeout=60)
+        assert cg.high() == mark
+    except BaseException:
+        guard.stop()
+        raise
+    return cg, mark, guard
+
+
 def test_memory_high_taken_back_by_a_scheduler_is_set_again_and_theirs_put_back(
         cgroups: CgroupFactory, store: Path, tmp_path: Path) -> None:
     """Slurm's task/cgroup writes memory.high (the job's limit) after the job cgroup's limit,
@@ -88,14 +106,9 @@ def test_memory_high_taken_back_by_a_scheduler_is_set_again_and_theirs_put_back(
     at 80%). Now the write is seen, memory.high is set at the threshold again, the job is
     caught there, and the scheduler's value is what goes back when the guard stops."""
     limit = 128 * MiB
-    cg = cgroups.make("taken", limit)
-    assert isinstance(cg, V2MemoryCgroup)
-    mark = int(limit * 0.85) // 4096 * 4096
-    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    cg, mark, guard = _guarded_with_high_at_threshold(cgroups, store, tmp_path, "taken", limit)
     hog = None
     try:
-        guard.wait_event("guard.ready", timeout=60)
-        assert cg.high() == mark
         (cg.path / "memory.high").write_text(str(limit))  # as slurmstepd does
         said = guard.wait_event("guard.high_taken_back", timeout=30)[0]
         assert said["memory_high"] == limit and said["cgroup"] == str(cg.path), said
@@ -121,14 +134,9 @@ def test_memory_high_taken_back_again_and_again_is_given_up_not_fought(
     follows HIGH_TAKEBACKS_FOLLOWED take-backs in the window, then yields: theirs stands, the
     guard polls instead, and a hog is still checkpointed, not killed."""
     limit = 128 * MiB
-    cg = cgroups.make("fought", limit)
-    assert isinstance(cg, V2MemoryCgroup)
-    mark = int(limit * 0.85) // 4096 * 4096
-    guard = DaemonProcess(store, tmp_path / "daemon.log", "--cgroup", str(cg.path))
+    cg, mark, guard = _guarded_with_high_at_threshold(cgroups, store, tmp_path, "fought", limit)
     hog = None
     try:
-        guard.wait_event("guard.ready", timeout=60)
-        assert cg.high() == mark
         # The other writer: its value back each time it sees oomguard's, as fast as it can.
         writes = 0
         deadline = time.monotonic() + 60 * EMULATION_FACTOR
