@@ -69,6 +69,15 @@ class PodmanEngine:
         done = self._call("container", "restore", "--import", str(archive), *extra)
         return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
+    def state(self, container: str) -> tuple[str, bool]:
+        """The container's status as podman keeps it ("running", "exited"...) and whether
+        its last checkpoint completed (State.Checkpointed). Raises EngineError (no such
+        container, no podman)."""
+        done = self._call("container", "inspect", "--format",
+                          "{{.State.Status}} {{.State.Checkpointed}}", container)
+        status, _, checkpointed = done.stdout.strip().partition(" ")
+        return status, checkpointed == "true"
+
     def _call(self, *args: str) -> subprocess.CompletedProcess[str]:
         argv = [*self.command, *args]
         try:

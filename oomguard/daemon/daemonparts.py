@@ -81,7 +81,7 @@ def workers(daemon: Daemon, config: DaemonConfig, restorer: Restorer | None,
     """Who does the work the loop decides on; the cgroup side is built already."""
     checkpointer, clock, log, events = daemon.checkpointer, daemon.clock, daemon.log, daemon.events
     upkeep = StoreUpkeep(checkpointer.store, checkpointer.ledger, config, log,
-                         clock=clock, wall_clock=wall_clock)
+                         clock=clock, wall_clock=wall_clock, podman=podman)
     checkpointer.on_pruned = upkeep.log_pruned  # made room for a new checkpoint
     auto_restore = AutoRestorer(checkpointer.store, restorer, log, events=events, clock=clock,
                                 restored=upkeep.forget_listing)

@@ -8,8 +8,11 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from oomguard.act.podman import PodmanEngine
+from oomguard.act.podmanpartials import BUSY, KEPT, REMOVED, partials_in, settle_partial
 from oomguard.config.loading import DaemonConfig
 from oomguard.detect.timetolimit import DEFAULT_THROUGHPUT
 from oomguard.model.errors import StoreError
@@ -18,6 +21,7 @@ from oomguard.policy.retention import Prune
 from oomguard.store.budget import StoreBudget
 from oomguard.store.checkpoints import CheckpointMeta, Store
 from oomguard.store.ledger import FrozenLedger
+from oomguard.store.names import CONTAINERS_DIR
 
 PRUNE_INTERVAL = 60.0
 LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often
@@ -26,8 +30,13 @@ LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often
 class StoreUpkeep:
     def __init__(self, store: Store, ledger: FrozenLedger, config: DaemonConfig, log: Any, *,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 podman: PodmanEngine | None = None) -> None:
         self.store = store
+        self.podman = podman
+        # The container archives a dead run left half named, still to settle (podmanpartials)
+        self._archives: list[Path] = []
+        self._archives_said: set[Path] = set()
         self.ledger = ledger
         self.config = config
         self.log = log
@@ -60,9 +69,13 @@ class StoreUpkeep:
         self.throughput = updated_throughput(self.throughput, image_bytes, dump_seconds)
 
     def recover_store(self) -> None:
-        """At start, first: partial dumps (a CRIU still at work keeps its tasks); and learn this
-        machine's dump throughput from the checkpoints already in the store."""
+        """At start, first: partial dumps (a CRIU still at work keeps its tasks), and container
+        archives podman was writing when the last run died; and learn this machine's dump
+        throughput from the checkpoints already in the store."""
         self._recover_store()
+        # Only what is there now: this run's own checkpoints write .partial archives too.
+        self._archives = partials_in(self.store.root / CONTAINERS_DIR)
+        self._settle_archives()
         for meta in self.store.list():
             self.note_dump(meta.image_bytes, meta.dump_seconds)
 
@@ -77,6 +90,8 @@ class StoreUpkeep:
         another oomguard process still holds): the daemon asks again soon."""
         if self._partials_busy or self.clock() >= self._next_partials:
             self._recover_store()
+        if self._archives:
+            self._settle_archives()
         pending = self.ledger.pending()
         if pending:
             self._thaw_leftovers()
@@ -85,7 +100,43 @@ class StoreUpkeep:
             self.prune()
         # Held by another oomguard process (the last run's standby, relieved but still on its
         # way out): its tasks are this daemon's to continue the moment it is gone.
-        return self._partials_busy or pending or self.ledger.held_elsewhere()
+        return self._partials_busy or bool(self._archives) or pending \
+            or self.ledger.held_elsewhere()
+
+    def _settle_archives(self) -> None:
+        """The last run's .partial container archives: kept, removed, or left (said once);
+        those still being written are looked at again on the next tick."""
+        waiting = []
+        for partial in self._archives:
+            try:
+                found = settle_partial(partial, self.podman)
+            except OSError as exc:
+                self.log.error("podman.partial_failed", partial=str(partial), error=str(exc))
+                continue
+            fields = {"partial": str(partial), "container_id": found.container,
+                      "why": found.why}
+            if found.outcome == BUSY:
+                waiting.append(partial)
+                if partial not in self._archives_said:
+                    self._archives_said.add(partial)
+                    self.log.info("podman.partial_busy", **fields,
+                                  explanation="the last run's podman checkpoint is still at "
+                                  "work; looked at again until it is done")
+            elif found.outcome == KEPT:
+                self.log.warning("podman.recovered", **fields, archive=str(found.archive),
+                                 restore=f"podman container restore --import {found.archive}",
+                                 explanation="podman finished the checkpoint the last run "
+                                 "asked for after that run died: kept under its name")
+            elif found.outcome == REMOVED:
+                self.log.warning("podman.partial_removed", **fields,
+                                 explanation="a checkpoint cut short when the last run died; "
+                                 "the container was not checkpointed and runs on")
+            else:
+                self.log.error("podman.partial_left", **fields,
+                               explanation="a container archive the last run did not finish "
+                               "naming, left as it is: look at it (podman container restore "
+                               "--import FILE may still bring the container back)")
+        self._archives = waiting
 
     def listed(self) -> list[CheckpointMeta]:
         """The store's checkpoints, read again only when its directory changed (a checkpoint

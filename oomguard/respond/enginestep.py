@@ -20,8 +20,7 @@ from oomguard.observe import events
 from oomguard.respond.chainstate import ChainOutcome, ChainResult, ChainRun
 from oomguard.respond.steptools import StepTools
 from oomguard.sense.owners import PodmanContainer, podman_container
-
-CONTAINERS_DIR = "containers"  # in the store: the archives podman exported
+from oomguard.store.names import CONTAINERS_DIR
 
 
 def podman_of(tools: StepTools, run: ChainRun) -> PodmanContainer | None:

@@ -312,6 +312,25 @@ class ProcReader:
     def all_pids(self) -> list[int]:
         return sorted(int(name) for name in os.listdir(self.root) if name.isdigit())
 
+    def using(self, path: Path) -> list[int]:
+        """The processes that have `path` open, or name it in their command line (a writer
+        between its start and its open: `podman checkpoint --export PATH` dumps for a while
+        before it writes there)."""
+        wanted, named = str(path), os.fsencode(path)
+        found = []
+        for pid in self.all_pids():
+            base = self.root / str(pid)
+            with contextlib.suppress(OSError):
+                if named in (base / "cmdline").read_bytes().split(b"\0"):
+                    found.append(pid)
+                    continue
+                for fd in os.listdir(base / "fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(base / "fd" / fd) == wanted:
+                            found.append(pid)
+                            break
+        return found
+
     def exists(self, pid: int) -> bool:
         return (self.root / str(pid)).exists()
 

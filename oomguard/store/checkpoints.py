@@ -42,7 +42,7 @@ from oomguard.store.integrity import (
     sums_name,
     verify,
 )
-from oomguard.store.names import CHECKPOINT_LOCK, LAST_FAILED_LOG, PARTIAL_PREFIX
+from oomguard.store.names import CHECKPOINT_LOCK, CONTAINERS_DIR, LAST_FAILED_LOG, PARTIAL_PREFIX
 
 __all__ = ["COMPRESSED", "DEFAULT_STORE", "DUMP_SUCCESS", "ID_RE", "IMAGES",
            "META", "META_MAX", "STATE_CHECKPOINTED", "STATE_DUMPING",
@@ -334,8 +334,8 @@ class Store:
                 if incomplete is not None:
                     metas.append(incomplete)
                 continue
-            if entry.name.startswith("."):
-                continue
+            if entry.name.startswith(".") or entry.name == CONTAINERS_DIR:
+                continue  # oomguard's own (store.names)
             try:
                 metas.append(self._read_meta(entry.name))
             except StoreError as exc:

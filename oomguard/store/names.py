@@ -18,6 +18,9 @@ LAST_FAILED_LOG = ".last-failed-dump.log"
 STORE_LOCK = ".daemon.lock"
 # The directory of CRIU's action script (oomguard.store.criu_hook).
 HOOKS_DIR = ".hooks"
+# The archives podman exported for its containers (oomguard.respond.enginestep): not hidden,
+# they are the user's to restore (`podman container restore --import`); never a checkpoint id.
+CONTAINERS_DIR = "containers"
 
 # The records of what oomguard changed, read back after a crash:
 FROZEN_LEDGER = ".frozen.json"  # the trees and cgroups it stopped (oomguard.store.ledger)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.cgroup.mounts import read_layout
-from tests.helpers import REPO, CgroupFactory, MiB, daemon, wait_until
+from tests.helpers import REPO, CgroupFactory, MiB, daemon, short_socket_path, wait_until
 
 pytestmark = [
     pytest.mark.integration,
@@ -131,3 +131,57 @@ def test_a_container_is_checkpointed_by_podman_and_restored_as_a_new_one(
     print(f"\n[podman] checkpointed by podman in {said['seconds']} s at count {len(counted)}, "
           f"archive {archive.stat().st_size / MiB:.1f} MiB; restored as og2 in {restore_s:.1f} s")
     assert numbers == list(range(1, COUNT + 1)), [n for i, n in enumerate(numbers, 1) if n != i][:5]
+
+
+def test_a_checkpoint_the_last_daemon_left_half_named_is_kept_by_the_next(
+        cgroups: CgroupFactory, store: Path, tmp_path: Path, podman: list[str]) -> None:
+    """The daemon died while podman checkpointed its container: podman went on and exported
+    the archive under the .partial name the daemon gave it, which only the dead daemon would
+    have renamed. Another checkpoint was cut short (a torn archive) while its container ran
+    on. The next daemon keeps the first under its name, removes the second, and the first
+    container comes back from it, memory intact."""
+    image = _image(podman, tmp_path)
+    parent = cgroups.make("podmanleft", None)
+    out = tmp_path / "out"
+    out.mkdir()
+    log = out / "hog.log"
+
+    def start(name: str, *argv: str) -> str:
+        return _run([*podman, "run", "--detach", "--name", name, "--network", "none",
+                     "--memory", "400m", "--cgroup-parent",
+                     "/" + parent.path.relative_to(parent.mount).as_posix(),
+                     "--volume", f"{out}:/out", image, *argv]).stdout.strip()
+
+    count = 3000  # a minute of counting: the checkpoint comes well before its end
+    cid = start("og1", "/hog", "/out/hog.log", "64", str(count))
+    live = start("og-live", "/hog", "/out/live.log", "8", "100000")
+    assert wait_until(lambda: len(_lines(log)) > 5, 120), _lines(log)
+    containers = store / "containers"
+    containers.mkdir(parents=True, mode=0o700)
+    partial = containers / f"{cid[:12]}-20261207T120000.tar.zst.partial"
+    _run([*podman, "container", "checkpoint", "--export", str(partial), "--compress", "zstd",
+          cid])  # what the dead daemon's podman went on to do
+    torn = containers / f"{live[:12]}-20261207T120001.tar.zst.partial"
+    torn.write_bytes(partial.read_bytes()[:65536])  # a checkpoint of og-live, cut short
+    counted = len([line for line in _lines(log) if line.startswith("count")])
+    sock = short_socket_path()
+    config = tmp_path / "podman.toml"
+    command = ", ".join(f'"{part}"' for part in podman)
+    config.write_text(f'[daemon]\nstore = "{store}"\nsocket = "{sock}"\n\n'
+                      f'[podman]\nengine = "on"\ncommand = [{command}]\n')
+    with daemon(store, tmp_path / "daemon.log", socket=sock, config=config) as guard:
+        kept = guard.wait_event("podman.recovered", timeout=120)[0]
+        removed = guard.wait_event("podman.partial_removed", timeout=120)[0]
+    archive = containers / f"{cid[:12]}-20261207T120000.tar.zst"
+    assert kept["archive"] == str(archive) and "finished" in kept["why"], kept
+    assert removed["container_id"] == live[:12] and "running" in removed["why"], removed
+    assert sorted(p.name for p in containers.iterdir()) == [archive.name]
+    assert stat.S_IMODE(archive.stat().st_mode) == 0o600
+    state = _run([*podman, "inspect", "--format", "{{.State.Status}}", "og-live"]).stdout
+    assert state.strip() == "running", state
+    _run([*podman, "container", "restore", "--import", str(archive), "--name", "og2"])
+    finished = wait_until(lambda: [x for x in _lines(log) if x.startswith("done")], 600)
+    assert finished == [f"done {count} ok"], _lines(log)[-5:]
+    numbers = [int(line.split()[1]) for line in _lines(log) if line.startswith("count")]
+    assert len(numbers) > counted and numbers == list(range(1, count + 1)), \
+        [n for i, n in enumerate(numbers, 1) if n != i][:5]

@@ -37,7 +37,7 @@ LANE_PARTS = {
                  "tests/integration/test_pageout_refused.py",
                  "tests/integration/test_pageout_shell.py"], 9),
     # a container podman runs, checkpointed by podman and restored as a new one (issue 28)
-    "engine": (["tests/integration/test_podman_engine.py"], 1),
+    "engine": (["tests/integration/test_podman_engine.py"], 2),
 }
 # The page-cache test relies on usage crossing the threshold; under v2 memory.high the kernel
 # reclaims the cache before it gets there, so it proves nothing in the lane.
