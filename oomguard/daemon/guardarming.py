@@ -72,12 +72,11 @@ class GuardArming:
         if not guards:  # a rescan that found nothing: the directories watched stand
             return
         armed: list[Prepared] = []
-        for round_ in range(ARM_ROUNDS):
-            if not guards:
-                break
+        round_ = 0
+        while guards:  # (a memory.high taken back again and again is yielded: it ends)
             for guard in guards:
                 self.registrations.disarm(guard)
-            last = round_ == ARM_ROUNDS - 1
+            last = round_ >= ARM_ROUNDS - 1
             again = []
             for prepared in self.armer.arm(guards):
                 if self._finish_arming(prepared, recheck=not last):
@@ -85,6 +84,7 @@ class GuardArming:
                 elif prepared.guard.fds:
                     armed.append(prepared)
             guards = again
+            round_ += 1
         self.later_marks.start(armed)
         self.guards.watch_directories()  # where the missing would appear, beside the present
 
@@ -92,7 +92,10 @@ class GuardArming:
         """Register and report one armed guard. True (nothing registered: arm it again) when
         `recheck` and its limit was written while it was being armed, after the read and
         before the inotify watch (a job scheduler sets the limit of a cgroup it has just
-        made): no event would tell, and the file's stamp already has the write in it."""
+        made): no event would tell, and the file's stamp already has the write in it. The
+        same for a memory.high taken back meanwhile, in every round: a guard armed over one
+        would be woken only at the limit (bounded: past HIGH_TAKEBACKS_FOLLOWED it is
+        yielded, and no longer taken back)."""
         guard, snap = prepared.guard, prepared.snapshot
         if snap is None:
             if guard.present:
@@ -111,7 +114,7 @@ class GuardArming:
             self.files.unwatch_setting(guard.name)
         else:
             self.files.watch_setting(guard.name, setting)
-        if recheck and (self._limit_moved(guard, snap.limit_bytes) or self.high_taken(guard)):
+        if (recheck and self._limit_moved(guard, snap.limit_bytes)) or self.high_taken(guard):
             return True
         if snap.limit_bytes is None:
             guard.detection = "none (no memory limit)"
