@@ -27,6 +27,15 @@ CHECKPOINT_TIMEOUT = 600.0  # s: a large container's dump under load
 PARTIAL = ".partial"
 
 
+def partial_of(archive: Path) -> Path:
+    """Where an archive is written before podman has exited 0 (and where a dead run left it)."""
+    return archive.with_name(archive.name + PARTIAL)
+
+
+def archive_of(partial: Path) -> Path:
+    return partial.with_name(partial.name.removesuffix(PARTIAL))
+
+
 class EngineError(OomguardError):
     """Podman refused, failed, or could not be run."""
 
@@ -42,7 +51,7 @@ class PodmanEngine:
         """The container checkpointed by podman into `archive` (0600; its directory should
         be root's alone: the images hold every secret of the container's processes).
         Raises EngineError, with podman's words, and leaves no archive, if it failed."""
-        partial = archive.with_name(archive.name + PARTIAL)
+        partial = partial_of(archive)
         archive.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # Created 0600 before podman writes into it (it keeps the file's mode).
         os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.act.podman import PARTIAL, EngineError, PodmanEngine
+from oomguard.act.podman import PARTIAL, EngineError, PodmanEngine, archive_of
 from oomguard.model.atomicfile import fsync_dir
 from oomguard.sense.procfs import ProcReader
 from oomguard.store.zstdframes import frames_whole
@@ -68,7 +68,7 @@ def settle_partial(partial: Path, podman: PodmanEngine | None,
         except EngineError as exc:
             said = str(exc)
     if intact and (state is None or state[1]):
-        archive = partial.with_name(partial.name[:-len(PARTIAL)])
+        archive = archive_of(partial)
         if archive.exists():
             return PartialArchive(partial, LEFT, container, f"{archive.name} exists already")
         os.chmod(partial, 0o600)

@@ -25,6 +25,9 @@ from oomguard.store.names import CONTAINERS_DIR
 
 PRUNE_INTERVAL = 60.0
 LISTING_MAX_AGE = 10.0  # listed() reads the store again at least this often
+# A container archive still being written is looked at again this often, not on every tick:
+# each look walks every process's fds in /proc, on the loop's thread.
+ARCHIVES_RECHECK = 10.0
 
 
 class StoreUpkeep:
@@ -37,6 +40,7 @@ class StoreUpkeep:
         # The container archives a dead run left half named, still to settle (podmanpartials)
         self._archives: list[Path] = []
         self._archives_said: set[Path] = set()
+        self._next_archives = 0.0
         self.ledger = ledger
         self.config = config
         self.log = log
@@ -90,7 +94,7 @@ class StoreUpkeep:
         another oomguard process still holds): the daemon asks again soon."""
         if self._partials_busy or self.clock() >= self._next_partials:
             self._recover_store()
-        if self._archives:
+        if self._archives and self.clock() >= self._next_archives:
             self._settle_archives()
         pending = self.ledger.pending()
         if pending:
@@ -106,6 +110,7 @@ class StoreUpkeep:
     def _settle_archives(self) -> None:
         """The last run's .partial container archives: kept, removed, or left (said once);
         those still being written are looked at again on the next tick."""
+        self._next_archives = self.clock() + ARCHIVES_RECHECK
         waiting = []
         for partial in self._archives:
             try:
